@@ -1,0 +1,123 @@
+"""Engine configuration: one dataclass per concern, composed into EngineConfig.
+
+Every field of these dataclasses is an `LLM(...)` keyword argument and a CLI flag of the same name
+(`--max-num-seqs`); `add_engine_args` and `EngineConfig.from_kwargs` derive both from the fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, get_args
+
+import torch
+
+
+@dataclass
+class ModelConfig:
+    model: str = "smollm2-135m"  # registry name, .gguf file, or Hugging Face model directory
+    dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda
+    device: str | None = None  # cpu | cuda; None: cuda when available
+    load_format: str = "auto"  # auto: weights from the checkpoint; random: random weights from its config
+    max_model_len: int | None = None  # None: the model's context length
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.load_format not in ("auto", "random"):
+            raise ValueError(f"load_format must be 'auto' or 'random', got {self.load_format!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # explicit pool size; overrides kv_cache_memory_gb
+    kv_cache_memory_gb: float = 4.0  # memory budget for the KV pool when num_kv_blocks is None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running sequences at most
+    max_num_batched_tokens: int = 512  # tokens per step, decodes and prefill chunks together
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    SECTIONS = ("model", "cache", "scheduler")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Split flat keyword arguments (as `LLM(...)` takes them) into the section dataclasses."""
+        sections: dict[str, dict[str, Any]] = {name: {} for name in cls.SECTIONS}
+        owner = {f.name: name for name, sec in _section_types().items() for f in dataclasses.fields(sec)}
+        unknown = sorted(set(kwargs) - set(owner))
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; valid options: {sorted(owner)}")
+        for key, value in kwargs.items():
+            sections[owner[key]][key] = value
+        return cls(**{name: _section_types()[name](**sections[name]) for name in cls.SECTIONS})
+
+
+def _section_types() -> dict[str, type]:
+    return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One `--flag` per engine config field, typed from its annotation."""
+    for section in _section_types().values():
+        for f in dataclasses.fields(section):
+            flag = "--" + f.name.replace("_", "-")
+            kind = _scalar_type(f.type)
+            default = f.default if f.default is not dataclasses.MISSING else None
+            if kind is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            else:
+                parser.add_argument(flag, type=kind, default=default)
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    names = [f.name for sec in _section_types().values() for f in dataclasses.fields(sec)]
+    return {name: getattr(args, name) for name in names}
+
+
+def _scalar_type(annotation: Any) -> type:
+    """'int | None' -> int (annotations are strings under `from __future__ import annotations`)."""
+    if isinstance(annotation, str):
+        first = annotation.split("|")[0].strip()
+        return {"int": int, "float": float, "str": str, "bool": bool}[first]
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation

@@ -1,0 +1,259 @@
+"""LLMEngine: the step loop and the streaming interface (add_request, step, abort_request).
+
+    step():  schedule -> run the model (prepare inputs, forward, sample) -> update -> emit
+
+Each call to `step` runs one forward pass over every scheduled token and returns a RequestOutput
+for each request that made visible progress. A request with n > 1 runs as n sequences that share
+its id as `parent_id`; its RequestOutput carries all n completions.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from hyperserve.config import EngineConfig
+from hyperserve.engine.detokenizer import IncrementalDetokenizer
+from hyperserve.engine.kv_cache_manager import KVCacheManager
+from hyperserve.engine.model_runner import ModelRunner, StepResult
+from hyperserve.engine.request import Request, RequestStatus
+from hyperserve.engine.scheduler import Scheduler
+from hyperserve.layers.attention import AttentionBackend, TorchPagedAttention
+from hyperserve.models import loader
+from hyperserve.models.registry import resolve_model
+from hyperserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from hyperserve.sampling_params import SamplingParams
+
+
+@dataclass
+class _Group:
+    """The n sequences of one user request."""
+
+    prompt: str | None
+    samples: list[Request]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        source = resolve_model(config.model.model)
+        self.hf_config = loader.load_config(source)
+        self.tokenizer = loader.load_tokenizer(source)
+        self.max_model_len = config.model.max_model_len or self.hf_config.max_position_embeddings
+        num_blocks = self._num_kv_blocks()
+        model = loader.build_model(
+            self.hf_config,
+            None if config.model.load_format == "random" else source,
+            backend=_attention_backend(config.model.device),
+            max_position=self.max_model_len,
+            dtype=config.model.torch_dtype,
+            device=config.model.device,
+            seed=config.model.seed,
+        )
+        self.runner = ModelRunner(model, config, num_blocks)
+        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self._groups: dict[str, _Group] = {}
+        self.eos_token_id = self._eos_token_id()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    # ---- the step loop -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        now = time.time()
+        for request in out.requests:
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+        result = self.runner.execute(out, self.kv_cache)
+        updated = self.scheduler.update_from_output(out, result.token_ids_by_request())
+        self._process_outputs(updated, result)
+        return [self._group_output(pid) for pid in dict.fromkeys(_group_id(r) for r in updated)]
+
+    # ---- the streaming interface ---------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; raises ValueError (and changes nothing) if it cannot be served."""
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        self._validate_prompt(prompt_ids)
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        samples = []
+        for index in range(params.n):
+            sample_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            request = Request(
+                request_id=sample_id,
+                prompt_token_ids=prompt_ids,
+                sampling_params=params,
+                arrival_time=arrival_time,
+                eos_token_id=self.eos_token_id,
+                priority=priority,
+                parent_id=request_id,
+                index=index,
+                seed=None if params.seed is None else params.seed + index,
+            )
+            if self.tokenizer is not None:
+                request.detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, prompt_ids, params.stop,
+                    params.include_stop_str_in_output, params.skip_special_tokens,
+                )
+            samples.append(request)
+        self._groups[request_id] = _Group(prompt_text, samples)
+        for request in samples:
+            self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request in any state; its KV blocks return to the pool at once."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return None
+        for request in group.samples:
+            if not request.is_finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
+                request.metrics.finished_time = time.time()
+        return self._group_output(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _process_outputs(self, updated: list[Request], result: StepResult) -> None:
+        now = time.time()
+        rows = {r.request_id: i for i, r in enumerate(result.requests)}
+        for request in updated:
+            token_id = request.output_token_ids[-1]
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            if request.logprobs is not None:
+                request.logprobs.append(self._logprobs(result, rows[request.request_id], request))
+            params = request.sampling_params
+            is_stop_token = token_id in params.stop_token_ids or (
+                token_id == request.eos_token_id and not params.ignore_eos
+            )
+            if request.detokenizer is not None and not is_stop_token:
+                if request.detokenizer.add_token(token_id) and not request.is_finished:
+                    request.stop_reason = request.detokenizer.stop_reason
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            if request.is_finished:
+                request.metrics.finished_time = now
+
+    def _logprobs(self, result: StepResult, row: int, request: Request) -> dict[int, Logprob]:
+        out = result.output
+        num = request.sampling_params.logprobs or 0
+        token_id = int(result.output.token_ids[row])
+        entries = {token_id: (float(out.sampled_logprobs[row]), int(out.sampled_ranks[row]))}
+        top_ids = out.top_token_ids[row, :num].tolist()
+        top_values = out.top_logprobs[row, :num].tolist()
+        for rank, (tid, value) in enumerate(zip(top_ids, top_values), start=1):
+            entries.setdefault(tid, (value, rank))
+        return {tid: Logprob(value, rank, self._decode_token(tid)) for tid, (value, rank) in entries.items()}
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+
+    def _group_output(self, group_id: str) -> RequestOutput:
+        group = self._groups[group_id]
+        finished = all(r.is_finished for r in group.samples)
+        if finished:
+            del self._groups[group_id]
+        first = group.samples[0]
+        completions = [
+            CompletionOutput(
+                index=r.index,
+                text=r.detokenizer.output_text(r.is_finished) if r.detokenizer else "",
+                token_ids=list(r.output_token_ids),
+                finish_reason=r.finish_reason,
+                stop_reason=r.stop_reason,
+                logprobs=list(r.logprobs) if r.logprobs is not None else None,
+            )
+            for r in group.samples
+        ]
+        metrics = first.metrics
+        if len(group.samples) > 1:  # the group's first token and last finish
+            metrics = _merge_metrics([r.metrics for r in group.samples])
+        return RequestOutput(group_id, group.prompt, first.prompt_token_ids, completions, finished, metrics)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids")
+            return prompt, self.tokenizer(prompt).input_ids
+        ids = list(prompt)
+        vocab = self.hf_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return None, ids
+
+    def _validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(prompt_ids)} tokens long; this model's context is "
+                f"{self.max_model_len} tokens (max_model_len), prompt and output together"
+            )
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            num_blocks = cache.num_kv_blocks
+        else:
+            per_block = loader.kv_bytes_per_token(self.hf_config, self.config.model.torch_dtype) * cache.block_size
+            num_blocks = int(cache.kv_cache_memory_gb * 2**30) // per_block
+        if num_blocks * cache.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV pool ({num_blocks} blocks of {cache.block_size} tokens) cannot hold one "
+                f"sequence of max_model_len={self.max_model_len} tokens: raise num_kv_blocks or "
+                "kv_cache_memory_gb, or lower max_model_len"
+            )
+        return num_blocks
+
+    def _eos_token_id(self) -> int | None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            return self.tokenizer.eos_token_id
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        return eos[0] if isinstance(eos, list) else eos
+
+
+def _group_id(request: Request) -> str:
+    return request.parent_id or request.request_id
+
+
+def _merge_metrics(all_metrics: list[RequestMetrics]) -> RequestMetrics:
+    first = all_metrics[0]
+    token_times = [m.first_token_time for m in all_metrics if m.first_token_time is not None]
+    finish_times = [m.finished_time for m in all_metrics if m.finished_time is not None]
+    return replace(
+        first,
+        first_token_time=min(token_times) if token_times else None,
+        finished_time=max(finish_times) if len(finish_times) == len(all_metrics) else None,
+        num_preemptions=sum(m.num_preemptions for m in all_metrics),
+    )
+
+
+def _attention_backend(device: str) -> AttentionBackend:
+    return TorchPagedAttention()  # the portable backend serves CPU and CUDA alike for now
+

@@ -1,0 +1,185 @@
+"""ModelRunner: SchedulerOutput -> flat input tensors and attention metadata -> forward -> sample.
+
+Owns the model, the KV cache tensors and the per-request random generators. Logits are computed
+only for the rows that are sampled (the last new token of each request that reaches its end).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hyperserve.config import EngineConfig
+from hyperserve.engine.kv_cache_manager import KVCacheManager
+from hyperserve.engine.request import Request
+from hyperserve.engine.sampler import SamplerOutput, SamplingBatch, sample
+from hyperserve.engine.scheduler import SchedulerOutput
+from hyperserve.layers.attention import AttentionMetadata, PrefillSpan, allowed_keys
+from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn: AttentionMetadata
+    sample_rows: torch.Tensor  # [S] rows whose logits are sampled
+    sampled_requests: list[Request]  # [S]
+
+
+@dataclass(slots=True)
+class StepResult:
+    requests: list[Request]  # those that were sampled, in row order
+    output: SamplerOutput
+
+    def token_ids_by_request(self) -> dict[str, int]:
+        ids = self.output.token_ids.tolist()
+        return {r.request_id: t for r, t in zip(self.requests, ids)}
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, num_blocks: int) -> None:
+        self.model = model
+        self.device = torch.device(config.model.device)
+        self.block_size = config.cache.block_size
+        self.sliding_window = model.sliding_window
+        self.vocab_size = model.config.vocab_size
+        hf = model.config
+        shape = (2, num_blocks * self.block_size, hf.num_key_value_heads, head_dim_of(hf))
+        self.kv_caches = [
+            torch.zeros(shape, dtype=config.model.torch_dtype, device=self.device)
+            for _ in range(hf.num_hidden_layers)
+        ]
+        self.shared_generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, kv_cache: KVCacheManager) -> StepResult:
+        for request_id in out.finished_ids:
+            self._generators.pop(request_id, None)
+        batch = self._prepare(out, kv_cache)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        if not batch.sampled_requests:
+            return StepResult([], SamplerOutput(torch.empty(0, dtype=torch.long), None, None, None, None))
+        logits = self.model.compute_logits(hidden[batch.sample_rows])  # [S, V]
+        sampled = sample(logits, self._sampling_batch(batch.sampled_requests), self.shared_generator)
+        return StepResult(batch.sampled_requests, sampled)
+
+    def _prepare(self, out: SchedulerOutput, kv_cache: KVCacheManager) -> ForwardBatch:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[torch.Tensor] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lengths: list[int] = []
+        prefills: list[PrefillSpan] = []
+        sample_rows: list[int] = []
+        sampled: list[Request] = []
+        row = 0
+        for request, num_new in zip(out.requests, out.num_new_tokens):
+            start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+            table = kv_cache.block_table(request.request_id)
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            context_slots = self._slots(table, end)  # [end]
+            slot_mapping.append(context_slots[start:end])
+            if num_new == 1:
+                decode_rows.append(row)
+                decode_tables.append(table)
+                decode_lengths.append(end)
+            else:
+                prefills.append(self._prefill_span(row, start, end, context_slots))
+            if end == request.num_tokens:
+                sample_rows.append(row + num_new - 1)
+                sampled.append(request)
+            row += num_new
+
+        decode_slots, decode_mask = self._decode_context(decode_tables, decode_lengths)
+        to = self.device
+        attn = AttentionMetadata(
+            slot_mapping=torch.cat(slot_mapping).to(to),
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=to),
+            decode_context_slots=decode_slots.to(to),
+            decode_mask=decode_mask.to(to),
+            prefills=prefills,
+        )
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=to),
+            positions=torch.tensor(positions, dtype=torch.long, device=to),
+            attn=attn,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=to),
+            sampled_requests=sampled,
+        )
+
+    def _slots(self, table: list[int], num_tokens: int) -> torch.Tensor:
+        """Cache slots of positions 0..num_tokens-1 of a sequence with this block table."""
+        blocks = torch.tensor(table, dtype=torch.long).unsqueeze(1)  # [num_blocks, 1]
+        return (blocks * self.block_size + torch.arange(self.block_size)).flatten()[:num_tokens]
+
+    def _prefill_span(self, row: int, start: int, end: int, context_slots: torch.Tensor) -> PrefillSpan:
+        num_new = end - start
+        rows = slice(row, row + num_new)
+        if start == 0 and (self.sliding_window is None or num_new <= self.sliding_window):
+            return PrefillSpan(rows.start, rows.stop, None, None)
+        mask = allowed_keys(torch.arange(start, end), torch.arange(end), self.sliding_window)
+        slots = None if start == 0 else context_slots.to(self.device)
+        return PrefillSpan(rows.start, rows.stop, slots, mask.to(self.device))
+
+    def _decode_context(
+        self, tables: list[list[int]], lengths: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded context slots [Bd, Lmax] and the mask [Bd, 1, 1, Lmax] of the decode rows."""
+        if not tables:
+            return torch.empty(0, 0, dtype=torch.long), torch.empty(0, 1, 1, 0, dtype=torch.bool)
+        max_blocks = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+        slots = (padded.unsqueeze(2) * self.block_size + torch.arange(self.block_size)).flatten(1)
+        max_len = max(lengths)
+        slots = slots[:, :max_len]  # [Bd, Lmax]
+        lengths_t = torch.tensor(lengths).unsqueeze(1)  # [Bd, 1]
+        key_positions = torch.arange(max_len).unsqueeze(0)  # [1, Lmax]
+        mask = key_positions < lengths_t
+        if self.sliding_window is not None:
+            mask &= key_positions >= lengths_t - self.sliding_window
+        return slots, mask[:, None, None, :]
+
+    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
+        params = [r.sampling_params for r in requests]
+        to = self.device
+        floats = lambda values: torch.tensor(values, dtype=torch.float32, device=to)  # noqa: E731
+        any_penalties = any(p.has_penalties for p in params)
+        counts = prompt_mask = None
+        if any_penalties:
+            counts = torch.zeros(len(requests), self.vocab_size, dtype=torch.long)
+            prompt_mask = torch.zeros(len(requests), self.vocab_size, dtype=torch.bool)
+            for i, r in enumerate(requests):
+                if r.output_token_ids:
+                    counts[i].index_add_(0, torch.tensor(r.output_token_ids), torch.ones(r.num_output_tokens, dtype=torch.long))
+                prompt_mask[i, r.prompt_token_ids] = True
+            counts, prompt_mask = counts.to(to), prompt_mask.to(to)
+        requested_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingBatch(
+            temperature=floats([p.temperature for p in params]),
+            top_k=torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], device=to),
+            top_p=floats([p.top_p for p in params]),
+            min_p=floats([p.min_p for p in params]),
+            presence_penalty=floats([p.presence_penalty for p in params]) if any_penalties else None,
+            frequency_penalty=floats([p.frequency_penalty for p in params]) if any_penalties else None,
+            repetition_penalty=floats([p.repetition_penalty for p in params]) if any_penalties else None,
+            output_token_counts=counts,
+            prompt_token_mask=prompt_mask,
+            generators=[self._generator(r) for r in requests],
+            num_logprobs=max(requested_logprobs) if requested_logprobs else None,
+            all_greedy=all(p.is_greedy for p in params),
+            needs_top_k_top_p=any(0 < p.top_k < self.vocab_size or p.top_p < 1 for p in params),
+            needs_min_p=any(p.min_p > 0 for p in params),
+        )
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        if request.seed is None:
+            return None
+        if request.request_id not in self._generators:
+            generator = torch.Generator(device=self.device).manual_seed(request.seed)
+            self._generators[request.request_id] = generator
+        return self._generators[request.request_id]

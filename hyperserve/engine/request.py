@@ -1,0 +1,83 @@
+"""Request: one sequence's scheduling state.
+
+There are no prefill and decode phases: a request has `num_tokens` (prompt + generated) and
+`num_computed_tokens` (those whose KV is in the cache). The scheduler closes the gap a chunk at a
+time; a token is sampled whenever a step brings the two counts level. Preemption sets
+`num_computed_tokens` back to 0 and the prompt plus everything generated so far is recomputed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from hyperserve.outputs import RequestMetrics, TokenLogprobs
+from hyperserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hyperserve.engine.detokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_id: int | None = None
+    priority: int = 0  # lower runs first
+    parent_id: str | None = None  # set for the samples of an n > 1 request
+    index: int = 0  # which of the parent's n samples
+    seed: int | None = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        if self.sampling_params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.is_finished else None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,161 @@
+"""Scheduler: iteration-level continuous batching under a token budget.
+
+Each step shares `max_num_batched_tokens` between running requests (usually one decode token
+each) and prefill chunks, running requests first, so a long prompt is prefilled a chunk per step
+beside ongoing decodes. When the KV pool runs short, the least important running request (highest
+priority value, latest admitted) is preempted: its blocks are freed and it goes back to waiting to
+be recomputed. Plain Python over ids and counts: no tensors here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+
+from hyperserve.config import SchedulerConfig
+from hyperserve.engine.kv_cache_manager import KVCacheManager
+from hyperserve.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What to run this step: each request with how many of its tokens to compute."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # finished since the last step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        # Both queues are sorted by (priority, sequence number): lower runs first, FCFS in a tie.
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._order: dict[str, tuple[int, int]] = {}
+        self._counter = itertools.count()
+        self._finished_ids: list[str] = []
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self._order[request.request_id] = (request.priority, next(self._counter))
+        self._insert(self.waiting, request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+
+        # Running requests first, most important first; the least important yields its blocks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(
+                request.request_id, request.num_computed_tokens + num_new
+            ):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.requests.append(request)
+                out.num_new_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+
+        # Then admit waiting requests while blocks, budget and sequence slots allow.
+        while (
+            self.waiting
+            and not out.preempted
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv_cache.allocate_slots(
+                request.request_id, request.num_computed_tokens + num_new
+            ):
+                break
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            self._insert(self.running, request)
+            out.requests.append(request)
+            out.num_new_tokens.append(num_new)
+            budget -= num_new
+        return out
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish requests that hit a stop.
+
+        Returns the requests that received a token this step.
+        """
+        for request, num_new in zip(out.requests, out.num_new_tokens):
+            request.num_computed_tokens += num_new
+        updated = []
+        for request in out.requests:
+            token_id = sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+            updated.append(request)
+        return updated
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a request in any state and return its blocks to the pool."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        queue = self.running if request.status == RequestStatus.RUNNING else self.waiting
+        queue.remove(request)
+        request.status = status
+        self.kv_cache.free(request_id)
+        self._order.pop(request_id)
+        self._finished_ids.append(request_id)
+        return request
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if token_id == request.eos_token_id and not params.ignore_eos:
+            request.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.metrics.num_preemptions += 1
+        self._insert(self.waiting, request)
+
+    def _insert(self, queue: list[Request], request: Request) -> None:
+        bisect.insort(queue, request, key=lambda r: self._order[r.request_id])

@@ -1,0 +1,80 @@
+"""LLM: the offline API, named as in vLLM (generate, chat)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from hyperserve.engine.engine import LLMEngine
+from hyperserve.outputs import RequestOutput
+from hyperserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """Load a model once, then run batches of prompts through continuous batching.
+
+    Engine options (dtype, device, block_size, num_kv_blocks, kv_cache_memory_gb, max_num_seqs,
+    max_num_batched_tokens, max_model_len, seed, load_format) are keyword arguments.
+    """
+
+    def __init__(self, model: str = "smollm2-135m", **engine_options) -> None:
+        self.engine = LLMEngine.from_kwargs(model=model, **engine_options)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`. A prompt is text or a list of token ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        # Validate everything before queueing anything, so a bad prompt leaves the engine untouched.
+        request_ids = [str(next(self._ids)) for _ in prompts]
+        added = []
+        try:
+            for request_id, prompt, p in zip(request_ids, prompts, params_list):
+                self.engine.add_request(request_id, prompt, p)
+                added.append(request_id)
+        except ValueError:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several, through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(conversation) for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[Message]) -> list[int]:
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError("this model has no chat template")
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]

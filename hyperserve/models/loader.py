@@ -1,0 +1,155 @@
+"""Build a model and fill its weights from a GGUF file, a Hugging Face directory, or at random.
+
+The model is built on the meta device and materialised once at its final dtype; checkpoint
+tensors are then read (and dequantized) one at a time and copied into place, so peak memory
+stays near the size of the weights.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from hyperserve.layers.attention import AttentionBackend
+from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
+from hyperserve.models.registry import SUPPORTED_ARCHITECTURES, ModelSource
+
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def load_config(source: ModelSource) -> PretrainedConfig:
+    config = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    if config.model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"architecture {config.model_type!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
+        )
+    return config
+
+
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:
+    """The model's own tokenizer and chat template; None for a bare config (token ids only)."""
+    has_files = source.gguf_file or any(
+        (source.directory / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")
+    )
+    if not has_files:
+        return None
+    return AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+
+
+def build_model(
+    config: PretrainedConfig,
+    source: ModelSource | None,
+    backend: AttentionBackend,
+    max_position: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """Materialise the model and fill it from `source`, or randomly when `source` is None."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, backend, max_position).to(dtype)
+    model.to_empty(device=device)
+    model.model.rotary.reset_cache()
+    if source is None:
+        _init_random(model, config, seed)
+    else:
+        _load_checkpoint(model, source)
+    return model.eval().requires_grad_(False)
+
+
+def _load_checkpoint(model: LlamaForCausalLM, source: ModelSource) -> None:
+    tensors = _gguf_tensors(source.path, model.config) if source.gguf_file else _safetensors(source.directory)
+    expected = {name for name, _ in model.named_parameters()}
+    loaded: set[str] = set()
+    for name, tensor in tensors:
+        loaded.add(model.load_weight(name, tensor))
+    missing = expected - loaded
+    if missing:
+        raise ValueError(f"checkpoint {source.path} lacks weights: {sorted(missing)[:5]}")
+
+
+def _safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {directory}")
+    handles = [safe_open(f, "pt") for f in files]
+    names = [(handle, name) for handle in handles for name in handle.keys()]
+    for handle, name in tqdm(names, desc="Loading weights", unit="tensor", leave=False):
+        if "rotary_emb" not in name:
+            yield name, handle.get_tensor(name)
+
+
+def _gguf_tensors(path: Path, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    permuted = config.model_type in ("llama", "mistral")  # llama.cpp permutes Q/K rows for these
+    for tensor in tqdm(reader.tensors, desc="Loading weights", unit="tensor", leave=False):
+        name = _hf_name(tensor.name)
+        if name is None:
+            continue
+        shape = [int(d) for d in reversed(tensor.shape)]
+        array = dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32)
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            array = _undo_rope_permutation(array, heads)
+        yield name, torch.from_numpy(array)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    match = re.fullmatch(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)", gguf_name)
+    if match is None or match.group(2) not in _GGUF_NAMES:
+        return None  # e.g. rope_freqs: derived from the config instead
+    layer, base, leaf = match.groups()
+    prefix = f"model.layers.{layer}." if layer is not None else ""
+    return f"{prefix}{_GGUF_NAMES[base]}.{leaf}"
+
+
+def _undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp interleaves each head's rotary halves; restore the rotate-half row order."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _init_random(model: LlamaForCausalLM, config: PretrainedConfig, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    std = getattr(config, "initializer_range", 0.02)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            cpu = torch.empty(param.shape, dtype=torch.float32).normal_(0, std, generator=generator)
+            param.copy_(cpu)
+
+
+def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim_of(config) * element
