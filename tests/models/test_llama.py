@@ -1,0 +1,59 @@
+"""Our Llama-family model against transformers on the same weights: logits at prefill and decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyperserve import LLM, SamplingParams
+from tests.conftest import tiny_config
+
+ARCHS = {
+    "llama": {},
+    "llama-rope_llama3": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 64}},
+    "llama-tied": {"tie_word_embeddings": True},
+    "mistral": {"sliding_window": 8},
+    "qwen2": {},
+    "qwen2-rope_yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                            "original_max_position_embeddings": 64}},
+}
+
+
+def _hf_logprobs(hf_model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([token_ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)  # [L, V]
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.parametrize("max_num_batched_tokens", [512, 7])  # one prefill, or chunks of 7
+def test_logprobs_match_transformers(name, max_num_batched_tokens, save_hf_model):
+    arch = name.split("-")[0]
+    hf_model, path = save_hf_model(tiny_config(arch, **ARCHS[name]))
+    llm = LLM(model=path, num_kv_blocks=64, block_size=4, max_model_len=128,
+              max_num_batched_tokens=max_num_batched_tokens)
+    prompts = [[int(t) for t in torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (5, 23, 40)]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        completion = out.outputs[0]
+        reference = _hf_logprobs(hf_model, prompt + completion.token_ids)  # teacher-forced
+        for step, (token, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            expected = reference[len(prompt) - 1 + step]
+            assert token == int(expected.argmax()), f"step {step}: greedy token differs"
+            for token_id, logprob in entries.items():
+                assert logprob.logprob == pytest.approx(float(expected[token_id]), abs=2e-4)
+    assert llm.engine.kv_cache.num_free_blocks == 64
+
+
+def test_sliding_window_changes_the_output(save_hf_model):
+    """Guards the test above: a window of 8 over 40 tokens must matter, or nothing is tested."""
+    hf_model, _ = save_hf_model(tiny_config("mistral", sliding_window=8))
+    tokens = list(range(40))
+    windowed = _hf_logprobs(hf_model, tokens)
+    hf_model.config.sliding_window = None
+    hf_model.config._attn_implementation = "eager"
+    full = _hf_logprobs(hf_model, tokens)
+    assert not torch.allclose(windowed[-1], full[-1], atol=1e-3)
