@@ -1,0 +1,148 @@
+"""The engine on the real SmolLM2: batched, chunked and preempted runs against single-request runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from hyperserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+NUM_BLOCKS = 30
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # 30 blocks of 16 tokens: a few requests at once overflow it, so preemption happens.
+    return LLM(num_kv_blocks=NUM_BLOCKS, block_size=16, max_model_len=480, max_num_batched_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def mixed_prompts(chat_prompt_ids, smollm2_tokenizer):
+    story = "The quick brown fox jumps over the lazy dog while the cat watches from the fence. "
+    long_prompts = [smollm2_tokenizer(story * k).input_ids for k in (8, 16)]  # ~150 and ~300 tokens
+    return chat_prompt_ids[:4] + long_prompts
+
+
+def run_alone(llm: LLM, prompts, params) -> list[list[int]]:
+    return [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+
+
+def test_mixed_batch_with_chunking_and_preemption_matches_single_runs(llm, mixed_prompts):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    alone = run_alone(llm, mixed_prompts, params)
+    outputs = llm.generate(mixed_prompts, params, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0, "the pool should have forced preemption"
+    assert [o.outputs[0].token_ids for o in outputs] == alone
+    assert llm.engine.kv_cache.num_free_blocks == NUM_BLOCKS
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(llm, mixed_prompts):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=24, ignore_eos=True)
+    other = SamplingParams(temperature=1.2, max_tokens=30, ignore_eos=True)
+    alone = llm.generate([mixed_prompts[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    batch = llm.generate(mixed_prompts[1:4] + [mixed_prompts[0]], [other] * 3 + [seeded], use_tqdm=False)
+    assert batch[-1].outputs[0].token_ids == alone
+    unseeded = llm.generate([mixed_prompts[0]] * 2, SamplingParams(temperature=1.0, max_tokens=24), use_tqdm=False)
+    assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
+
+
+def test_stop_string_across_token_boundaries_is_not_emitted(llm, chat_prompt_ids):
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    full = llm.generate([chat_prompt_ids[2]], greedy, use_tqdm=False)[0].outputs[0]
+    tokenizer = llm.tokenizer
+    # A stop string made of the end of token 5 and the start of token 6.
+    piece5, piece6 = tokenizer.decode(full.token_ids[5]), tokenizer.decode(full.token_ids[6])
+    stop = piece5[-2:] + piece6[:2]
+    out = llm.generate([chat_prompt_ids[2]], SamplingParams(temperature=0, max_tokens=40, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[: full.text.index(stop)]
+    assert stop not in out.text
+
+
+def test_stop_token_ids_and_max_tokens(llm, chat_prompt_ids):
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    full = llm.generate([chat_prompt_ids[0]], greedy, use_tqdm=False)[0].outputs[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 20
+    stop_id = full.token_ids[3]
+    params = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id])
+    out = llm.generate([chat_prompt_ids[0]], params, use_tqdm=False)[0].outputs[0]
+    first = full.token_ids.index(stop_id)
+    assert out.token_ids == full.token_ids[: first + 1] and out.stop_reason == stop_id
+
+
+def test_abort_frees_blocks_and_leaves_others_unchanged(llm, chat_prompt_ids):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = run_alone(llm, chat_prompt_ids[:1], params)[0]
+    engine = llm.engine
+    engine.add_request("victim", chat_prompt_ids[1], params)
+    engine.add_request("survivor", chat_prompt_ids[0], params)
+    engine.add_request("queued", chat_prompt_ids[2], SamplingParams(max_tokens=300))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request("victim")
+    engine.abort_request("queued")
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step()})
+    assert outputs["survivor"].outputs[0].token_ids == expected
+    assert engine.kv_cache.num_free_blocks == NUM_BLOCKS
+
+
+def test_n_samples_share_a_request(llm, chat_prompt_ids):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    out = llm.generate([chat_prompt_ids[0]], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    again = llm.generate([chat_prompt_ids[0]], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_logprobs_report_the_sampled_token(llm, chat_prompt_ids):
+    out = llm.generate([chat_prompt_ids[0]], SamplingParams(temperature=0, max_tokens=5, logprobs=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 5
+    for token_id, entries in zip(out.token_ids, out.logprobs):
+        assert entries[token_id].rank == 1  # greedy: the sampled token is the most likely
+        assert len(entries) == 3
+        assert max(e.logprob for e in entries.values()) == entries[token_id].logprob
+
+
+def test_metrics_are_ordered(llm, chat_prompt_ids):
+    m = llm.generate([chat_prompt_ids[0]], SamplingParams(max_tokens=4), use_tqdm=False)[0].metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: SamplingParams(temperature=-0.5), "temperature"),
+        (lambda: SamplingParams(top_p=0.0), "top_p"),
+        (lambda: SamplingParams(top_p=1.5), "top_p"),
+        (lambda: SamplingParams(max_tokens=0), "max_tokens"),
+    ],
+)
+def test_invalid_sampling_params_raise(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_prompt_longer_than_context_is_rejected_and_engine_keeps_serving(llm, chat_prompt_ids):
+    with pytest.raises(ValueError, match="480"):
+        llm.generate([chat_prompt_ids[0], list(range(600))], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv_cache.num_free_blocks == NUM_BLOCKS
+    out = llm.generate([chat_prompt_ids[0]], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_unknown_model_is_rejected():
+    with pytest.raises(ValueError, match="smollm2-135m"):
+        LLM(model="gpt-17")
+
+
+def test_chat_applies_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text

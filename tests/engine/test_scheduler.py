@@ -1,0 +1,115 @@
+"""The scheduler on fake requests and block counts: no model, no tensors."""
+
+from __future__ import annotations
+
+from hyperserve.config import SchedulerConfig
+from hyperserve.engine.kv_cache_manager import KVCacheManager
+from hyperserve.engine.request import Request, RequestStatus
+from hyperserve.engine.scheduler import Scheduler
+from hyperserve.sampling_params import SamplingParams
+
+
+def make_scheduler(num_blocks=100, block_size=4, max_num_seqs=8, budget=32, max_model_len=1000):
+    kv = KVCacheManager(num_blocks, block_size)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), kv, max_model_len)
+
+
+def make_request(request_id: str, num_prompt: int, priority: int = 0, max_tokens: int = 100) -> Request:
+    return Request(request_id, list(range(num_prompt)), SamplingParams(max_tokens=max_tokens), 0.0,
+                   eos_token_id=None, priority=priority)
+
+
+def run_step(scheduler: Scheduler, token: int = 7):
+    out = scheduler.schedule()
+    sampled = {
+        r.request_id: token
+        for r, n in zip(out.requests, out.num_new_tokens)
+        if r.num_computed_tokens + n == r.num_tokens
+    }
+    scheduler.update_from_output(out, sampled)
+    return out
+
+
+def test_long_prompt_is_prefilled_in_chunks_beside_decodes():
+    s = make_scheduler(budget=10)
+    s.add_request(make_request("short", 3))
+    run_step(s)  # short prefilled and sampled its first token
+    s.add_request(make_request("long", 25))
+    chunks = []
+    for _ in range(3):
+        out = run_step(s)
+        counts = dict(zip([r.request_id for r in out.requests], out.num_new_tokens))
+        assert counts["short"] == 1  # the decode goes first, every step
+        chunks.append(counts["long"])
+        assert out.num_batched_tokens <= 10
+    assert chunks == [9, 9, 7]
+    assert s.requests["long"].num_output_tokens == 1  # sampled once, after the last chunk
+
+
+def test_max_num_seqs_bounds_the_running_set():
+    s = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        s.add_request(make_request(str(i), 2))
+    out = run_step(s)
+    assert [r.request_id for r in out.requests] == ["0", "1"]
+    assert len(s.waiting) == 1
+
+
+def test_preemption_takes_the_latest_admitted_and_frees_its_blocks():
+    s = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    s.add_request(make_request("a", 4))
+    s.add_request(make_request("b", 4))
+    a, b = s.requests["a"], s.requests["b"]
+    for _ in range(10):
+        out = run_step(s)
+        if out.preempted:
+            break
+    assert out.preempted == [b]  # a reached 9 tokens and needed a third block
+    assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert b.metrics.num_preemptions == 1 and a.metrics.num_preemptions == 0
+    assert len(s.kv_cache.block_table("a")) == 3 and s.kv_cache.num_free_blocks == 1
+    assert b.num_output_tokens == 5  # kept: recomputed when it is resumed
+
+
+def test_lower_priority_value_is_admitted_first_fcfs_within_a_priority():
+    s = make_scheduler(max_num_seqs=2)
+    s.add_request(make_request("late-low", 2, priority=5))
+    s.add_request(make_request("first-high", 2, priority=0))
+    s.add_request(make_request("second-high", 2, priority=0))
+    out = run_step(s)
+    assert [r.request_id for r in out.requests] == ["first-high", "second-high"]
+
+
+def test_least_important_running_request_is_preempted_first():
+    s = make_scheduler(num_blocks=3, block_size=4, budget=64)
+    s.add_request(make_request("low", 4, priority=9))
+    s.add_request(make_request("high", 4, priority=0))
+    run_step(s)
+    s.add_request(make_request("mid", 4, priority=1))
+    for _ in range(4):
+        run_step(s)
+    assert s.requests["low"].metrics.num_preemptions >= 1
+    assert s.requests["high"].metrics.num_preemptions == 0
+
+
+def test_abort_in_any_state_returns_every_block():
+    s = make_scheduler(num_blocks=10, max_num_seqs=1)
+    s.add_request(make_request("running", 6))
+    s.add_request(make_request("waiting", 6))
+    run_step(s)
+    assert s.kv_cache.num_free_blocks < 10
+    s.finish_request("running", RequestStatus.FINISHED_ABORTED)
+    s.finish_request("waiting", RequestStatus.FINISHED_ABORTED)
+    assert s.kv_cache.num_free_blocks == 10
+    assert not s.has_unfinished_requests()
+    assert s.finish_request("running", RequestStatus.FINISHED_ABORTED) is None  # idempotent
+
+
+def test_max_tokens_and_context_end_finish_with_length():
+    s = make_scheduler(max_model_len=6)
+    s.add_request(make_request("ctx", 4, max_tokens=100))
+    s.add_request(make_request("mt", 2, max_tokens=1))
+    run_step(s)
+    run_step(s)
+    assert s.kv_cache.num_free_blocks == 100
+    assert not s.has_unfinished_requests()
