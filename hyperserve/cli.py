@@ -89,6 +89,30 @@ def cmd_chat(args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": answer})
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    import logging
+
+    import uvicorn
+
+    from hyperserve.config import EngineConfig, engine_kwargs_from_args
+    from hyperserve.engine.engine import LLMEngine
+    from hyperserve.server.app import ServerSettings, build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = EngineConfig.from_kwargs(**engine_kwargs_from_args(args))  # bad flags fail before binding
+    settings = ServerSettings(model_name=args.served_model_name or args.model, max_queue=args.max_queue,
+                              max_body_bytes=args.max_body_bytes)
+    app = build_app(lambda: LLMEngine(config), settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                timeout_graceful_shutdown=args.shutdown_grace_s)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from hyperserve.bench.run import run_from_args
+
+    run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from hyperserve.config import add_engine_args
 
@@ -106,6 +130,23 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(chat)
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
+    serve.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
+    serve.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    serve.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                       help="on SIGTERM, how long running requests may take to finish")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    from hyperserve.bench.run import add_bench_args
+
+    bench = commands.add_parser("bench", help="load generator for any OpenAI-compatible server")
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

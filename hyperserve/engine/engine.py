@@ -25,6 +25,10 @@ from hyperserve.outputs import CompletionOutput, Logprob, RequestMetrics, Reques
 from hyperserve.sampling_params import SamplingParams
 
 
+class ContextLengthError(ValueError):
+    """The prompt (or prompt plus requested output) does not fit the model's context."""
+
+
 @dataclass
 class _Group:
     """The n sequences of one user request."""
@@ -89,8 +93,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text, prompt_ids = self._tokenize(prompt)
-        self._validate_prompt(prompt_ids)
+        prompt_text, prompt_ids = self.process_prompt(prompt)
         arrival_time = time.time() if arrival_time is None else arrival_time
         samples = []
         for index in range(params.n):
@@ -196,25 +199,25 @@ class LLMEngine:
             metrics = _merge_metrics([r.metrics for r in group.samples])
         return RequestOutput(group_id, group.prompt, first.prompt_token_ids, completions, finished, metrics)
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def process_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """Tokenize and validate a prompt without touching engine state (safe from any thread)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt token ids")
-            return prompt, self.tokenizer(prompt).input_ids
-        ids = list(prompt)
-        vocab = self.hf_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return None, ids
-
-    def _validate_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
+            text, ids = prompt, self.tokenizer(prompt).input_ids
+        else:
+            text, ids = None, list(prompt)
+            vocab = self.hf_config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not ids:
             raise ValueError("the prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt is {len(prompt_ids)} tokens long; this model's context is "
+        if len(ids) >= self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt is {len(ids)} tokens long; this model's context is "
                 f"{self.max_model_len} tokens (max_model_len), prompt and output together"
             )
+        return text, ids
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache

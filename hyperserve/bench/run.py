@@ -1,0 +1,275 @@
+"""`hyperserve bench`: load any OpenAI-compatible server and report latency and throughput.
+
+Requests stream (SSE) so every token's arrival is timed on the client: time to first token (TTFT),
+inter-token latency (ITL, the gaps between streamed chunks), time per output token (TPOT) and
+end-to-end latency, at a fixed concurrency or a Poisson arrival rate. Goodput counts requests per
+second that met the SLOs (TTFT <= --slo-ttft-ms and TPOT <= --slo-itl-ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+# Common English words; a random sequence of these is about 1.2-1.4 tokens per word.
+_WORDS = (
+    "the of and to in is was that for it with as his on be at by had are but from or have an they which "
+    "one you were all we her she there would their will when who him been has more if no out so said what "
+    "up its about than into them can only other time new some could these two may first then do any like "
+    "my now over such our man me even most made after also did many before must through back years where "
+    "much your way well down should because each just those people how too little state good very make "
+    "world still own see men work long get here between both life being under never day same another know "
+    "while last might us great old year off come since against go came right used take three river city "
+    "music garden window paper light water stone market engine signal number story letter morning table"
+).split()
+
+
+@dataclass
+class RequestSpec:
+    prompt: str
+    max_tokens: int
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot(self) -> float:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+
+def make_requests(args: argparse.Namespace) -> list[RequestSpec]:
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        return [RequestSpec(r["prompt"], int(r.get("max_tokens", args.output_tokens))) for r in rows][: args.num_requests]
+    rng = random.Random(args.seed)
+
+    def draw(mean: int, spread: float) -> int:
+        return max(1, round(mean * rng.uniform(1 - spread, 1 + spread)))
+
+    specs = []
+    for i in range(args.num_requests):
+        words = max(1, round(draw(args.input_tokens, args.input_spread) / 1.3))
+        # A unique lead-in per request, so no two prompts share a long prefix.
+        prompt = f"Request {i}: " + " ".join(rng.choice(_WORDS) for _ in range(words))
+        specs.append(RequestSpec(prompt, draw(args.output_tokens, args.output_spread)))
+    return specs
+
+
+async def send(client: httpx.AsyncClient, args: argparse.Namespace, spec: RequestSpec) -> RequestResult:
+    body: dict = {"model": args.model, "max_tokens": spec.max_tokens, "stream": True,
+                  "stream_options": {"include_usage": True}, "temperature": args.temperature}
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    if args.endpoint == "chat":
+        url, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": spec.prompt}]
+    else:
+        url, body["prompt"] = "/v1/completions", spec.prompt
+    result = RequestResult(ok=False)
+    start = time.perf_counter()
+    last = None
+    chunks = 0
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if data.get("usage"):
+                    result.prompt_tokens = data["usage"]["prompt_tokens"]
+                    result.output_tokens = data["usage"]["completion_tokens"]
+                choices = data.get("choices") or []
+                if not choices:
+                    continue
+                choice = choices[0]
+                text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                if not text:
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    result.ttft = now - start
+                else:
+                    result.itls.append(now - last)
+                last = now
+                chunks += 1
+    except (httpx.HTTPError, json.JSONDecodeError) as error:
+        result.error = f"{type(error).__name__}: {error}"
+        return result
+    result.e2e = time.perf_counter() - start
+    result.output_tokens = result.output_tokens or chunks
+    result.ok = last is not None
+    if not result.ok:
+        result.error = "no tokens received"
+    return result
+
+
+async def run_load(args: argparse.Namespace, specs: list[RequestSpec]) -> tuple[list[RequestResult], float]:
+    limits = httpx.Limits(max_connections=max(args.concurrency or 0, 256))
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timeout = httpx.Timeout(args.timeout_s)
+    rng = random.Random(args.seed + 1)
+    try:
+        from tqdm import tqdm
+        bar = tqdm(total=len(specs), desc="requests", unit="req")
+    except ImportError:  # pragma: no cover
+        bar = None
+    async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), limits=limits, headers=headers,
+                                 timeout=timeout) as client:
+        semaphore = asyncio.Semaphore(args.concurrency or len(specs))
+
+        async def one(spec: RequestSpec) -> RequestResult:
+            async with semaphore:
+                result = await send(client, args, spec)
+            if bar is not None:
+                bar.update(1)
+            return result
+
+        start = time.perf_counter()
+        tasks = []
+        for spec in specs:
+            tasks.append(asyncio.create_task(one(spec)))
+            if args.request_rate:
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    return list(results), duration
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize(results: list[RequestResult], duration: float, args: argparse.Namespace) -> dict:
+    ok = [r for r in results if r.ok]
+    itls = [gap for r in ok for gap in r.itls]
+    output_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    good = [r for r in ok
+            if (args.slo_ttft_ms is None or r.ttft * 1000 <= args.slo_ttft_ms)
+            and (args.slo_itl_ms is None or r.tpot * 1000 <= args.slo_itl_ms)]
+    summary = {
+        "base_url": args.base_url, "model": args.model, "endpoint": args.endpoint,
+        "concurrency": args.concurrency, "request_rate": args.request_rate,
+        "num_requests": len(results), "num_ok": len(ok), "num_failed": len(results) - len(ok),
+        "duration_s": duration,
+        "mean_prompt_tokens": prompt_tokens / len(ok) if ok else 0,
+        "request_throughput": len(ok) / duration,
+        "output_token_throughput": output_tokens / duration,
+        "total_token_throughput": (output_tokens + prompt_tokens) / duration,
+        "goodput": len(good) / duration,
+        "slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms,
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+    }
+    for name, values in (("ttft", [r.ttft for r in ok]), ("itl", itls), ("tpot", [r.tpot for r in ok]),
+                         ("e2e", [r.e2e for r in ok])):
+        for q in (50, 90, 95, 99):
+            summary[f"{name}_p{q}_ms"] = percentile(values, q) * 1000
+        summary[f"{name}_mean_ms"] = (sum(values) / len(values) * 1000) if values else float("nan")
+    return summary
+
+
+def print_summary(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"hyperserve bench: {summary['base_url']} ({summary['model']})")
+    table.add_column("metric")
+    for q in ("mean", "p50", "p90", "p95", "p99"):
+        table.add_column(q, justify="right")
+    for name, label in (("ttft", "TTFT ms"), ("itl", "ITL ms"), ("tpot", "TPOT ms"), ("e2e", "E2E ms")):
+        table.add_row(label, *(f"{summary[f'{name}_{q}_ms']:.1f}" for q in ("mean", "p50", "p90", "p95", "p99")))
+    console = Console()
+    console.print(table)
+    console.print(
+        f"requests ok {summary['num_ok']}/{summary['num_requests']} in {summary['duration_s']:.1f}s | "
+        f"{summary['request_throughput']:.2f} req/s | output {summary['output_token_throughput']:.1f} tok/s | "
+        f"total {summary['total_token_throughput']:.1f} tok/s | goodput {summary['goodput']:.2f} req/s"
+    )
+    for error in summary["errors"]:
+        console.print(f"[red]error:[/red] {error}")
+
+
+def plot(results: list[RequestResult], summary: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r.ok]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].hist([r.ttft * 1000 for r in ok], bins=30, color="tab:blue")
+    axes[0].set(title="Time to first token", xlabel="ms", ylabel="requests")
+    axes[1].hist([g * 1000 for r in ok for g in r.itls], bins=50, color="tab:orange")
+    axes[1].set(title="Inter-token latency", xlabel="ms", ylabel="token gaps")
+    axes[2].scatter([r.ttft * 1000 for r in ok], [r.tpot * 1000 for r in ok], s=10, color="tab:green")
+    axes[2].set(title="Per request: TTFT vs TPOT", xlabel="TTFT ms", ylabel="TPOT ms")
+    load = f"concurrency {summary['concurrency']}" if summary["concurrency"] else f"{summary['request_rate']} req/s"
+    fig.suptitle(f"{summary['model']} @ {summary['base_url']}, {load}: "
+                 f"{summary['output_token_throughput']:.1f} output tok/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--num-requests", type=int, default=64)
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, default=None, help="requests in flight (default 8)")
+    load.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
+    parser.add_argument("--input-tokens", type=int, default=200, help="mean prompt length (approximate)")
+    parser.add_argument("--input-spread", type=float, default=0.0, help="uniform +- fraction")
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--output-spread", type=float, default=0.0)
+    parser.add_argument("--prompts-file", default=None, help="JSONL with 'prompt' and optional 'max_tokens'")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slo-ttft-ms", type=float, default=None)
+    parser.add_argument("--slo-itl-ms", type=float, default=None)
+    parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--plot", default=None, help="write a PNG of the latency distributions here")
+
+
+def run_from_args(args: argparse.Namespace) -> dict:
+    if args.concurrency is None and args.request_rate is None:
+        args.concurrency = 8
+    specs = make_requests(args)
+    results, duration = asyncio.run(run_load(args, specs))
+    summary = summarize(results, duration, args)
+    print_summary(summary)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"summary": summary, "requests": [asdict(r) for r in results]}, f, indent=2)
+    if args.plot:
+        plot(results, summary, args.plot)
+    return summary

@@ -1,0 +1,126 @@
+"""AsyncEngine: the LLMEngine step loop on its own thread, streamed to asyncio tasks.
+
+The event loop never waits on a forward pass and the engine never waits on a client: handlers
+put commands (add, abort) on a thread-safe queue that the engine thread drains between steps,
+and each step's outputs are handed back to the event loop with `call_soon_threadsafe`, into one
+asyncio.Queue per request. A slow client only lets its own queue grow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from hyperserve.engine.engine import LLMEngine
+from hyperserve.outputs import RequestOutput
+from hyperserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None):
+        self.engine = engine
+        self.on_step = on_step  # called on the engine thread after each step (metrics)
+        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._pending = 0  # adds queued but not yet in the engine
+        self._thread = threading.Thread(target=self._run, name="hyperserve-engine", daemon=True)
+        self._stopped = False
+        self._thread.start()
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting + self._pending
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; closing the iterator early aborts it in the engine."""
+        if self._stopped:
+            raise RuntimeError("the engine is shutting down")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._pending += 1
+        self._commands.put(_Add(request_id, prompt_ids, params, priority, time.time()))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            block = not engine.has_unfinished_requests()
+            try:
+                while True:
+                    command = self._commands.get(block=block, timeout=None)
+                    if command is None:
+                        return
+                    self._apply(command)
+                    block = False
+            except queue.Empty:
+                pass
+            outputs = engine.step()
+            if self.on_step is not None:
+                self.on_step(engine, outputs)
+            for output in outputs:
+                self._deliver(output.request_id, output)
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            self.engine.abort_request(command.request_id)
+            return
+        self._pending -= 1
+        if command.request_id not in self._streams:
+            return  # the client left before the engine saw the request
+        try:
+            self.engine.add_request(
+                command.request_id, command.prompt_ids, command.params, command.priority, command.arrival_time
+            )
+        except ValueError as error:
+            self._deliver(command.request_id, error)
+
+    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)

@@ -1,0 +1,67 @@
+"""Prometheus metrics, named like vLLM's (prefix `hyperserve:` for `vllm:`) so dashboards port."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from hyperserve.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram("hyperserve:time_to_first_token_seconds", "Time to first token",
+                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("hyperserve:inter_token_latency_seconds", "Time between streamed tokens",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("hyperserve:e2e_request_latency_seconds", "Arrival to finish",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("hyperserve:request_queue_time_seconds", "Arrival to first scheduled",
+                               labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("hyperserve:prompt_tokens", "Prompt tokens processed", labels, registry=r)
+        self.generation_tokens = Counter("hyperserve:generation_tokens", "Tokens generated", labels, registry=r)
+        self.preemptions = Counter("hyperserve:num_preemptions", "Preemptions", labels, registry=r)
+        self.request_success = Counter("hyperserve:request_success", "Finished requests",
+                                       labels + ["finished_reason"], registry=r)
+        self.running = Gauge("hyperserve:num_requests_running", "Requests running", labels, registry=r)
+        self.waiting = Gauge("hyperserve:num_requests_waiting", "Requests waiting", labels, registry=r)
+        self.kv_usage = Gauge("hyperserve:kv_cache_usage_perc", "KV cache usage, 0 to 1", labels, registry=r)
+        self.model_name = model_name
+        self._last_token_time: dict[str, float] = {}  # request id -> when its last token came out
+
+    def observe_step(self, engine, outputs: list[RequestOutput]) -> None:
+        """Engine-thread hook: gauges every step, request histograms when a request finishes."""
+        m = self.model_name
+        self.running.labels(m).set(engine.num_running)
+        self.waiting.labels(m).set(engine.num_waiting)
+        self.kv_usage.labels(m).set(engine.kv_cache.usage)
+        now = time.time()
+        for output in outputs:
+            last = self._last_token_time.get(output.request_id)
+            if last is not None:
+                self.itl.labels(m).observe(now - last)
+            self._last_token_time[output.request_id] = now
+            if output.finished:
+                del self._last_token_time[output.request_id]
+                self.observe_finished(output)
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        m, t = self.model_name, output.metrics
+        if t.first_token_time is not None:
+            self.ttft.labels(m).observe(t.first_token_time - t.arrival_time)
+        if t.first_scheduled_time is not None:
+            self.queue.labels(m).observe(t.first_scheduled_time - t.arrival_time)
+        if t.finished_time is not None:
+            self.e2e.labels(m).observe(t.finished_time - t.arrival_time)
+        self.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
+        self.generation_tokens.labels(m).inc(sum(len(c.token_ids) for c in output.outputs))
+        self.preemptions.labels(m).inc(t.num_preemptions)
+        for c in output.outputs:
+            self.request_success.labels(m, c.finish_reason or "abort").inc()

@@ -1,0 +1,237 @@
+"""OpenAI completions and chat completions on top of AsyncEngine, independent of transport.
+
+`OpenAIServing.prepare_*` validates a request and turns it into engine inputs (raising APIError
+for anything a client got wrong); `stream_chunks` yields the chunk objects both SSE and the
+WebSocket send; `collect` builds the non-streaming response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from hyperserve.engine.engine import ContextLengthError
+from hyperserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from hyperserve.sampling_params import SamplingParams
+from hyperserve.server.async_engine import AsyncEngine
+from hyperserve.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Job:
+    """One API request as engine requests: one per prompt, each with n samples."""
+
+    kind: str  # "completion" | "chat"
+    id: str
+    model: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    priority: int
+    include_usage: bool
+    chat_logprobs: bool = False
+    finals: list[RequestOutput | None] = field(default_factory=list)
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_name: str, max_queue: int) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_queue = max_queue
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+
+    # ---- requests -> jobs --------------------------------------------------------------------
+
+    def prepare_completion(self, request: CompletionRequest) -> Job:
+        self._check_model(request.model)
+        prompts = [self._prompt_ids(p, "prompt") for p in request.prompts()]
+        params = self._params(request, request.max_tokens if request.max_tokens is not None else 16,
+                              request.logprobs, prompts)
+        return Job("completion", new_id("cmpl"), self.model_name, prompts, params, request.priority,
+                   bool(request.stream_options and request.stream_options.include_usage))
+
+    def prepare_chat(self, request: ChatCompletionRequest) -> Job:
+        self._check_model(request.model)
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        try:
+            ids = list(self.tokenizer.apply_chat_template(
+                request.template_messages(), add_generation_prompt=True, tokenize=True, return_dict=False
+            ))
+        except Exception as error:  # template errors (roles out of order, bad content) are client errors
+            raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from error
+        prompts = [self._prompt_ids(ids, "messages")]
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = self._params(request, max_tokens, logprobs, prompts)
+        return Job("chat", new_id("chatcmpl"), self.model_name, prompts, params, request.priority,
+                   bool(request.stream_options and request.stream_options.include_usage),
+                   chat_logprobs=request.logprobs)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def _prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
+        try:
+            return self.engine.engine.process_prompt(prompt)[1]
+        except ContextLengthError as error:
+            raise APIError(400, str(error), param=param, code="context_length_exceeded") from error
+        except ValueError as error:
+            raise APIError(400, str(error), param=param) from error
+
+    def _params(self, request, max_tokens: int | None, logprobs: int | None, prompts) -> SamplingParams:
+        longest = max(len(p) for p in prompts)
+        if max_tokens is None:
+            max_tokens = self.max_model_len - longest
+        elif longest + max_tokens > self.max_model_len:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {self.max_model_len} tokens; you requested "
+                f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} for the completion)",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        try:
+            return request.sampling_params(max_tokens, logprobs)
+        except ValueError as error:
+            raise APIError(400, str(error)) from error
+
+    def check_admission(self) -> None:
+        if self.engine.num_waiting >= self.max_queue:
+            raise APIError(429, f"the server is overloaded ({self.engine.num_waiting} requests waiting); "
+                                "retry later", type_="rate_limit_error", headers={"Retry-After": "1"})
+
+    # ---- running jobs ------------------------------------------------------------------------
+
+    async def run(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, cumulative output) as the engine produces them, all prompts merged."""
+        job.finals = [None] * len(job.prompts)
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, prompt: list[int]) -> None:
+            try:
+                async for output in self.engine.generate(f"{job.id}-{index}", prompt, job.params, job.priority):
+                    await merged.put((index, output))
+            except Exception as error:
+                await merged.put((index, error))
+
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(job.prompts)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await merged.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item.finished:
+                    job.finals[index] = item
+                    remaining -= 1
+                yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(self, job: Job) -> dict[str, Any]:
+        async for _ in self.run(job):
+            pass
+        choices = []
+        for prompt_index, final in enumerate(job.finals):
+            for c in final.outputs:
+                index = prompt_index * job.params.n + c.index
+                choices.append(self._choice(job, index, c, c.text, c.logprobs or [], final=True))
+        return {"id": job.id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
+                "created": now(), "model": job.model, "choices": choices, "usage": self.usage(job)}
+
+    async def stream_chunks(self, job: Job) -> AsyncIterator[dict[str, Any]]:
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        created = now()
+        obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+        base = {"id": job.id, "object": obj, "created": created, "model": job.model}
+        if job.kind == "chat":
+            first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(len(job.prompts) * job.params.n)]
+            yield {**base, "choices": first}
+        async for prompt_index, output in self.run(job):
+            choices = []
+            for c in output.outputs:
+                index = prompt_index * job.params.n + c.index
+                text_from, token_from = sent_text.get(index, 0), sent_tokens.get(index, 0)
+                if len(c.text) == text_from and len(c.token_ids) == token_from and not c.finished:
+                    continue
+                new_logprobs = (c.logprobs or [])[token_from:]
+                choices.append(self._choice(job, index, c, c.text[text_from:], new_logprobs, final=False))
+                sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
+            if choices:
+                yield {**base, "choices": choices}
+        if job.include_usage:
+            yield {**base, "choices": [], "usage": self.usage(job)}
+
+    def usage(self, job: Job) -> dict[str, int]:
+        prompt_tokens = sum(len(p) for p in job.prompts)
+        completion_tokens = sum(len(c.token_ids) for f in job.finals if f for c in f.outputs)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    # ---- formatting ----------------------------------------------------------------------------
+
+    def _choice(self, job: Job, index: int, c: CompletionOutput, text: str,
+                logprobs: list[TokenLogprobs], final: bool) -> dict[str, Any]:
+        finish_reason = c.finish_reason if c.finished else None
+        token_ids = c.token_ids[len(c.token_ids) - len(logprobs):] if logprobs else []
+        if job.kind == "chat":
+            lp = self._chat_logprobs(token_ids, logprobs, job.params.logprobs) if job.chat_logprobs else None
+            if final:
+                return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                        "finish_reason": finish_reason}
+            return {"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": finish_reason}
+        num_top = job.params.logprobs
+        lp = self._completion_logprobs(token_ids, logprobs, num_top) if num_top is not None else None
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
+                "stop_reason": c.stop_reason}
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs], num_top: int) -> dict[str, Any]:
+        content = []
+        for token_id, entries in zip(token_ids, logprobs):
+            sampled = entries[token_id]
+            top = self._top(entries, num_top)
+            content.append({
+                "token": sampled.decoded_token, "logprob": sampled.logprob,
+                "bytes": list(sampled.decoded_token.encode()),
+                "top_logprobs": [{"token": e.decoded_token, "logprob": e.logprob,
+                                  "bytes": list(e.decoded_token.encode())} for e in top],
+            })
+        return {"content": content}
+
+    def _completion_logprobs(
+        self, token_ids: list[int], logprobs: list[TokenLogprobs], num_top: int
+    ) -> dict[str, Any]:
+        tokens, values, tops, offsets, offset = [], [], [], [], 0
+        for token_id, entries in zip(token_ids, logprobs):
+            sampled = entries[token_id]
+            tokens.append(sampled.decoded_token)
+            values.append(sampled.logprob)
+            top = self._top(entries, num_top)
+            tops.append({e.decoded_token: e.logprob for e in top})
+            offsets.append(offset)
+            offset += len(sampled.decoded_token)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    @staticmethod
+    def _top(entries: TokenLogprobs, num: int) -> list:
+        """Entries hold the top-N and the sampled token (which may rank below N)."""
+        return sorted(entries.values(), key=lambda e: e.rank)[:num]
