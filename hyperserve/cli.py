@@ -102,9 +102,18 @@ def cmd_serve(args: argparse.Namespace) -> None:
     config = EngineConfig.from_kwargs(**engine_kwargs_from_args(args))  # bad flags fail before binding
     settings = ServerSettings(model_name=args.served_model_name or args.model, max_queue=args.max_queue,
                               max_body_bytes=args.max_body_bytes)
-    app = build_app(lambda: LLMEngine(config), settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                timeout_graceful_shutdown=args.shutdown_grace_s)
+    failed: list[Exception] = []
+
+    def stop(error: Exception) -> None:  # a server that cannot load its model exits, so supervisors see it
+        failed.append(error)
+        server.should_exit = True
+
+    app = build_app(lambda: LLMEngine(config), settings, on_load_error=stop)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                           timeout_graceful_shutdown=args.shutdown_grace_s))
+    server.run()
+    if failed:
+        sys.exit(f"error: the model failed to load: {failed[0]}")
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

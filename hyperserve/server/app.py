@@ -47,16 +47,22 @@ class _State:
     websockets: set[asyncio.Task] = field(default_factory=set)
 
 
-def build_app(load_engine: Callable[[], LLMEngine], settings: ServerSettings) -> FastAPI:
+def build_app(
+    load_engine: Callable[[], LLMEngine],
+    settings: ServerSettings,
+    on_load_error: Callable[[Exception], None] | None = None,
+) -> FastAPI:
     state = _State()
     metrics = ServerMetrics(settings.model_name)
 
     async def load() -> None:
         try:
             engine = await asyncio.to_thread(load_engine)
-        except Exception as error:  # reported by /health; the process stays up to say why
+        except Exception as error:
             logger.exception("model failed to load")
             state.load_error = f"{type(error).__name__}: {error}"
+            if on_load_error is not None:
+                on_load_error(error)
             return
         state.async_engine = AsyncEngine(engine, on_step=metrics.observe_step)
         state.serving = OpenAIServing(state.async_engine, settings.model_name, settings.max_queue)
@@ -130,11 +136,14 @@ def build_app(load_engine: Callable[[], LLMEngine], settings: ServerSettings) ->
 
 
 async def _respond(s: OpenAIServing, job: Job, stream: bool, request: Request, settings: ServerSettings) -> Response:
-    s.check_admission()
+    s.start(job)
     if stream:
         return StreamingResponse(_sse(s, job), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": job.id})
-    body = await _unless_disconnected(s.collect(job), request, settings.disconnect_poll_s)
+    try:
+        body = await _unless_disconnected(s.collect(job), request, settings.disconnect_poll_s)
+    finally:
+        job.close()
     if body is None:
         return Response(status_code=499)  # the client is gone; the request was aborted
     return JSONResponse(body, headers={"Server-Timing": _server_timing(job), "X-Request-Id": job.id})
@@ -183,6 +192,7 @@ async def _serve_websocket(ws: WebSocket, serving: Callable[[], OpenAIServing]) 
     {"type": "cancel", "request_id"}. Out: {"type": "chunk" | "done" | "cancelled" | "error", ...}."""
     await ws.accept()
     tasks: dict[str, asyncio.Task] = {}
+    jobs: dict[str, Job] = {}
     send_lock = asyncio.Lock()
 
     async def send(message: dict[str, Any]) -> None:
@@ -200,6 +210,7 @@ async def _serve_websocket(ws: WebSocket, serving: Callable[[], OpenAIServing]) 
             raise
         finally:
             tasks.pop(request_id, None)
+            jobs.pop(request_id).close()
 
     try:
         while True:
@@ -222,7 +233,8 @@ async def _serve_websocket(ws: WebSocket, serving: Callable[[], OpenAIServing]) 
                                         "completions or cancel", param="type")
                 if request_id in tasks:
                     raise APIError(400, f"request_id {request_id!r} is already running", param="request_id")
-                s.check_admission()
+                s.start(job)
+                jobs[request_id] = job
                 tasks[request_id] = asyncio.create_task(run(request_id, job, s))
             except ValidationError as error:
                 await send({"type": "error", "request_id": request_id, **_validation_body(error.errors())})
@@ -231,6 +243,8 @@ async def _serve_websocket(ws: WebSocket, serving: Callable[[], OpenAIServing]) 
     except (WebSocketDisconnect, json.JSONDecodeError, RuntimeError):
         pass
     finally:
+        for job in list(jobs.values()):
+            job.close()  # covers tasks cancelled before they ever ran
         for task in list(tasks.values()):
             task.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
@@ -241,7 +255,7 @@ def _validation_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}").body()
     location = [str(part) for part in first.get("loc", []) if part != "body"]
-    param = ".".join(location) or None
+    param = location[0] if location else None  # the top-level field, as OpenAI names it
     message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', []) if p != 'body') or 'body'}: {e.get('msg')}"
                         for e in errors)
     return APIError(400, message, param=param).body()

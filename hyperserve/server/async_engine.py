@@ -12,7 +12,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hyperserve.engine.engine import LLMEngine
@@ -53,30 +53,15 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
-    async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; closing the iterator early aborts it in the engine."""
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> RequestStream:
+        """Queue a request now (so admission control counts it at once); stream it from the result."""
         if self._stopped:
             raise RuntimeError("the engine is shutting down")
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), outputs)
         self._pending += 1
         self._commands.put(_Add(request_id, prompt_ids, params, priority, time.time()))
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, Exception):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._commands.put(_Abort(request_id))
+        return RequestStream(self, request_id, outputs)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -120,7 +105,39 @@ class AsyncEngine:
             self._deliver(command.request_id, error)
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
-        target = self._streams.get(request_id)
+        last = isinstance(item, Exception) or item.finished
+        # The last item unregisters the stream here, so a stream nobody reads cannot leak.
+        target = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
         if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+            loop, outputs = target
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+    def _close(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self._commands.put(_Abort(request_id))
+
+
+class RequestStream:
+    """Outputs of one submitted request, in order; `close()` before the end aborts it."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, outputs: asyncio.Queue) -> None:
+        self._engine, self.request_id, self._outputs = engine, request_id, outputs
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._outputs.get()
+        if isinstance(item, Exception):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._close(self.request_id)

@@ -15,7 +15,7 @@ from typing import Any
 from hyperserve.engine.engine import ContextLengthError
 from hyperserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from hyperserve.sampling_params import SamplingParams
-from hyperserve.server.async_engine import AsyncEngine
+from hyperserve.server.async_engine import AsyncEngine, RequestStream
 from hyperserve.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 
 
@@ -43,6 +43,12 @@ class Job:
     include_usage: bool
     chat_logprobs: bool = False
     finals: list[RequestOutput | None] = field(default_factory=list)
+    streams: list[RequestStream] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Abort whatever has not finished (a no-op once every stream has ended)."""
+        for stream in self.streams:
+            stream.close()
 
 
 class OpenAIServing:
@@ -110,26 +116,29 @@ class OpenAIServing:
         except ValueError as error:
             raise APIError(400, str(error)) from error
 
-    def check_admission(self) -> None:
+    def start(self, job: Job) -> None:
+        """Admit the job and queue its requests, with no await in between (no admission races)."""
         if self.engine.num_waiting >= self.max_queue:
             raise APIError(429, f"the server is overloaded ({self.engine.num_waiting} requests waiting); "
                                 "retry later", type_="rate_limit_error", headers={"Retry-After": "1"})
+        job.finals = [None] * len(job.prompts)
+        job.streams = [self.engine.submit(f"{job.id}-{i}", prompt, job.params, job.priority)
+                       for i, prompt in enumerate(job.prompts)]
 
     # ---- running jobs ------------------------------------------------------------------------
 
     async def run(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, cumulative output) as the engine produces them, all prompts merged."""
-        job.finals = [None] * len(job.prompts)
         merged: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index: int, prompt: list[int]) -> None:
+        async def pump(index: int, stream: RequestStream) -> None:
             try:
-                async for output in self.engine.generate(f"{job.id}-{index}", prompt, job.params, job.priority):
+                async for output in stream:
                     await merged.put((index, output))
             except Exception as error:
                 await merged.put((index, error))
 
-        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(job.prompts)]
+        tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(job.streams)]
         try:
             remaining = len(tasks)
             while remaining:
@@ -141,9 +150,9 @@ class OpenAIServing:
                     remaining -= 1
                 yield index, item
         finally:
+            job.close()  # first and synchronously: under a cancelled scope every await raises again
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def collect(self, job: Job) -> dict[str, Any]:
         async for _ in self.run(job):

@@ -1,0 +1,85 @@
+"""A real `hyperserve serve` process on loopback, shared by the server tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    url: str
+    statuses_while_loading: list[int]
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics").text
+        for line in text.splitlines():
+            if line.startswith(f"hyperserve:{name}{{") or line.startswith(f"hyperserve:{name} "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def wait_idle(self, timeout: float = 20) -> None:
+        """Until no request runs or waits and the KV pool is empty again."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.metric("num_requests_running") == 0 and self.metric("kv_cache_usage_perc") == 0:
+                return
+            time.sleep(0.1)
+        raise AssertionError("server did not return to idle")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*flags: str, log_name: str = "server") -> Server:
+    port = free_port()
+    log = open(os.path.join(os.environ.get("PYTEST_TMP", "/tmp"), f"hyperserve-{log_name}-{port}.log"), "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hyperserve.cli", "serve", "--port", str(port), *flags],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    statuses = []
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}; see {log.name}")
+        try:
+            status = httpx.get(f"{url}/health", timeout=2).status_code
+        except httpx.HTTPError:
+            time.sleep(0.2)
+            continue
+        statuses.append(status)
+        if status == 200:
+            return Server(process, url, statuses)
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("server did not become healthy")
+
+
+def stop_server(server: Server) -> None:
+    server.process.send_signal(signal.SIGTERM)
+    try:
+        server.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+
+
+@pytest.fixture(scope="session")
+def server():
+    s = start_server("--kv-cache-memory-gb", "0.5", "--max-num-seqs", "4", "--max-queue", "4",
+                     "--max-body-bytes", "100000")
+    yield s
+    stop_server(s)

@@ -1,0 +1,125 @@
+"""The official openai client (sync, async, streaming) against a real server process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def aclient(server):
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_health_was_503_while_loading(server):
+    assert server.statuses_while_loading[0] == 503 and server.statuses_while_loading[-1] == 200
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_completion(client):
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens > 10 and r.usage.completion_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completion_with_string_list_and_token_prompts(client):
+    r = client.completions.create(model=MODEL, prompt=["The sky is", "Water is"], max_tokens=5, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 10
+    ids = client.completions.create(model=MODEL, prompt=[504, 3821, 314], max_tokens=3, temperature=0)
+    assert ids.usage.prompt_tokens == 3
+
+
+def test_greedy_completion_equals_the_offline_engine(client, chat_prompt_ids):
+    from hyperserve import LLM, SamplingParams
+
+    llm = LLM(num_kv_blocks=64, max_model_len=1024)
+    expected = llm.generate([chat_prompt_ids[0]], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    r = client.completions.create(model=MODEL, prompt=chat_prompt_ids[0], max_tokens=24, temperature=0)
+    assert r.choices[0].text == expected[0].outputs[0].text
+
+
+def test_n_samples_and_seed_reproducibility(client):
+    kwargs = dict(model=MODEL, messages=QUESTION, max_tokens=12, temperature=1.0, n=3, seed=11)
+    first = client.chat.completions.create(**kwargs)
+    second = client.chat.completions.create(**kwargs)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.message.content for c in second.choices]
+    assert len(set(texts)) > 1
+
+
+def test_stop_string_is_not_returned(client):
+    full = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20)
+    text = full.choices[0].message.content
+    stop = text.split()[3]
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == text[: text.index(stop)]
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=4,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token  # greedy picks the most likely
+        assert entry.logprob <= 0
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=3, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert "".join(lp.tokens) == r.choices[0].text
+
+
+def test_streaming_chat_with_usage(client):
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_async_streaming_requests_run_concurrently(aclient):
+    async def one(i: int) -> str:
+        stream = await aclient.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=8,
+                                                  temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def all_three() -> list[str]:
+        return await asyncio.gather(*(one(i) for i in range(3)))
+
+    texts = asyncio.run(all_three())
+    assert all(texts)
+
+
+def test_priority_and_vllm_extras_are_accepted(client):
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0.8,
+                                  extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1,
+                                              "ignore_eos": True, "priority": -1})
+    assert r.usage.completion_tokens == 4
