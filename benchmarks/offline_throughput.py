@@ -49,7 +49,9 @@ def run_transformers(prompts, output_lengths, args) -> float:
     from hyperserve.models.registry import resolve_model
 
     source = resolve_model("smollm2-135m")
-    model = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        source.directory, gguf_file=source.gguf_file, dtype=torch.float32
+    ).eval()
     pad = model.config.pad_token_id or 0
     start = time.perf_counter()
     for i in tqdm(range(0, len(prompts), args.hf_batch_size), desc="transformers batches"):
@@ -89,12 +91,12 @@ def main() -> None:
     for system in ("hyperserve", "transformers"):
         cmd = [sys.executable, __file__, "--only", system] + sys.argv[1:]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
-        line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+        line = next(row for row in proc.stdout.splitlines() if row.startswith("RESULT "))
         results.append(json.loads(line[len("RESULT "):]))
 
     print(f"\nOffline throughput, {args.num_prompts} prompts, SmolLM2-135M, {os.cpu_count()} CPU cores\n")
-    print(f"| system | wall s | output tok/s | total tok/s | peak RSS MB |")
-    print(f"|---|---|---|---|---|")
+    print("| system | wall s | output tok/s | total tok/s | peak RSS MB |")
+    print("|---|---|---|---|---|")
     for r in results:
         out_tps = r["output_tokens"] / r["seconds"]
         tot_tps = (r["output_tokens"] + r["prompt_tokens"]) / r["seconds"]

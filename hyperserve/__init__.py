@@ -4,5 +4,5 @@ from hyperserve.llm import LLM
 from hyperserve.outputs import CompletionOutput, RequestOutput
 from hyperserve.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

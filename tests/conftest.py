@@ -6,10 +6,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from hyperserve.models.registry import resolve_model  # noqa: E402
+from hyperserve.models.registry import resolve_model
 
 SMOLLM2 = "smollm2-135m"
 

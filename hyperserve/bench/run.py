@@ -55,7 +55,8 @@ def make_requests(args: argparse.Namespace) -> list[RequestSpec]:
     if args.prompts_file:
         with open(args.prompts_file) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-        return [RequestSpec(r["prompt"], int(r.get("max_tokens", args.output_tokens))) for r in rows][: args.num_requests]
+        rows = rows[: args.num_requests]
+        return [RequestSpec(r["prompt"], int(r.get("max_tokens", args.output_tokens))) for r in rows]
     rng = random.Random(args.seed)
 
     def draw(mean: int, spread: float) -> int:

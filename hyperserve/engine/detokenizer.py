@@ -37,9 +37,11 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> bool:
         """Decode one more token; True if a stop string matched (the request should stop)."""
         self._tokens.append(token_id)
-        decode = self.tokenizer.decode
-        prefix = decode(self._tokens[self._prefix_offset : self._read_offset], skip_special_tokens=self.skip_special_tokens)
-        full = decode(self._tokens[self._prefix_offset :], skip_special_tokens=self.skip_special_tokens)
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+        prefix = decode(self._tokens[self._prefix_offset : self._read_offset])
+        full = decode(self._tokens[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return False
         old_length = len(self._text)

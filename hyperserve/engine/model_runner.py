@@ -142,7 +142,7 @@ class ModelRunner:
     def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
         params = [r.sampling_params for r in requests]
         to = self.device
-        floats = lambda values: torch.tensor(values, dtype=torch.float32, device=to)  # noqa: E731
+        floats = lambda values: torch.tensor(values, dtype=torch.float32, device=to)
         any_penalties = any(p.has_penalties for p in params)
         counts = prompt_mask = None
         if any_penalties:
@@ -150,7 +150,7 @@ class ModelRunner:
             prompt_mask = torch.zeros(len(requests), self.vocab_size, dtype=torch.bool)
             for i, r in enumerate(requests):
                 if r.output_token_ids:
-                    counts[i].index_add_(0, torch.tensor(r.output_token_ids), torch.ones(r.num_output_tokens, dtype=torch.long))
+                    counts[i] = torch.bincount(torch.tensor(r.output_token_ids), minlength=self.vocab_size)
                 prompt_mask[i, r.prompt_token_ids] = True
             counts, prompt_mask = counts.to(to), prompt_mask.to(to)
         requested_logprobs = [p.logprobs for p in params if p.logprobs is not None]

@@ -53,7 +53,9 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> RequestStream:
+    def submit(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> RequestStream:
         """Queue a request now (so admission control counts it at once); stream it from the result."""
         if self._stopped:
             raise RuntimeError("the engine is shutting down")
