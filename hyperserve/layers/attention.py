@@ -68,8 +68,23 @@ class TorchPagedAttention:
     """Portable backend: gathers context KV by block and calls scaled_dot_product_attention.
 
     Decodes run as one batched call (the G query heads sharing a KV head stand in for the query
-    length, so GQA needs no KV copy); each prefill chunk runs as its own call.
+    length, so GQA needs no KV copy); each prefill chunk runs as its own call. Gathers write into
+    a reused workspace: a fresh tens-of-MB tensor per layer would be page-faulted in every time,
+    which costs more than the copy itself.
     """
+
+    def __init__(self) -> None:
+        self._workspace: dict[str, torch.Tensor] = {}
+
+    def _gather(self, name: str, cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """cache [num_blocks, bs, Hkv, D], tables [B, M] -> [B, M * bs, Hkv, D] (a workspace view)."""
+        num = tables.numel()
+        buffer = self._workspace.get(name)
+        if buffer is None or buffer.shape[0] < num or buffer.shape[1:] != cache.shape[1:]:
+            buffer = torch.empty((max(num, 64),) + tuple(cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+            self._workspace[name] = buffer
+        blocks = torch.index_select(cache, 0, tables.flatten(), out=buffer[:num])
+        return blocks.view(tables.shape[0], -1, *cache.shape[2:])
 
     def __call__(self, q, k, v, kv_cache, meta, scale):
         keys, values = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, Hkv, D]
@@ -80,8 +95,8 @@ class TorchPagedAttention:
         if meta.num_decodes:
             tables = meta.decode_block_tables
             qd = q[meta.decode_rows].unflatten(1, (num_kv_heads, num_heads // num_kv_heads))  # [Bd, Hkv, G, D]
-            kd = _gather(keys, tables).transpose(1, 2)  # [Bd, Hkv, L, D]
-            vd = _gather(values, tables).transpose(1, 2)
+            kd = self._gather("k", keys, tables).transpose(1, 2)  # [Bd, Hkv, L, D]
+            vd = self._gather("v", values, tables).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
             out[meta.decode_rows] = od.flatten(1, 2)
         for span in meta.prefills:
@@ -90,8 +105,8 @@ class TorchPagedAttention:
                 kp, vp = k[span.start : span.end], v[span.start : span.end]  # [n, Hkv, D]
             else:
                 length = span.mask.shape[1]
-                kp = _gather(keys, span.context_blocks[None])[0, :length]  # [L, Hkv, D]
-                vp = _gather(values, span.context_blocks[None])[0, :length]
+                kp = self._gather("k", keys, span.context_blocks[None])[0, :length]  # [L, Hkv, D]
+                vp = self._gather("v", values, span.context_blocks[None])[0, :length]
             op = F.scaled_dot_product_attention(
                 qp, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None],
                 attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=True,
@@ -99,8 +114,3 @@ class TorchPagedAttention:
             out[span.start : span.end] = op[0].transpose(0, 1)
         return out
 
-
-def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """cache [num_blocks, bs, Hkv, D], tables [B, M] -> [B, M * bs, Hkv, D]."""
-    blocks = cache.index_select(0, tables.flatten())  # [B * M, bs, Hkv, D]
-    return blocks.view(tables.shape[0], -1, *cache.shape[2:])
