@@ -32,7 +32,8 @@ def workload(num_prompts: int, seed: int = 0) -> tuple[list[list[int]], list[int
 def run_hyperserve(prompts, output_lengths, args) -> float:
     from hyperserve import LLM, SamplingParams
 
-    llm = LLM(max_model_len=2048, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(max_model_len=2048, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_memory_gb=args.kv_cache_memory_gb)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lengths]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -80,7 +81,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="offline: big prefill chunks")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="holds all 64 sequences at once")
     parser.add_argument("--only", choices=["hyperserve", "transformers"])
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()

@@ -15,8 +15,12 @@ from hyperserve.engine.kv_cache_manager import KVCacheManager
 from hyperserve.engine.request import Request
 from hyperserve.engine.sampler import SamplerOutput, SamplingBatch, sample
 from hyperserve.engine.scheduler import SchedulerOutput
-from hyperserve.layers.attention import AttentionMetadata, PrefillSpan, allowed_keys
+from hyperserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan, allowed_keys
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
+
+# Decodes whose context lengths differ by more than this factor attend in separate batches.
+DECODE_GROUP_SPREAD = 1.25
+MIN_DECODE_GROUP = 8
 
 
 @dataclass(slots=True)
@@ -94,13 +98,10 @@ class ModelRunner:
                 sampled.append(request)
             row += num_new
 
-        decode_tables_t, decode_mask = self._decode_context(decode_tables, decode_lengths)
         to = self.device
         attn = AttentionMetadata(
             slot_mapping=torch.cat(slot_mapping).to(to),
-            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=to),
-            decode_block_tables=decode_tables_t.to(to),
-            decode_mask=decode_mask.to(to),
+            decodes=self._decode_groups(decode_rows, decode_tables, decode_lengths),
             prefills=prefills,
         )
         return ForwardBatch(
@@ -124,12 +125,22 @@ class ModelRunner:
         blocks = None if start == 0 else torch.tensor(table, dtype=torch.long, device=self.device)
         return PrefillSpan(row, row + num_new, blocks, mask.to(self.device))
 
-    def _decode_context(
-        self, tables: list[list[int]], lengths: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded block tables [Bd, M] and the mask [Bd, 1, 1, M * block_size] of the decode rows."""
-        if not tables:
-            return torch.empty(0, 0, dtype=torch.long), torch.empty(0, 1, 1, 0, dtype=torch.bool)
+    def _decode_groups(self, rows: list[int], tables: list[list[int]], lengths: list[int]) -> list[DecodeGroup]:
+        """Decodes sorted by context length and cut into groups whose lengths differ by at most
+        DECODE_GROUP_SPREAD, so little of each group's gathered context is padding."""
+        order = sorted(range(len(rows)), key=lambda i: lengths[i])
+        groups, current = [], []
+        for i in order:
+            if len(current) >= MIN_DECODE_GROUP and lengths[i] > DECODE_GROUP_SPREAD * lengths[current[0]]:
+                groups.append(current)
+                current = []
+            current.append(i)
+        if current:
+            groups.append(current)
+        return [self._decode_group([rows[i] for i in g], [tables[i] for i in g], [lengths[i] for i in g])
+                for g in groups]
+
+    def _decode_group(self, rows: list[int], tables: list[list[int]], lengths: list[int]) -> DecodeGroup:
         max_blocks = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
         lengths_t = torch.tensor(lengths).unsqueeze(1)  # [Bd, 1]
@@ -137,7 +148,8 @@ class ModelRunner:
         mask = key_positions < lengths_t
         if self.sliding_window is not None:
             mask &= key_positions >= lengths_t - self.sliding_window
-        return padded, mask[:, None, None, :]
+        to = self.device
+        return DecodeGroup(torch.tensor(rows, device=to), padded.to(to), mask[:, None, None, :].to(to))
 
     def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
         params = [r.sampling_params for r in requests]

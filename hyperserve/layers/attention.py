@@ -27,17 +27,19 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Sequences with exactly one new token and similar context lengths, attended as one batch."""
+
+    rows: torch.Tensor  # [Bd] their rows in the flat batch
+    block_tables: torch.Tensor  # [Bd, max_blocks] block tables, padded with block 0
+    mask: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] bool, True = attend
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
-    # Sequences with exactly one new token (decodes), attended as one batch.
-    decode_rows: torch.Tensor  # [Bd] their rows in the flat batch
-    decode_block_tables: torch.Tensor  # [Bd, max_blocks] block tables, padded with block 0
-    decode_mask: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] bool, True = attend
+    decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
-
-    @property
-    def num_decodes(self) -> int:
-        return int(self.decode_rows.numel())
 
 
 class AttentionBackend(Protocol):
@@ -92,13 +94,12 @@ class TorchPagedAttention:
         values.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         num_heads, num_kv_heads = q.shape[1], k.shape[1]
-        if meta.num_decodes:
-            tables = meta.decode_block_tables
-            qd = q[meta.decode_rows].unflatten(1, (num_kv_heads, num_heads // num_kv_heads))  # [Bd, Hkv, G, D]
-            kd = self._gather("k", keys, tables).transpose(1, 2)  # [Bd, Hkv, L, D]
-            vd = self._gather("v", values, tables).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-            out[meta.decode_rows] = od.flatten(1, 2)
+        for group in meta.decodes:
+            qd = q[group.rows].unflatten(1, (num_kv_heads, num_heads // num_kv_heads))  # [Bd, Hkv, G, D]
+            kd = self._gather("k", keys, group.block_tables).transpose(1, 2)  # [Bd, Hkv, L, D]
+            vd = self._gather("v", values, group.block_tables).transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale)
+            out[group.rows] = od.flatten(1, 2)
         for span in meta.prefills:
             qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if span.context_blocks is None:

@@ -34,17 +34,22 @@ class RotaryEmbedding(torch.nn.Module):
         table = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * scaling
         self.cos_sin = table.to(self.cos_sin.device)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [T]; q [T, H, D]; k [T, Hkv, D]
+    def cos_sin_for(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, 1, D] in the rotate-half layout."""
         cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, D/2] each
-        cos = torch.cat([cos, cos], dim=-1).unsqueeze(1)  # [T, 1, D]
-        sin = torch.cat([sin, sin], dim=-1).unsqueeze(1)
+        return torch.cat([cos, cos], dim=-1).unsqueeze(1), torch.cat([sin, sin], dim=-1).unsqueeze(1)
+
+    def forward(
+        self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q [T, H, D]; k [T, Hkv, D]; cos_sin from cos_sin_for(positions)
+        cos, sin = cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
+    if x.dtype == torch.float32:
+        return x * cos + rotated * sin
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)

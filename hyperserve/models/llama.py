@@ -32,7 +32,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        xf = x.float()  # half precision: normalise in float32 as transformers does
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
@@ -58,12 +60,12 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.backend = backend
 
-    def forward(self, positions, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)  # x [T, hidden]
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(cos_sin, q, k)
         out = self.backend(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.flatten(1))
 
@@ -90,8 +92,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, kv_cache, meta) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+    def forward(self, cos_sin, hidden, kv_cache, meta) -> torch.Tensor:
+        hidden = hidden + self.self_attn(cos_sin, self.input_layernorm(hidden), kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -131,8 +133,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], before the final norm
         hidden = self.model.embed_tokens(input_ids)
+        cos_sin = self.model.rotary.cos_sin_for(positions)  # once per step, shared by every layer
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, meta)
+            hidden = layer(cos_sin, hidden, kv_cache, meta)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
