@@ -41,7 +41,10 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--server-args", default="", help="extra flags for hyperserve serve")
     parser.add_argument("--out-dir", default="bench-results")
+    parser.add_argument("--requests-per-slot", type=int, default=3,
+                        help="requests per level: max(--num-requests, this x concurrency)")
     add_bench_args(parser)
+    parser.set_defaults(num_requests=8)
     args = parser.parse_args()
     own_server = args.base_url == "http://127.0.0.1:8000"
     process = None
@@ -54,6 +57,7 @@ def main() -> None:
         for concurrency in args.concurrency_levels:
             run_args = argparse.Namespace(**vars(args))
             run_args.concurrency, run_args.request_rate = concurrency, None
+            run_args.num_requests = max(args.num_requests, args.requests_per_slot * concurrency)
             run_args.output_json = os.path.join(args.out_dir, f"serving-c{concurrency}.json")
             run_args.plot = os.path.join(args.out_dir, f"serving-c{concurrency}.png")
             rows.append((concurrency, run_from_args(run_args)))
@@ -63,12 +67,14 @@ def main() -> None:
             process.wait(timeout=60)
 
     print(f"\nServing {args.model} at {args.base_url}: ~{args.input_tokens} prompt tokens, "
-          f"{args.output_tokens} output tokens, {args.num_requests} requests per level\n")
-    print("| concurrency | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms | output tok/s | req/s |")
-    print("|---|---|---|---|---|---|---|")
+          f"{args.output_tokens} output tokens\n")
+    print("| concurrency | requests | prompt tok | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms "
+          "| output tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for concurrency, s in rows:
-        print(f"| {concurrency} | {s['ttft_p50_ms']:.0f} | {s['ttft_p95_ms']:.0f} | {s['itl_p50_ms']:.1f} | "
-              f"{s['itl_p95_ms']:.1f} | {s['output_token_throughput']:.1f} | {s['request_throughput']:.2f} |")
+        print(f"| {concurrency} | {s['num_ok']}/{s['num_requests']} | {s['mean_prompt_tokens']:.0f} | "
+              f"{s['ttft_p50_ms']:.0f} | {s['ttft_p95_ms']:.0f} | {s['itl_p50_ms']:.1f} | {s['itl_p95_ms']:.1f} | "
+              f"{s['output_token_throughput']:.1f} |")
 
 
 if __name__ == "__main__":
