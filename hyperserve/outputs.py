@@ -23,7 +23,6 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
-    num_cached_tokens: int = 0
 
 
 @dataclass

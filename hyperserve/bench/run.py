@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-# Common English words; a random sequence of these is about 1.2-1.4 tokens per word.
+# Common English words: one token each in the usual BPE vocabularies (SmolLM2, Llama 3, Qwen2).
 _WORDS = (
     "the of and to in is was that for it with as his on be at by had are but from or have an they which "
     "one you were all we her she there would their will when who him been has more if no out so said what "
@@ -64,8 +64,8 @@ def make_requests(args: argparse.Namespace) -> list[RequestSpec]:
 
     specs = []
     for i in range(args.num_requests):
-        words = max(1, round(draw(args.input_tokens, args.input_spread) / 1.3))
-        # A unique lead-in per request, so no two prompts share a long prefix.
+        # A unique lead-in per request (about 4 tokens), so no two prompts share a long prefix.
+        words = max(1, draw(args.input_tokens, args.input_spread) - 4)
         prompt = f"Request {i}: " + " ".join(rng.choice(_WORDS) for _ in range(words))
         specs.append(RequestSpec(prompt, draw(args.output_tokens, args.output_spread)))
     return specs

@@ -49,10 +49,6 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return self.engine.num_waiting + self._pending
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._streams)
-
     def submit(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> RequestStream:
@@ -64,9 +60,6 @@ class AsyncEngine:
         self._pending += 1
         self._commands.put(_Add(request_id, prompt_ids, params, priority, time.time()))
         return RequestStream(self, request_id, outputs)
-
-    def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
 
     def shutdown(self) -> None:
         self._stopped = True
