@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="holds all 64 sequences at once")
     parser.add_argument("--only", choices=["hyperserve", "transformers"])
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--plot", help="also write a PNG bar chart here")
     args = parser.parse_args()
     if args.only:
         return child(args)
@@ -108,6 +109,25 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": results, "ratio": ratio}, f, indent=2)
+    if args.plot:
+        plot(results, args.plot)
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["system"] for r in results]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    axes[0].bar(names, [r["output_tokens"] / r["seconds"] for r in results], color=["tab:green", "tab:gray"])
+    axes[0].set(title="Output tokens/s (higher is better)")
+    axes[1].bar(names, [r["peak_rss_mb"] for r in results], color=["tab:green", "tab:gray"])
+    axes[1].set(title="Peak RSS, MB")
+    fig.suptitle("Offline throughput, SmolLM2-135M, 64 prompts")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
