@@ -18,7 +18,7 @@ from hyperserve.engine.kv_cache_manager import KVCacheManager
 from hyperserve.engine.model_runner import ModelRunner, StepResult
 from hyperserve.engine.request import Request, RequestStatus
 from hyperserve.engine.scheduler import Scheduler
-from hyperserve.layers.attention import AttentionBackend, TorchPagedAttention
+from hyperserve.layers.attention import attention_backend
 from hyperserve.models import loader
 from hyperserve.models.registry import resolve_model
 from hyperserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -48,7 +48,7 @@ class LLMEngine:
         model = loader.build_model(
             self.hf_config,
             None if config.model.load_format == "random" else source,
-            backend=_attention_backend(config.model.device),
+            backend=attention_backend(config.model.device),
             max_position=self.max_model_len,
             dtype=config.model.torch_dtype,
             device=config.model.device,
@@ -256,7 +256,4 @@ def _merge_metrics(all_metrics: list[RequestMetrics]) -> RequestMetrics:
         num_preemptions=sum(m.num_preemptions for m in all_metrics),
     )
 
-
-def _attention_backend(device: str) -> AttentionBackend:
-    return TorchPagedAttention()  # the portable backend serves CPU and CUDA alike for now
 

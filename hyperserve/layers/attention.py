@@ -115,3 +115,8 @@ class TorchPagedAttention:
             out[span.start : span.end] = op[0].transpose(0, 1)
         return out
 
+
+def attention_backend(device: str) -> AttentionBackend:
+    """The attention backend for a device. The portable one serves CPU and CUDA alike for now;
+    device-specific kernels (Triton paged decode on CUDA) plug in here."""
+    return TorchPagedAttention()

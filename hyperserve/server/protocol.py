@@ -81,6 +81,8 @@ class CompletionRequest(_SamplingRequest):
     def _check(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
+        if self.echo:
+            raise ValueError("echo is not supported")
         return self
 
     def prompts(self) -> list[str | list[int]]:
