@@ -47,6 +47,7 @@ class CacheConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # explicit pool size; overrides kv_cache_memory_gb
     kv_cache_memory_gb: float = 4.0  # memory budget for the KV pool when num_kv_blocks is None
+    enable_prefix_caching: bool = True  # reuse the KV of prefixes seen before (--no-prefix-caching)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -105,6 +106,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             default = f.default if f.default is not dataclasses.MISSING else None
             if kind is bool:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+                if f.name.startswith("enable_"):  # --no-prefix-caching for --no-enable-prefix-caching
+                    short = "--no-" + f.name.removeprefix("enable_").replace("_", "-")
+                    parser.add_argument(short, dest=f.name, action="store_false")
             else:
                 parser.add_argument(flag, type=kind, default=default)
 

@@ -1,13 +1,19 @@
-"""BlockPool: the free list of KV cache blocks and their reference counts.
+"""BlockPool: KV cache blocks, their reference counts, and the prefix cache over them.
 
-Plain Python over integer block ids, so the scheduler and its tests never touch tensors. A block
-is free exactly when its reference count is zero; reference counts above one let later features
-(prefix caching, n > 1) share a block between sequences.
+Plain Python over integer block ids, so the scheduler and its tests never touch tensors.
+
+A block is free when its reference count is zero. Free blocks wait in LRU order (least recently
+freed first) and are handed out from the front. A full block may carry a hash of its tokens and
+everything before them; a freed block keeps its hash, so a later request with the same prefix can
+take it back from the free queue instead of recomputing it. Handing a hashed block out for new
+data is its eviction from the cache. Only full blocks are hashed, and full blocks are never
+written again, so a shared block is never written while shared.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Hashable
 
 
 class BlockPool:
@@ -15,31 +21,72 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
         self._ref_counts = [0] * num_blocks
+        self._hash_of: dict[int, Hashable] = {}  # block id -> its prefix hash
+        self._block_of: dict[Hashable, int] = {}  # prefix hash -> block id
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
 
     @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_of)
+
+    @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0.0 to 1.0."""
+        """Fraction of blocks referenced by running requests, 0.0 to 1.0 (cached free ones excluded)."""
         return 1.0 - len(self._free) / self.num_blocks
 
     def allocate(self, num_blocks: int) -> list[int]:
         if num_blocks > len(self._free):
             raise RuntimeError(f"asked for {num_blocks} KV blocks, {len(self._free)} free")
-        block_ids = [self._free.popleft() for _ in range(num_blocks)]
-        for block_id in block_ids:
+        block_ids = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            self._evict(block_id)
             self._ref_counts[block_id] = 1
+            block_ids.append(block_id)
         return block_ids
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference to each block; blocks nobody references go back to the free list."""
+        """Drop one reference to each block, in order; unreferenced ones join the LRU tail.
+
+        Callers pass a sequence's blocks last-first, so its prefix blocks, the likeliest to be
+        shared again, are evicted last."""
         for block_id in block_ids:
             if self._ref_counts[block_id] <= 0:
                 raise RuntimeError(f"KV block {block_id} freed twice")
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                self._free.append(block_id)
+                self._free[block_id] = None
+
+    def is_idle(self, block_id: int) -> bool:
+        return self._ref_counts[block_id] == 0
+
+    def lookup(self, block_hash: Hashable) -> int | None:
+        return self._block_of.get(block_hash)
+
+    def touch(self, block_id: int) -> None:
+        """Take one more reference to a cached block (taking it off the free queue if idle)."""
+        if self._ref_counts[block_id] == 0:
+            del self._free[block_id]
+        self._ref_counts[block_id] += 1
+
+    def cache(self, block_id: int, block_hash: Hashable) -> None:
+        """Record that a full block holds the KV of this prefix (first writer wins)."""
+        if block_hash not in self._block_of and block_id not in self._hash_of:
+            self._block_of[block_hash] = block_id
+            self._hash_of[block_id] = block_hash
+
+    def reset_cache(self) -> None:
+        self._hash_of.clear()
+        self._block_of.clear()
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self._hash_of.pop(block_id, None)
+        if block_hash is not None:
+            del self._block_of[block_hash]
+            self.num_evictions += 1

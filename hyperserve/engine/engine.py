@@ -55,7 +55,7 @@ class LLMEngine:
             seed=config.model.seed,
         )
         self.runner = ModelRunner(model, config, num_blocks)
-        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size)
+        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self._groups: dict[str, _Group] = {}
         self.eos_token_id = self._eos_token_id()
@@ -114,6 +114,8 @@ class LLMEngine:
                     self.tokenizer, prompt_ids, params.stop,
                     params.include_stop_str_in_output, params.skip_special_tokens,
                 )
+            if index > 0 and self.kv_cache.enable_prefix_caching:
+                request.wait_for = samples[0]
             samples.append(request)
         self._groups[request_id] = _Group(prompt_text, samples)
         for request in samples:

@@ -1,15 +1,27 @@
-"""KVCacheManager: each request's block table, grown lazily from the BlockPool."""
+"""KVCacheManager: each request's block table, grown lazily from the BlockPool, and prefix reuse.
+
+With prefix caching on, a request's full blocks are identified by a hash chain: block i's hash
+covers its tokens and, through block i-1's hash, every token before it. A new (or resumed) request
+takes every cached block of its longest cached prefix and computes only the rest; blocks it fills
+are registered once their KV is written.
+"""
 
 from __future__ import annotations
 
 from hyperserve.engine.block_pool import BlockPool
+from hyperserve.engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._block_tables: dict[str, list[int]] = {}
+        self._block_hashes: dict[str, list[int]] = {}  # request id -> hashes of its full blocks
+        self._num_registered: dict[str, int] = {}  # request id -> leading blocks registered
+        self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.num_hit_tokens = 0  # of which found
 
     @property
     def num_free_blocks(self) -> int:
@@ -22,20 +34,70 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
-        """Make room for the first `num_tokens` tokens of a request; False if the pool is short."""
+    def cached_prefix(self, request: Request) -> list[int]:
+        """Blocks of the longest cached prefix of the request's tokens, leaving at least one
+        token to compute (its logits are needed)."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in self._hashes(request)[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.num_queried_tokens += num_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def allocate_slots(self, request_id: str, num_tokens: int, cached_blocks: list[int] | None = None) -> bool:
+        """Make room for the first `num_tokens` tokens of a request, starting from `cached_blocks`
+        (from `cached_prefix`) if it has no blocks yet; False, changing nothing, if the pool is short."""
         table = self._block_tables.setdefault(request_id, [])
-        num_new = self.num_blocks_for(num_tokens) - len(table)
-        if num_new > self.pool.num_free_blocks:
+        cached_blocks = cached_blocks or []
+        num_new = self.num_blocks_for(num_tokens) - len(table) - len(cached_blocks)
+        idle_cached = sum(1 for b in cached_blocks if self.pool.is_idle(b))  # in the free queue now
+        if num_new > self.pool.num_free_blocks - idle_cached:
+            if not table:
+                del self._block_tables[request_id]
             return False
+        for block_id in cached_blocks:
+            self.pool.touch(block_id)
+        table.extend(cached_blocks)
+        self._num_registered[request_id] = max(self._num_registered.get(request_id, 0), len(cached_blocks))
         if num_new > 0:
             table.extend(self.pool.allocate(num_new))
         return True
+
+    def register_computed(self, request: Request) -> None:
+        """Offer the request's blocks that are full and computed to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        request_id = request.request_id
+        table, hashes = self._block_tables[request_id], self._hashes(request)
+        num_full = min(request.num_computed_tokens // self.block_size, len(hashes), len(table))
+        for i in range(self._num_registered.get(request_id, 0), num_full):
+            self.pool.cache(table[i], hashes[i])
+        self._num_registered[request_id] = max(num_full, self._num_registered.get(request_id, 0))
 
     def block_table(self, request_id: str) -> list[int]:
         return self._block_tables[request_id]
 
     def free(self, request_id: str) -> None:
         table = self._block_tables.pop(request_id, None)
+        self._block_hashes.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
         if table:
-            self.pool.free(table)
+            self.pool.free(table[::-1])  # tail first: prefix blocks stay cached the longest
+
+    def _hashes(self, request: Request) -> list[int]:
+        """The hash chain over the request's full blocks, extended as tokens arrive."""
+        hashes = self._block_hashes.setdefault(request.request_id, [])
+        tokens, size = request.all_token_ids, self.block_size
+        while (len(hashes) + 1) * size <= len(tokens):
+            start = len(hashes) * size
+            parent = hashes[-1] if hashes else 0
+            hashes.append(hash((parent, tuple(tokens[start : start + size]))))
+        return hashes

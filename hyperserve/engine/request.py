@@ -42,6 +42,7 @@ class Request:
     parent_id: str | None = None  # set for the samples of an n > 1 request
     index: int = 0  # which of the parent's n samples
     seed: int | None = None
+    wait_for: Request | None = None  # start after this request has computed its prompt (n > 1)
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)

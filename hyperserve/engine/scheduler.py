@@ -81,20 +81,23 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        # Then admit waiting requests while blocks, budget and sequence slots allow.
-        while (
-            self.waiting
-            and not out.preempted
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_cache.allocate_slots(
-                request.request_id, request.num_computed_tokens + num_new
-            ):
+        # Then admit waiting requests while blocks, budget and sequence slots allow. A cached
+        # prefix costs no budget: only the tokens after it are computed.
+        for request in list(self.waiting):
+            if out.preempted or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            self.waiting.pop(0)
+            if _waits_for_sibling(request):
+                continue
+            cached_blocks = self.kv_cache.cached_prefix(request)
+            num_cached = len(cached_blocks) * self.kv_cache.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv_cache.allocate_slots(request.request_id, num_cached + num_new, cached_blocks):
+                break
+            self.kv_cache.record_lookup(request.num_tokens, num_cached)
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self._insert(self.running, request)
             out.requests.append(request)
@@ -111,6 +114,7 @@ class Scheduler:
         """
         for request, num_new in zip(out.requests, out.num_new_tokens):
             request.num_computed_tokens += num_new
+            self.kv_cache.register_computed(request)
         updated = []
         for request in out.requests:
             token_id = sampled_token_ids.get(request.request_id)
@@ -159,3 +163,10 @@ class Scheduler:
 
     def _insert(self, queue: list[Request], request: Request) -> None:
         bisect.insort(queue, request, key=lambda r: self._order[r.request_id])
+
+
+def _waits_for_sibling(request: Request) -> bool:
+    """Samples 1..n-1 of an n > 1 request start once sample 0 has computed the shared prompt, so
+    they take its blocks from the prefix cache instead of computing the prompt n times."""
+    first = request.wait_for
+    return first is not None and not first.is_finished and first.num_computed_tokens < first.num_prompt_tokens

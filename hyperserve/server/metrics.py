@@ -33,6 +33,13 @@ class ServerMetrics:
         self.running = Gauge("hyperserve:num_requests_running", "Requests running", labels, registry=r)
         self.waiting = Gauge("hyperserve:num_requests_waiting", "Requests waiting", labels, registry=r)
         self.kv_usage = Gauge("hyperserve:kv_cache_usage_perc", "KV cache usage, 0 to 1", labels, registry=r)
+        self.prefix_queries = Counter("hyperserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      labels, registry=r)
+        self.prefix_hits = Counter("hyperserve:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   labels, registry=r)
+        self.prefix_evictions = Counter("hyperserve:prefix_cache_evictions", "Cached KV blocks evicted",
+                                        labels, registry=r)
+        self._seen = {"queries": 0, "hits": 0, "evictions": 0}  # engine totals already exported
         self.model_name = model_name
         self._last_token_time: dict[str, float] = {}  # request id -> when its last token came out
 
@@ -42,6 +49,12 @@ class ServerMetrics:
         self.running.labels(m).set(engine.num_running)
         self.waiting.labels(m).set(engine.num_waiting)
         self.kv_usage.labels(m).set(engine.kv_cache.usage)
+        kv = engine.kv_cache
+        totals = {"queries": kv.num_queried_tokens, "hits": kv.num_hit_tokens, "evictions": kv.pool.num_evictions}
+        for key, counter in (("queries", self.prefix_queries), ("hits", self.prefix_hits),
+                             ("evictions", self.prefix_evictions)):
+            counter.labels(m).inc(totals[key] - self._seen[key])
+        self._seen = totals
         now = time.time()
         for output in outputs:
             last = self._last_token_time.get(output.request_id)

@@ -193,8 +193,10 @@ class OpenAIServing:
     def usage(self, job: Job) -> dict[str, int]:
         prompt_tokens = sum(len(p) for p in job.prompts)
         completion_tokens = sum(len(c.token_ids) for f in job.finals if f for c in f.outputs)
+        cached_tokens = sum(f.metrics.num_cached_tokens for f in job.finals if f)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
     # ---- formatting ----------------------------------------------------------------------------
 

@@ -1,0 +1,85 @@
+"""Prefix caching on the real SmolLM2: outputs identical with the cache on and off."""
+
+from __future__ import annotations
+
+import pytest
+
+from hyperserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def cached_llm():
+    return LLM(num_kv_blocks=200, block_size=BLOCK, max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def uncached_llm():
+    return LLM(num_kv_blocks=200, block_size=BLOCK, max_model_len=1024, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def system_prompt(smollm2_tokenizer) -> list[int]:
+    text = "You are a meticulous assistant. Answer briefly and cite the rule you used. " * 6
+    return smollm2_tokenizer(text).input_ids
+
+
+def prompts_sharing(prefix: list[int], length: int, tokenizer) -> list[list[int]]:
+    questions = ["What is 2 + 2?", "Name a planet.", "Spell cat backwards.", "Is ice cold?"]
+    return [prefix[:length] + tokenizer(q).input_ids for q in questions]
+
+
+@pytest.mark.parametrize("shared", [BLOCK * 3, BLOCK * 3 + 7, 70])  # on and off block boundaries
+def test_greedy_and_seeded_outputs_match_with_cache_off(cached_llm, uncached_llm, system_prompt,
+                                                        smollm2_tokenizer, shared):
+    prompts = prompts_sharing(system_prompt, shared, smollm2_tokenizer)
+    for params in (SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                   SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True)):
+        expected = [o.outputs[0].token_ids for o in uncached_llm.generate(prompts, params, use_tqdm=False)]
+        cached_llm.generate(prompts[:1], params, use_tqdm=False)  # warm the cache
+        outputs = cached_llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert all(o.metrics.num_cached_tokens >= (shared // BLOCK) * BLOCK for o in outputs[1:])
+    assert uncached_llm.engine.kv_cache.num_hit_tokens == 0
+
+
+def test_second_chat_turn_reuses_the_first_turn_prompt_and_answer(cached_llm):
+    tokenizer = cached_llm.tokenizer
+    turn1 = [{"role": "user", "content": "Give me three tips for learning to cook."}]
+    first = cached_llm.chat(turn1, SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)[0]
+    answer = first.outputs[0].text
+    turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And for baking?"}]
+    second = cached_llm.chat(turn2, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    answer_tokens = len(tokenizer(answer).input_ids)
+    covered = len(first.prompt_token_ids) + answer_tokens - BLOCK  # all but the last partial block
+    assert second.metrics.num_cached_tokens >= covered
+
+
+def test_under_pressure_cached_blocks_are_evicted_and_outputs_still_match(system_prompt, smollm2_tokenizer):
+    # 40 blocks: each request needs ~10, so caching everything is impossible.
+    small = LLM(num_kv_blocks=40, block_size=BLOCK, max_model_len=600)
+    reference = LLM(num_kv_blocks=40, block_size=BLOCK, max_model_len=600, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = [p for length in (40, 90, 130) for p in prompts_sharing(system_prompt, length, smollm2_tokenizer)]
+    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+    for _ in range(2):
+        outputs = small.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    kv = small.engine.kv_cache
+    assert kv.pool.num_evictions > 0 and kv.num_hit_tokens > 0
+    assert kv.num_free_blocks == 40  # nothing in use: every block is free (cached or not)
+
+
+def test_n_samples_compute_the_prompt_once(cached_llm, smollm2_tokenizer):
+    prompt = smollm2_tokenizer("Lighthouses guard rocky coasts at night. " * 12).input_ids  # never seen before
+    kv = cached_llm.engine.kv_cache
+    hits_before = kv.num_hit_tokens
+    out = cached_llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=6),
+                              use_tqdm=False)[0]
+    assert len(out.outputs) == 3
+    # Sample 0 computes the prompt; samples 1 and 2 wait for it, then take all its full blocks.
+    full_blocks_tokens = (len(prompt) - 1) // BLOCK * BLOCK
+    assert kv.num_hit_tokens - hits_before == 2 * full_blocks_tokens
