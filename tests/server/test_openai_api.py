@@ -123,3 +123,12 @@ def test_priority_and_vllm_extras_are_accepted(client):
                                   extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1,
                                               "ignore_eos": True, "priority": -1})
     assert r.usage.completion_tokens == 4
+
+
+def test_usage_reports_cached_prompt_tokens(client):
+    messages = [{"role": "system", "content": "You answer in one word. " * 40},
+                {"role": "user", "content": "Name a color."}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+    assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens_details.cached_tokens
