@@ -64,6 +64,19 @@ class LLM:
         prompts = [self.apply_chat_template(conversation) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def pin_prefix(self, prompt: Prompt, ttl_s: float) -> tuple[str, int]:
+        """Cache a prompt's KV (a document, a system prompt) for `ttl_s` seconds, safe from
+        eviction; returns (pin id, number of tokens pinned). Later prompts starting with it skip
+        that much prefill."""
+        pin_id = f"pin-{next(self._ids)}"
+        self.engine.pin_prefix(pin_id, prompt, ttl_s)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        return pin_id, self.engine.kv_cache.pins[pin_id].num_tokens
+
+    def unpin_prefix(self, pin_id: str) -> bool:
+        return self.engine.unpin_prefix(pin_id)
+
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template")

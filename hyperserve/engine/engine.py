@@ -121,6 +121,23 @@ class LLMEngine:
         for request in samples:
             self.scheduler.add_request(request)
 
+    def pin_prefix(self, request_id: str, prompt: str | list[int], ttl_s: float) -> None:
+        """Compute a prompt's KV and keep it cached for `ttl_s` seconds, safe from eviction.
+
+        Runs as a one-token request; once it finishes, `kv_cache.pins[request_id]` holds the
+        pinned blocks (full blocks only: at most block_size - 1 trailing tokens are not pinned)."""
+        if ttl_s <= 0:
+            raise ValueError(f"ttl must be positive, got {ttl_s}")
+        if not self.kv_cache.enable_prefix_caching:
+            raise ValueError("pinning needs prefix caching, which is disabled")
+        if request_id in self.kv_cache.pins:
+            raise ValueError(f"pin id {request_id!r} is already in use")
+        self.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0))
+        self._groups[request_id].samples[0].pin_until = time.time() + ttl_s
+
+    def unpin_prefix(self, request_id: str) -> bool:
+        return self.kv_cache.unpin(request_id)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request in any state; its KV blocks return to the pool at once."""
         group = self._groups.get(request_id)

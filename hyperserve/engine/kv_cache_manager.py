@@ -8,8 +8,19 @@ are registered once their KV is written.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from hyperserve.engine.block_pool import BlockPool
 from hyperserve.engine.request import Request
+
+
+@dataclass(slots=True)
+class Pin:
+    """A prefix held in the cache: one reference on each of its full blocks until `expires_at`."""
+
+    block_ids: list[int]
+    num_tokens: int
+    expires_at: float
 
 
 class KVCacheManager:
@@ -20,6 +31,7 @@ class KVCacheManager:
         self._block_tables: dict[str, list[int]] = {}
         self._block_hashes: dict[str, list[int]] = {}  # request id -> hashes of its full blocks
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks registered
+        self.pins: dict[str, Pin] = {}
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # of which found
 
@@ -84,6 +96,26 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return self._block_tables[request_id]
+
+    def pin(self, request: Request, expires_at: float) -> Pin:
+        """Keep the request's registered full blocks cached (not evictable) until `expires_at`."""
+        num_blocks = self._num_registered.get(request.request_id, 0) if self.enable_prefix_caching else 0
+        block_ids = self._block_tables.get(request.request_id, [])[:num_blocks]
+        for block_id in block_ids:
+            self.pool.touch(block_id)
+        pin = Pin(block_ids, num_blocks * self.block_size, expires_at)
+        self.pins[request.request_id] = pin
+        return pin
+
+    def unpin(self, pin_id: str) -> bool:
+        pin = self.pins.pop(pin_id, None)
+        if pin is not None:
+            self.pool.free(pin.block_ids[::-1])
+        return pin is not None
+
+    def expire_pins(self, now: float) -> None:
+        for pin_id in [p for p, pin in self.pins.items() if pin.expires_at <= now]:
+            self.unpin(pin_id)
 
     def free(self, request_id: str) -> None:
         table = self._block_tables.pop(request_id, None)

@@ -43,6 +43,7 @@ class Request:
     index: int = 0  # which of the parent's n samples
     seed: int | None = None
     wait_for: Request | None = None  # start after this request has computed its prompt (n > 1)
+    pin_until: float | None = None  # on finishing, keep the prompt's KV cached until then
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from hyperserve.config import SchedulerConfig
@@ -58,6 +59,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        self.kv_cache.expire_pins(time.time())
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
@@ -135,6 +137,8 @@ class Scheduler:
         queue = self.running if request.status == RequestStatus.RUNNING else self.waiting
         queue.remove(request)
         request.status = status
+        if request.pin_until is not None and status != RequestStatus.FINISHED_ABORTED:
+            self.kv_cache.pin(request, request.pin_until)
         self.kv_cache.free(request_id)
         self._order.pop(request_id)
         self._finished_ids.append(request_id)

@@ -25,7 +25,7 @@ from hyperserve.engine.engine import LLMEngine
 from hyperserve.server.async_engine import AsyncEngine
 from hyperserve.server.metrics import ServerMetrics
 from hyperserve.server.openai_api import APIError, Job, OpenAIServing
-from hyperserve.server.protocol import ChatCompletionRequest, CompletionRequest, now
+from hyperserve.server.protocol import CacheRequest, ChatCompletionRequest, CompletionRequest, now
 
 logger = logging.getLogger("hyperserve.server")
 
@@ -127,6 +127,16 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         s = serving()
         return await _respond(s, s.prepare_chat(body), body.stream, request, settings)
+
+    @app.post("/v1/cache")
+    async def pin_cache(body: CacheRequest) -> dict[str, Any]:
+        return await serving().pin(body)
+
+    @app.delete("/v1/cache/{pin_id}")
+    async def unpin_cache(pin_id: str) -> dict[str, Any]:
+        if not serving().engine.unpin(pin_id):
+            raise APIError(404, f"no pinned prefix {pin_id!r}", param="id", code="cache_not_found")
+        return {"id": pin_id, "object": "cache.deleted", "deleted": True}
 
     @app.websocket("/v1/ws")
     async def websocket(ws: WebSocket) -> None:

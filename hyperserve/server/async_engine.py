@@ -27,6 +27,7 @@ class _Add:
     params: SamplingParams
     priority: int
     arrival_time: float
+    pin_ttl_s: float | None = None  # a prefix to pin rather than a completion
 
 
 @dataclass(slots=True)
@@ -34,11 +35,16 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True)
+class _Unpin:
+    pin_id: str
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None):
         self.engine = engine
         self.on_step = on_step  # called on the engine thread after each step (metrics)
-        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Abort | _Unpin | None] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._pending = 0  # adds queued but not yet in the engine
         self._thread = threading.Thread(target=self._run, name="hyperserve-engine", daemon=True)
@@ -50,16 +56,25 @@ class AsyncEngine:
         return self.engine.num_waiting + self._pending
 
     def submit(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
+        pin_ttl_s: float | None = None,
     ) -> RequestStream:
-        """Queue a request now (so admission control counts it at once); stream it from the result."""
+        """Queue a request now (so admission control counts it at once); stream it from the result.
+        With `pin_ttl_s`, the request pins its prompt's KV instead (see LLMEngine.pin_prefix)."""
         if self._stopped:
             raise RuntimeError("the engine is shutting down")
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
         self._pending += 1
-        self._commands.put(_Add(request_id, prompt_ids, params, priority, time.time()))
+        self._commands.put(_Add(request_id, prompt_ids, params, priority, time.time(), pin_ttl_s))
         return RequestStream(self, request_id, outputs)
+
+    def unpin(self, pin_id: str) -> bool:
+        """Release a pinned prefix (on the engine thread); False if there is no such pin."""
+        if pin_id not in self.engine.kv_cache.pins:
+            return False
+        self._commands.put(_Unpin(pin_id))
+        return True
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -85,17 +100,23 @@ class AsyncEngine:
             for output in outputs:
                 self._deliver(output.request_id, output)
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: _Add | _Abort | _Unpin) -> None:
         if isinstance(command, _Abort):
             self.engine.abort_request(command.request_id)
+            return
+        if isinstance(command, _Unpin):
+            self.engine.unpin_prefix(command.pin_id)
             return
         self._pending -= 1
         if command.request_id not in self._streams:
             return  # the client left before the engine saw the request
         try:
-            self.engine.add_request(
-                command.request_id, command.prompt_ids, command.params, command.priority, command.arrival_time
-            )
+            if command.pin_ttl_s is not None:
+                self.engine.pin_prefix(command.request_id, command.prompt_ids, command.pin_ttl_s)
+            else:
+                self.engine.add_request(
+                    command.request_id, command.prompt_ids, command.params, command.priority, command.arrival_time
+                )
         except ValueError as error:
             self._deliver(command.request_id, error)
 

@@ -16,7 +16,7 @@ from hyperserve.engine.engine import ContextLengthError
 from hyperserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from hyperserve.sampling_params import SamplingParams
 from hyperserve.server.async_engine import AsyncEngine, RequestStream
-from hyperserve.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+from hyperserve.server.protocol import CacheRequest, ChatCompletionRequest, CompletionRequest, new_id, now
 
 
 class APIError(Exception):
@@ -86,6 +86,35 @@ class OpenAIServing:
         return Job("chat", new_id("chatcmpl"), self.model_name, prompts, params, request.priority,
                    bool(request.stream_options and request.stream_options.include_usage),
                    chat_logprobs=request.logprobs)
+
+    async def pin(self, request: CacheRequest) -> dict[str, Any]:
+        """Compute and pin a prefix's KV; the answer says how many tokens later requests skip."""
+        self._check_model(request.model)
+        if request.messages is not None:
+            if self.tokenizer is None or not self.tokenizer.chat_template:
+                raise APIError(400, "this model has no chat template; pin a prompt instead", param="messages")
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in request.messages]
+            prompt: str | list[int] = list(self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=False, tokenize=True, return_dict=False))
+            param = "messages"
+        else:
+            prompt, param = request.prompt, "prompt"
+        ids = self._prompt_ids(prompt, param)
+        pin_id = new_id("cache")
+        stream = self.engine.submit(pin_id, ids, SamplingParams(max_tokens=1), pin_ttl_s=request.ttl)
+        try:
+            async for _ in stream:
+                pass
+        except ValueError as error:
+            raise APIError(400, str(error)) from error
+        finally:
+            stream.close()
+        pin = self.engine.engine.kv_cache.pins.get(pin_id)
+        if pin is None:
+            raise APIError(503, "the prefix could not be pinned", type_="service_unavailable")
+        return {"id": pin_id, "object": "cache", "model": self.model_name, "prompt_tokens": len(ids),
+                "cached_tokens": pin.num_tokens, "expires_at": int(pin.expires_at)}
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

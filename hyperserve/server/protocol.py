@@ -121,6 +121,24 @@ class ChatCompletionRequest(_SamplingRequest):
                 for m in self.messages]
 
 
+class CacheRequest(BaseModel):
+    """POST /v1/cache: pin the KV of a prompt (or of messages rendered without a generation
+    prompt, e.g. a system message) for `ttl` seconds."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    ttl: float = Field(default=300, gt=0, le=7 * 86400)
+
+    @model_validator(mode="after")
+    def _check(self) -> CacheRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

@@ -83,3 +83,44 @@ def test_n_samples_compute_the_prompt_once(cached_llm, smollm2_tokenizer):
     # Sample 0 computes the prompt; samples 1 and 2 wait for it, then take all its full blocks.
     full_blocks_tokens = (len(prompt) - 1) // BLOCK * BLOCK
     assert kv.num_hit_tokens - hits_before == 2 * full_blocks_tokens
+
+
+def _pressure(llm: LLM, seed: int) -> None:
+    """Fill a 40-block pool several times over with prompts sharing nothing with the document."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(150)] for _ in range(6)]
+    llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_pinned_document_survives_pressure_until_its_ttl(system_prompt, smollm2_tokenizer, pinned):
+    llm = LLM(num_kv_blocks=40, block_size=BLOCK, max_model_len=600)
+    question = smollm2_tokenizer(" Question: what is rule one?").input_ids
+    if pinned:
+        pin_id, num_pinned = llm.pin_prefix(system_prompt, ttl_s=3600)
+        assert num_pinned == len(system_prompt) // BLOCK * BLOCK
+    else:
+        llm.generate([system_prompt], SamplingParams(max_tokens=1), use_tqdm=False)  # cached, not pinned
+    _pressure(llm, seed=1)
+    out = llm.generate([system_prompt + question], SamplingParams(max_tokens=4), use_tqdm=False)[0]
+    if not pinned:
+        assert out.metrics.num_cached_tokens == 0  # evicted: the control for the pinned case
+        return
+    assert out.metrics.num_cached_tokens >= num_pinned
+    llm.engine.kv_cache.pins[pin_id].expires_at = 0  # the TTL ends
+    _pressure(llm, seed=2)
+    assert pin_id not in llm.engine.kv_cache.pins
+    out = llm.generate([system_prompt + question], SamplingParams(max_tokens=4), use_tqdm=False)[0]
+    assert out.metrics.num_cached_tokens == 0
+    assert llm.engine.kv_cache.num_free_blocks == 40
+
+
+def test_unpin_releases_the_blocks(cached_llm, system_prompt):
+    kv = cached_llm.engine.kv_cache
+    free_before = kv.num_free_blocks
+    pin_id, num_pinned = cached_llm.pin_prefix(system_prompt, ttl_s=60)
+    assert kv.num_free_blocks == free_before - num_pinned // BLOCK
+    assert cached_llm.unpin_prefix(pin_id) and not cached_llm.unpin_prefix(pin_id)
+    assert kv.num_free_blocks == free_before

@@ -132,3 +132,21 @@ def test_usage_reports_cached_prompt_tokens(client):
     second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
     assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens_details.cached_tokens
+
+
+def test_pinned_system_prompt_via_cache_endpoint(server, client):
+    import httpx
+
+    system = {"role": "system", "content": "You are a librarian. Recommend one book per answer. " * 20}
+    r = httpx.post(f"{server.url}/v1/cache", json={"messages": [system], "ttl": 600}, timeout=60)
+    assert r.status_code == 200, r.text
+    pin = r.json()
+    assert pin["object"] == "cache" and pin["cached_tokens"] >= pin["prompt_tokens"] - 16 > 0
+    reply = client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0,
+                                           messages=[system, {"role": "user", "content": "A mystery novel?"}])
+    assert reply.usage.prompt_tokens_details.cached_tokens >= pin["cached_tokens"]
+    assert httpx.delete(f"{server.url}/v1/cache/{pin['id']}").json()["deleted"] is True
+    gone = httpx.delete(f"{server.url}/v1/cache/{pin['id']}")
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "cache_not_found"
+    bad = httpx.post(f"{server.url}/v1/cache", json={"prompt": "x", "messages": [system]})
+    assert bad.status_code == 400
