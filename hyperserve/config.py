@@ -48,6 +48,8 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # explicit pool size; overrides kv_cache_memory_gb
     kv_cache_memory_gb: float = 4.0  # memory budget for the KV pool when num_kv_blocks is None
     enable_prefix_caching: bool = True  # reuse the KV of prefixes seen before (--no-prefix-caching)
+    disk_cache_dir: str | None = None  # a disk tier for evicted prefix blocks; None: memory only
+    disk_cache_gb: float = 8.0  # the disk tier's budget
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -24,6 +24,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_disk_cached_tokens: int = 0  # of which the disk tier supplied
 
 
 @dataclass

@@ -13,7 +13,7 @@ written again, so a shared block is never written while shared.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 
 class BlockPool:
@@ -26,6 +26,8 @@ class BlockPool:
         self._hash_of: dict[int, Hashable] = {}  # block id -> its prefix hash
         self._block_of: dict[Hashable, int] = {}  # prefix hash -> block id
         self.num_evictions = 0
+        # Called with (block id, hash) just before a cached block is reused for new data.
+        self.on_evict: Callable[[int, Hashable], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -88,5 +90,7 @@ class BlockPool:
     def _evict(self, block_id: int) -> None:
         block_hash = self._hash_of.pop(block_id, None)
         if block_hash is not None:
+            if self.on_evict is not None:
+                self.on_evict(block_id, block_hash)
             del self._block_of[block_hash]
             self.num_evictions += 1

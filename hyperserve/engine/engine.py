@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from hyperserve.config import EngineConfig
 from hyperserve.engine.detokenizer import IncrementalDetokenizer
+from hyperserve.engine.disk_cache import DiskKVStore, DiskTier
 from hyperserve.engine.kv_cache_manager import KVCacheManager
 from hyperserve.engine.model_runner import ModelRunner, StepResult
 from hyperserve.engine.request import Request, RequestStatus
@@ -55,7 +57,10 @@ class LLMEngine:
             seed=config.model.seed,
         )
         self.runner = ModelRunner(model, config, num_blocks)
-        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                       self._disk_tier())
+        if self.kv_cache.lower_tier is not None:
+            self.kv_cache.pool.on_evict = self.kv_cache.lower_tier.spill
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self._groups: dict[str, _Group] = {}
         self.eos_token_id = self._eos_token_id()
@@ -252,6 +257,14 @@ class LLMEngine:
                 "kv_cache_memory_gb, or lower max_model_len"
             )
         return num_blocks
+
+    def _disk_tier(self) -> DiskTier | None:
+        cache = self.config.cache
+        if cache.disk_cache_dir is None or not cache.enable_prefix_caching:
+            return None
+        namespace = f"{Path(self.config.model.model).name}-{self.config.model.torch_dtype}-bs{cache.block_size}"
+        store = DiskKVStore(cache.disk_cache_dir, namespace, int(cache.disk_cache_gb * 2**30))
+        return DiskTier(store, self.runner.read_block, self.runner.write_block)
 
     def _eos_token_id(self) -> int | None:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -9,9 +9,18 @@ are registered once their KV is written.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from hyperserve.engine.block_pool import BlockPool
 from hyperserve.engine.request import Request
+
+
+class PrefixTier(Protocol):
+    """A lower tier of the prefix cache (the disk): holds blocks by hash, fills pool blocks."""
+
+    def __contains__(self, block_hash: int) -> bool: ...
+
+    def load_into(self, block_hash: int, block_id: int) -> None: ...
 
 
 @dataclass(slots=True)
@@ -24,8 +33,11 @@ class Pin:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, lower_tier: PrefixTier | None = None
+    ) -> None:
         self.block_size = block_size
+        self.lower_tier = lower_tier
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._block_tables: dict[str, list[int]] = {}
@@ -33,7 +45,9 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks registered
         self.pins: dict[str, Pin] = {}
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
-        self.num_hit_tokens = 0  # of which found
+        self.num_hit_tokens = 0  # of which found (in either tier)
+        self.num_lower_tier_hit_tokens = 0  # of which brought back from the lower tier
+        self.last_lower_tier_tokens = 0  # of the last cached_prefix call
 
     @property
     def num_free_blocks(self) -> int:
@@ -52,17 +66,37 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
-        blocks = []
+        blocks: list[int] = []
+        self.last_lower_tier_tokens = 0
         for block_hash in self._hashes(request)[:max_blocks]:
             block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                block_id = self._promote(block_hash, protect=blocks)
             if block_id is None:
                 break
             blocks.append(block_id)
         return blocks
 
+    def _promote(self, block_hash: int, protect: list[int]) -> int | None:
+        """Bring a block back from the lower tier into the pool as an idle cached block, holding
+        `protect` (the prefix found so far) so that making room cannot evict it."""
+        if self.lower_tier is None or block_hash not in self.lower_tier:
+            return None
+        if self.pool.num_free_blocks - sum(1 for b in protect if self.pool.is_idle(b)) < 1:
+            return None
+        for block_id in protect:
+            self.pool.touch(block_id)
+        (block_id,) = self.pool.allocate(1)
+        self.lower_tier.load_into(block_hash, block_id)
+        self.pool.cache(block_id, block_hash)
+        self.pool.free([block_id] + protect[::-1])
+        self.last_lower_tier_tokens += self.block_size
+        return block_id
+
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += num_hit_tokens
+        self.num_lower_tier_hit_tokens += self.last_lower_tier_tokens
 
     def allocate_slots(self, request_id: str, num_tokens: int, cached_blocks: list[int] | None = None) -> bool:
         """Make room for the first `num_tokens` tokens of a request, starting from `cached_blocks`

@@ -58,6 +58,14 @@ class ModelRunner:
         self.shared_generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self._generators: dict[str, torch.Generator] = {}
 
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """Every layer's K and V of one block: [num_layers, 2, block_size, Hkv, D]."""
+        return torch.stack([cache[:, block_id] for cache in self.kv_caches])
+
+    def write_block(self, block_id: int, kv: torch.Tensor) -> None:
+        for layer, cache in enumerate(self.kv_caches):
+            cache[:, block_id].copy_(kv[layer])
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv_cache: KVCacheManager) -> StepResult:
         for request_id in out.finished_ids:

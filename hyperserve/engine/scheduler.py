@@ -98,6 +98,7 @@ class Scheduler:
             self.kv_cache.record_lookup(request.num_tokens, num_cached)
             if request.metrics.first_scheduled_time is None:
                 request.metrics.num_cached_tokens = num_cached
+                request.metrics.num_disk_cached_tokens = self.kv_cache.last_lower_tier_tokens
             request.num_computed_tokens = num_cached
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING

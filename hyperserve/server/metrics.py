@@ -39,7 +39,14 @@ class ServerMetrics:
                                    labels, registry=r)
         self.prefix_evictions = Counter("hyperserve:prefix_cache_evictions", "Cached KV blocks evicted",
                                         labels, registry=r)
-        self._seen = {"queries": 0, "hits": 0, "evictions": 0}  # engine totals already exported
+        self.disk_reads = Counter("hyperserve:prefix_cache_disk_reads", "KV blocks loaded from the disk tier",
+                                  labels, registry=r)
+        self.disk_writes = Counter("hyperserve:prefix_cache_disk_writes", "KV blocks written to the disk tier",
+                                   labels, registry=r)
+        self._counters = {"queries": self.prefix_queries, "hits": self.prefix_hits,
+                          "evictions": self.prefix_evictions, "disk_reads": self.disk_reads,
+                          "disk_writes": self.disk_writes}
+        self._seen = dict.fromkeys(self._counters, 0)  # engine totals already exported
         self.model_name = model_name
         self._last_token_time: dict[str, float] = {}  # request id -> when its last token came out
 
@@ -50,9 +57,10 @@ class ServerMetrics:
         self.waiting.labels(m).set(engine.num_waiting)
         self.kv_usage.labels(m).set(engine.kv_cache.usage)
         kv = engine.kv_cache
-        totals = {"queries": kv.num_queried_tokens, "hits": kv.num_hit_tokens, "evictions": kv.pool.num_evictions}
-        for key, counter in (("queries", self.prefix_queries), ("hits", self.prefix_hits),
-                             ("evictions", self.prefix_evictions)):
+        disk = kv.lower_tier.store if kv.lower_tier is not None else None
+        totals = {"queries": kv.num_queried_tokens, "hits": kv.num_hit_tokens, "evictions": kv.pool.num_evictions,
+                  "disk_reads": disk.num_reads if disk else 0, "disk_writes": disk.num_writes if disk else 0}
+        for key, counter in self._counters.items():
             counter.labels(m).inc(totals[key] - self._seen[key])
         self._seen = totals
         now = time.time()

@@ -223,9 +223,11 @@ class OpenAIServing:
         prompt_tokens = sum(len(p) for p in job.prompts)
         completion_tokens = sum(len(c.token_ids) for f in job.finals if f for c in f.outputs)
         cached_tokens = sum(f.metrics.num_cached_tokens for f in job.finals if f)
+        disk_tokens = sum(f.metrics.num_disk_cached_tokens for f in job.finals if f)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+                # cached_tokens as OpenAI reports it; disk_cached_tokens: the part the disk tier served
+                "prompt_tokens_details": {"cached_tokens": cached_tokens, "disk_cached_tokens": disk_tokens}}
 
     # ---- formatting ----------------------------------------------------------------------------
 

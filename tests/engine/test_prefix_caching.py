@@ -124,3 +124,25 @@ def test_unpin_releases_the_blocks(cached_llm, system_prompt):
     assert kv.num_free_blocks == free_before - num_pinned // BLOCK
     assert cached_llm.unpin_prefix(pin_id) and not cached_llm.unpin_prefix(pin_id)
     assert kv.num_free_blocks == free_before
+
+
+def test_disk_tier_serves_evicted_prefixes_across_a_restart(tmp_path, system_prompt, smollm2_tokenizer):
+    question = smollm2_tokenizer(" Question: which rule applies?").input_ids
+    prompt = system_prompt + question
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reference = LLM(num_kv_blocks=40, block_size=BLOCK, max_model_len=600, enable_prefix_caching=False)
+    expected = reference.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    options = dict(num_kv_blocks=40, block_size=BLOCK, max_model_len=600, disk_cache_dir=str(tmp_path))
+    llm = LLM(**options)
+    llm.generate([system_prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    _pressure(llm, seed=3)  # evicts the document's blocks: they spill to disk
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    full = len(system_prompt) // BLOCK * BLOCK
+    assert out.metrics.num_disk_cached_tokens >= full - BLOCK and out.metrics.num_cached_tokens >= full - BLOCK
+    assert out.outputs[0].token_ids == expected
+
+    restarted = LLM(**options)  # a new engine, an empty pool: only the disk remembers
+    out = restarted.generate([prompt], params, use_tqdm=False)[0]
+    assert out.metrics.num_disk_cached_tokens >= full - BLOCK
+    assert out.outputs[0].token_ids == expected
