@@ -132,11 +132,13 @@ def test_overload_gets_429_with_retry_after_and_nothing_leaks(server):
 
 
 def test_metrics_are_exported_with_vllm_names(server):
+    assert post(server, "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
                  "request_queue_time_seconds", "prompt_tokens_total", "generation_tokens_total",
                  "num_preemptions_total", "request_success_total", "num_requests_running",
-                 "num_requests_waiting", "kv_cache_usage_perc"):
+                 "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "prefix_cache_evictions_total"):
         assert f"hyperserve:{name}" in text
     assert server.metric("generation_tokens_total") > 0
 
