@@ -60,8 +60,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> None:
     engine = _engine(args)
-    if engine.tokenizer is None or not engine.tokenizer.chat_template:
-        sys.exit("this model has no chat template")
     messages = [{"role": "system", "content": args.system}] if args.system else []
     params = _sampling_params(args)
     print("Chatting with", args.model, "- /reset clears the conversation, Ctrl-D quits.", file=sys.stderr)
@@ -77,12 +75,9 @@ def cmd_chat(args: argparse.Namespace) -> None:
         if not user.strip():
             continue
         messages.append({"role": "user", "content": user})
-        prompt = list(engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        ))
         try:
-            answer = stream(engine, prompt, params)
-        except ValueError as error:  # e.g. the conversation outgrew the context
+            answer = stream(engine, engine.apply_chat_template(messages), params)
+        except ValueError as error:  # no chat template, or the conversation outgrew the context
             print(f"error: {error}", file=sys.stderr)
             messages.pop()
             continue

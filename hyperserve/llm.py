@@ -78,10 +78,7 @@ class LLM:
         return self.engine.unpin_prefix(pin_id)
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
-        if self.tokenizer is None or not self.tokenizer.chat_template:
-            raise ValueError("this model has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return list(ids)
+        return self.engine.apply_chat_template(messages)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

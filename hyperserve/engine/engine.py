@@ -126,6 +126,19 @@ class LLMEngine:
         for request in samples:
             self.scheduler.add_request(request)
 
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation through the model's own chat template; ValueError if the
+        model has none or the conversation does not fit it (roles out of order, say)."""
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            )
+        except Exception as error:  # jinja raises its own types for template errors
+            raise ValueError(f"cannot apply the chat template: {error}") from error
+        return list(ids)
+
     def pin_prefix(self, request_id: str, prompt: str | list[int], ttl_s: float) -> None:
         """Compute a prompt's KV and keep it cached for `ttl_s` seconds, safe from eviction.
 
@@ -176,11 +189,7 @@ class LLMEngine:
                 request.metrics.first_token_time = now
             if request.logprobs is not None:
                 request.logprobs.append(self._logprobs(result, rows[request.request_id], request))
-            params = request.sampling_params
-            is_stop_token = token_id in params.stop_token_ids or (
-                token_id == request.eos_token_id and not params.ignore_eos
-            )
-            if request.detokenizer is not None and not is_stop_token:
+            if request.detokenizer is not None and not request.is_stop_token(token_id):
                 if request.detokenizer.add_token(token_id) and not request.is_finished:
                     request.stop_reason = request.detokenizer.stop_reason
                     self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)

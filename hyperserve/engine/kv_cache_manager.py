@@ -46,8 +46,6 @@ class KVCacheManager:
         self.pins: dict[str, Pin] = {}
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # of which found (in either tier)
-        self.num_lower_tier_hit_tokens = 0  # of which brought back from the lower tier
-        self.last_lower_tier_tokens = 0  # of the last cached_prefix call
 
     @property
     def num_free_blocks(self) -> int:
@@ -60,22 +58,23 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def cached_prefix(self, request: Request) -> list[int]:
+    def cached_prefix(self, request: Request) -> tuple[list[int], int]:
         """Blocks of the longest cached prefix of the request's tokens, leaving at least one
-        token to compute (its logits are needed)."""
+        token to compute (its logits are needed), and how many of them the lower tier supplied."""
         if not self.enable_prefix_caching:
-            return []
+            return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[int] = []
-        self.last_lower_tier_tokens = 0
+        num_promoted = 0
         for block_hash in self._hashes(request)[:max_blocks]:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 block_id = self._promote(block_hash, protect=blocks)
+                num_promoted += block_id is not None
             if block_id is None:
                 break
             blocks.append(block_id)
-        return blocks
+        return blocks, num_promoted
 
     def _promote(self, block_hash: int, protect: list[int]) -> int | None:
         """Bring a block back from the lower tier into the pool as an idle cached block, holding
@@ -90,13 +89,11 @@ class KVCacheManager:
         self.lower_tier.load_into(block_hash, block_id)
         self.pool.cache(block_id, block_hash)
         self.pool.free([block_id] + protect[::-1])
-        self.last_lower_tier_tokens += self.block_size
         return block_id
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += num_hit_tokens
-        self.num_lower_tier_hit_tokens += self.last_lower_tier_tokens
 
     def allocate_slots(self, request_id: str, num_tokens: int, cached_blocks: list[int] | None = None) -> bool:
         """Make room for the first `num_tokens` tokens of a request, starting from `cached_blocks`
@@ -109,10 +106,11 @@ class KVCacheManager:
             if not table:
                 del self._block_tables[request_id]
             return False
-        for block_id in cached_blocks:
-            self.pool.touch(block_id)
-        table.extend(cached_blocks)
-        self._num_registered[request_id] = max(self._num_registered.get(request_id, 0), len(cached_blocks))
+        if cached_blocks:  # only a request with no blocks yet takes a cached prefix
+            for block_id in cached_blocks:
+                self.pool.touch(block_id)
+            table.extend(cached_blocks)
+            self._num_registered[request_id] = len(cached_blocks)  # already in the cache
         if num_new > 0:
             table.extend(self.pool.allocate(num_new))
         return True
@@ -133,7 +131,7 @@ class KVCacheManager:
 
     def pin(self, request: Request, expires_at: float) -> Pin:
         """Keep the request's registered full blocks cached (not evictable) until `expires_at`."""
-        num_blocks = self._num_registered.get(request.request_id, 0) if self.enable_prefix_caching else 0
+        num_blocks = self._num_registered.get(request.request_id, 0)
         block_ids = self._block_tables.get(request.request_id, [])[:num_blocks]
         for block_id in block_ids:
             self.pool.touch(block_id)

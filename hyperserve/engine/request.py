@@ -80,6 +80,11 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.is_finished else None
 
+    def is_stop_token(self, token_id: int) -> bool:
+        """EOS (unless ignored) or one of the request's stop_token_ids: ends it, never shown as text."""
+        params = self.sampling_params
+        return token_id in params.stop_token_ids or (token_id == self.eos_token_id and not params.ignore_eos)
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

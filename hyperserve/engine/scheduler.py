@@ -90,7 +90,7 @@ class Scheduler:
                 break
             if _waits_for_sibling(request):
                 continue
-            cached_blocks = self.kv_cache.cached_prefix(request)
+            cached_blocks, num_from_disk = self.kv_cache.cached_prefix(request)
             num_cached = len(cached_blocks) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv_cache.allocate_slots(request.request_id, num_cached + num_new, cached_blocks):
@@ -98,7 +98,7 @@ class Scheduler:
             self.kv_cache.record_lookup(request.num_tokens, num_cached)
             if request.metrics.first_scheduled_time is None:
                 request.metrics.num_cached_tokens = num_cached
-                request.metrics.num_disk_cached_tokens = self.kv_cache.last_lower_tier_tokens
+                request.metrics.num_disk_cached_tokens = num_from_disk * self.kv_cache.block_size
             request.num_computed_tokens = num_cached
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
@@ -147,11 +147,8 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
-        if token_id == request.eos_token_id and not params.ignore_eos:
-            request.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
-            request.stop_reason = token_id
+        if request.is_stop_token(token_id):
+            request.stop_reason = token_id if token_id in params.stop_token_ids else None  # None: EOS
             return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH

@@ -16,7 +16,14 @@ from hyperserve.engine.engine import ContextLengthError
 from hyperserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from hyperserve.sampling_params import SamplingParams
 from hyperserve.server.async_engine import AsyncEngine, RequestStream
-from hyperserve.server.protocol import CacheRequest, ChatCompletionRequest, CompletionRequest, new_id, now
+from hyperserve.server.protocol import (
+    CacheRequest,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    new_id,
+    now,
+)
 
 
 class APIError(Exception):
@@ -56,7 +63,6 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.max_queue = max_queue
-        self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
 
     # ---- requests -> jobs --------------------------------------------------------------------
@@ -71,15 +77,7 @@ class OpenAIServing:
 
     def prepare_chat(self, request: ChatCompletionRequest) -> Job:
         self._check_model(request.model)
-        if self.tokenizer is None or not self.tokenizer.chat_template:
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        try:
-            ids = list(self.tokenizer.apply_chat_template(
-                request.template_messages(), add_generation_prompt=True, tokenize=True, return_dict=False
-            ))
-        except Exception as error:  # template errors (roles out of order, bad content) are client errors
-            raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from error
-        prompts = [self._prompt_ids(ids, "messages")]
+        prompts = [self._prompt_ids(self._chat_ids(request.messages, add_generation_prompt=True), "messages")]
         max_tokens = request.max_completion_tokens or request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self._params(request, max_tokens, logprobs, prompts)
@@ -91,12 +89,8 @@ class OpenAIServing:
         """Compute and pin a prefix's KV; the answer says how many tokens later requests skip."""
         self._check_model(request.model)
         if request.messages is not None:
-            if self.tokenizer is None or not self.tokenizer.chat_template:
-                raise APIError(400, "this model has no chat template; pin a prompt instead", param="messages")
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in request.messages]
-            prompt: str | list[int] = list(self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=False, tokenize=True, return_dict=False))
+            # No generation prompt: the rendered messages are a prefix of later conversations.
+            prompt: str | list[int] = self._chat_ids(request.messages, add_generation_prompt=False)
             param = "messages"
         else:
             prompt, param = request.prompt, "prompt"
@@ -115,6 +109,12 @@ class OpenAIServing:
             raise APIError(503, "the prefix could not be pinned", type_="service_unavailable")
         return {"id": pin_id, "object": "cache", "model": self.model_name, "prompt_tokens": len(ids),
                 "cached_tokens": pin.num_tokens, "expires_at": int(pin.expires_at)}
+
+    def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        try:
+            return self.engine.engine.apply_chat_template([m.for_template() for m in messages], add_generation_prompt)
+        except ValueError as error:  # no template, unsupported content, roles the template rejects
+            raise APIError(400, str(error), param="messages") from error
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

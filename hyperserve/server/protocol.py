@@ -109,16 +109,16 @@ class ChatMessage(BaseModel):
             parts.append(part.get("text", ""))
         return "".join(parts)
 
+    def for_template(self) -> dict[str, str]:
+        """As a chat template takes it; `developer` is OpenAI's newer name for `system`."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=SamplingParams.MAX_LOGPROBS)
-
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
 
 
 class CacheRequest(BaseModel):

@@ -51,7 +51,7 @@ def _request(request_id: str, tokens: list[int]):
 
 def _compute(kv: KVCacheManager, request) -> None:
     """Admit a request with its cached prefix and mark all its tokens computed."""
-    cached = kv.cached_prefix(request)
+    cached = kv.cached_prefix(request)[0]
     assert kv.allocate_slots(request.request_id, request.num_tokens, cached)
     request.num_computed_tokens = request.num_tokens
     kv.register_computed(request)
@@ -62,17 +62,17 @@ def test_a_shared_prefix_reuses_full_blocks_only():
     first = _request("a", list(range(10)))  # 2 full blocks + 2 tokens
     _compute(kv, first)
     second = _request("b", list(range(9)) + [99, 98])  # shares 9 tokens: 2 full blocks
-    cached = kv.cached_prefix(second)
+    cached = kv.cached_prefix(second)[0]
     assert cached == kv.block_table("a")[:2]
     third = _request("c", [7] + list(range(1, 12)))  # differs in the first token: nothing
-    assert kv.cached_prefix(third) == []
+    assert kv.cached_prefix(third)[0] == []
 
 
 def test_at_least_one_token_is_left_to_compute():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     _compute(kv, _request("a", list(range(8))))
     again = _request("b", list(range(8)))  # identical 2-block prompt
-    assert len(kv.cached_prefix(again)) == 1
+    assert len(kv.cached_prefix(again)[0]) == 1
 
 
 def test_freed_blocks_stay_cached_until_the_pool_needs_them_lru_first():
@@ -84,8 +84,8 @@ def test_freed_blocks_stay_cached_until_the_pool_needs_them_lru_first():
     assert kv.num_free_blocks == 4 and kv.pool.num_cached_blocks == 4
     _compute(kv, _request("x", [3] * 5))  # needs 2 blocks: the least recently freed go
     assert kv.pool.num_evictions == 2
-    assert kv.cached_prefix(_request("q", [1] * 9)) == []  # "old" was evicted
-    assert len(kv.cached_prefix(_request("q2", [2] * 9))) == 2  # "new" survived
+    assert kv.cached_prefix(_request("q", [1] * 9))[0] == []  # "old" was evicted
+    assert len(kv.cached_prefix(_request("q2", [2] * 9))[0]) == 2  # "new" survived
 
 
 def test_blocks_in_use_are_never_evicted():
@@ -95,7 +95,7 @@ def test_blocks_in_use_are_never_evicted():
     kv.free("other")
     assert not kv.allocate_slots("big", 12)  # 3 blocks: only 2 can be freed up
     assert kv.allocate_slots("fits", 8)
-    assert len(kv.cached_prefix(_request("probe", [5] * 9))) == 2  # still cached and held
+    assert len(kv.cached_prefix(_request("probe", [5] * 9))[0]) == 2  # still cached and held
 
 
 def test_taking_an_idle_cached_block_counts_against_free_blocks():
@@ -103,7 +103,7 @@ def test_taking_an_idle_cached_block_counts_against_free_blocks():
     _compute(kv, _request("a", [1] * 8))
     kv.free("a")  # 3 free, 2 of them cached
     request = _request("b", [1] * 8 + [2] * 5)
-    cached = kv.cached_prefix(request)
+    cached = kv.cached_prefix(request)[0]
     assert len(cached) == 2
     assert not kv.allocate_slots("b", 13, cached)  # needs 2 new + the 2 cached: 4 > 3
     assert kv.num_free_blocks == 3  # nothing was taken

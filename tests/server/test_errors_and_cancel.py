@@ -46,6 +46,12 @@ def test_chat_without_messages_gets_400(server):
     assert_error(post(server, "/v1/chat/completions", json={"messages": []}), 400, "messages")
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/cache"])
+def test_unsupported_content_parts_get_400(server, path):
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}
+    assert_error(post(server, path, json={"messages": [image]}), 400, "messages", contains="image_url")
+
+
 def test_prompt_longer_than_the_context_gets_400_naming_the_limit(server):
     r = post(server, "/v1/completions", json={"prompt": "hello " * 9000, "max_tokens": 4})
     assert_error(r, 400, "prompt", contains="8192")
