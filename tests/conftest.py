@@ -13,6 +13,10 @@ from hyperserve.models.registry import resolve_model
 
 SMOLLM2 = "smollm2-135m"
 
+# Parametrise a test over these to run it on CUDA too; the CUDA case skips cleanly without a GPU.
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",

@@ -137,8 +137,11 @@ def _undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
+@torch.no_grad()
 def _init_random(model: LlamaForCausalLM, config: PretrainedConfig, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
+    """Drawn on the model's device (seconds for 8B parameters on a GPU, not minutes on the CPU)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
     std = getattr(config, "initializer_range", 0.02)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -146,8 +149,7 @@ def _init_random(model: LlamaForCausalLM, config: PretrainedConfig, seed: int) -
         elif name.endswith("bias"):
             param.zero_()
         else:
-            cpu = torch.empty(param.shape, dtype=torch.float32).normal_(0, std, generator=generator)
-            param.copy_(cpu)
+            param.normal_(0, std, generator=generator)
 
 
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:

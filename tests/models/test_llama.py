@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hyperserve import LLM, SamplingParams
-from tests.conftest import tiny_config
+from tests.conftest import DEVICES, tiny_config
 
 ARCHS = {
     "llama": {},
@@ -23,16 +23,18 @@ ARCHS = {
 
 def _hf_logprobs(hf_model, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        logits = hf_model(torch.tensor([token_ids])).logits[0].float()
+        logits = hf_model(torch.tensor([token_ids], device=hf_model.device)).logits[0].float().cpu()
     return torch.log_softmax(logits, dim=-1)  # [L, V]
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
 @pytest.mark.parametrize("max_num_batched_tokens", [512, 7])  # one prefill, or chunks of 7
-def test_logprobs_match_transformers(name, max_num_batched_tokens, save_hf_model):
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_match_transformers(name, max_num_batched_tokens, device, save_hf_model):
     arch = name.split("-")[0]
     hf_model, path = save_hf_model(tiny_config(arch, **ARCHS[name]))
-    llm = LLM(model=path, num_kv_blocks=64, block_size=4, max_model_len=128,
+    hf_model.to(device)
+    llm = LLM(model=path, num_kv_blocks=64, block_size=4, max_model_len=128, device=device, dtype="float32",
               max_num_batched_tokens=max_num_batched_tokens)
     prompts = [[int(t) for t in torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))]
                for n in (5, 23, 40)]
