@@ -74,17 +74,61 @@ class SchedulerConfig:
             )
 
 
+SPECULATIVE_METHODS = ("ngram", "draft", "self")
+
+
+@dataclass
+class SpeculativeConfig:
+    speculative_method: str | None = None  # ngram | draft | self; None: no speculation
+    num_speculative_tokens: int = 4  # the most tokens proposed per step (fewer when acceptance is low)
+    draft_model: str | None = None  # for method=draft: a smaller model with the target's tokenizer
+    self_draft_layers: int | None = None  # for method=self: the target's first layers that draft (None: half)
+    ngram_max: int = 4  # for method=ngram: the longest suffix looked up in the prompt and output
+    ngram_min: int = 1  # ... and the shortest
+    speculative_max_batch: int = 4  # no speculation while more requests than this are decoding
+
+    def __post_init__(self) -> None:
+        if self.speculative_method not in (None, *SPECULATIVE_METHODS):
+            raise ValueError(
+                f"speculative_method must be one of {SPECULATIVE_METHODS}, got {self.speculative_method!r}"
+            )
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if self.speculative_method == "draft" and not self.draft_model:
+            raise ValueError("speculative_method='draft' needs draft_model (--draft-model)")
+        if self.draft_model and self.speculative_method != "draft":
+            raise ValueError("draft_model is only used with speculative_method='draft'")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if self.self_draft_layers is not None and self.self_draft_layers < 1:
+            raise ValueError(f"self_draft_layers must be at least 1, got {self.self_draft_layers}")
+
+
+# LLM(speculative={"method": ..., "num_tokens": ...}): the dict's short keys -> SpeculativeConfig fields
+_SPECULATIVE_KEYS = {"method": "speculative_method", "num_tokens": "num_speculative_tokens",
+                     "model": "draft_model", "draft_model": "draft_model", "num_layers": "self_draft_layers",
+                     "ngram_max": "ngram_max", "ngram_min": "ngram_min", "max_batch": "speculative_max_batch"}
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
-    SECTIONS = ("model", "cache", "scheduler")
+    SECTIONS = ("model", "cache", "scheduler", "speculative")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Split flat keyword arguments (as `LLM(...)` takes them) into the section dataclasses."""
+        """Split flat keyword arguments (as `LLM(...)` takes them) into the section dataclasses.
+
+        `speculative={"method": "ngram", "num_tokens": 4}` is the short form of the
+        speculative_* fields."""
+        for key, value in (kwargs.pop("speculative", None) or {}).items():
+            if key not in _SPECULATIVE_KEYS:
+                raise TypeError(f"unknown speculative option {key!r}; valid: {sorted(_SPECULATIVE_KEYS)}")
+            kwargs[_SPECULATIVE_KEYS[key]] = value
         sections: dict[str, dict[str, Any]] = {name: {} for name in cls.SECTIONS}
         owner = {f.name: name for name, sec in _section_types().items() for f in dataclasses.fields(sec)}
         unknown = sorted(set(kwargs) - set(owner))
@@ -96,7 +140,8 @@ class EngineConfig:
 
 
 def _section_types() -> dict[str, type]:
-    return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+    return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+            "speculative": SpeculativeConfig}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -25,6 +25,8 @@ class RequestMetrics:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_disk_cached_tokens: int = 0  # of which the disk tier supplied
+    num_draft_tokens: int = 0  # speculative decoding: tokens proposed for this request
+    num_accepted_tokens: int = 0  # of which the target accepted
 
 
 @dataclass

@@ -1,6 +1,9 @@
 """LLMEngine: the step loop and the streaming interface (add_request, step, abort_request).
 
-    step():  schedule -> run the model (prepare inputs, forward, sample) -> update -> emit
+    step():  schedule -> run the model (prepare inputs, forward, sample) -> update -> emit -> propose
+
+With speculative decoding on, "propose" drafts tokens for the decoding requests and the next
+step's forward pass verifies them beside everything else.
 
 Each call to `step` runs one forward pass over every scheduled token and returns a RequestOutput
 for each request that made visible progress. A request with n > 1 runs as n sequences that share
@@ -20,8 +23,10 @@ from hyperserve.engine.kv_cache_manager import KVCacheManager
 from hyperserve.engine.model_runner import ModelRunner, StepResult
 from hyperserve.engine.request import Request, RequestStatus
 from hyperserve.engine.scheduler import Scheduler
+from hyperserve.engine.speculative import build_proposer, num_tokens_to_propose
 from hyperserve.layers.attention import attention_backend
 from hyperserve.models import loader
+from hyperserve.models.llama import LlamaForCausalLM
 from hyperserve.models.registry import resolve_model
 from hyperserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hyperserve.sampling_params import SamplingParams
@@ -62,6 +67,9 @@ class LLMEngine:
         if self.kv_cache.lower_tier is not None:
             self.kv_cache.pool.on_evict = self.kv_cache.lower_tier.spill
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        spec = config.speculative
+        draft = self._load_draft(spec.draft_model) if spec.speculative_method == "draft" else None
+        self.proposer = build_proposer(spec, self.runner, self.kv_cache, draft) if spec.speculative_method else None
         self._groups: dict[str, _Group] = {}
         self.eos_token_id = self._eos_token_id()
 
@@ -79,9 +87,11 @@ class LLMEngine:
         for request in out.requests:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
+        num_before = {r.request_id: r.num_output_tokens for r in out.requests}
         result = self.runner.execute(out, self.kv_cache)
         updated = self.scheduler.update_from_output(out, result.token_ids_by_request())
-        self._process_outputs(updated, result)
+        self._process_outputs(updated, result, num_before)
+        self._propose()
         return [self._group_output(pid) for pid in dict.fromkeys(_group_id(r) for r in updated)]
 
     # ---- the streaming interface ---------------------------------------------------------
@@ -180,26 +190,62 @@ class LLMEngine:
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _process_outputs(self, updated: list[Request], result: StepResult) -> None:
+    def _process_outputs(self, updated: list[Request], result: StepResult, num_before: dict[str, int]) -> None:
         now = time.time()
-        rows = {r.request_id: i for i, r in enumerate(result.requests)}
+        first_row, row = {}, 0
+        for request, tokens in zip(result.requests, result.token_ids):
+            first_row[request.request_id] = row
+            row += len(tokens)
         for request in updated:
-            token_id = request.output_token_ids[-1]
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-            if request.logprobs is not None:
-                request.logprobs.append(self._logprobs(result, rows[request.request_id], request))
-            if request.detokenizer is not None and not request.is_stop_token(token_id):
-                if request.detokenizer.add_token(token_id) and not request.is_finished:
-                    request.stop_reason = request.detokenizer.stop_reason
-                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            start = num_before[request.request_id]
+            for i, token_id in enumerate(request.output_token_ids[start:]):
+                if request.logprobs is not None:
+                    request.logprobs.append(self._logprobs(result, first_row[request.request_id] + i, request))
+                if request.detokenizer is None or request.is_stop_token(token_id):
+                    continue
+                if request.detokenizer.add_token(token_id):
+                    request.discard_output_after(start + i + 1)  # drafts accepted past the stop string
+                    if not request.is_finished:
+                        request.stop_reason = request.detokenizer.stop_reason
+                        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                    break
             if request.is_finished:
                 request.metrics.finished_time = now
 
+    def _propose(self) -> None:
+        """Speculative decoding: draft tokens for decoding requests, verified by the next step.
+        Off while the batch is large: then decode is compute-bound and verifying drafts costs
+        about as much as decoding them."""
+        if self.proposer is None or len(self.scheduler.running) > self.config.speculative.speculative_max_batch:
+            return
+        requests, num_tokens = [], []
+        for request in self.scheduler.running:
+            if request.num_computed_tokens != request.num_tokens - 1:
+                continue  # still prefilling
+            params = request.sampling_params
+            room = self.max_model_len - request.num_tokens
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - request.num_output_tokens - 1)
+            limit = min(self.config.speculative.num_speculative_tokens, room)
+            k = min(num_tokens_to_propose(request.acceptance, limit, self.proposer.draft_cost), limit)
+            if k > 0 and self.kv_cache.allocate_slots(request.request_id, request.num_tokens + k):
+                requests.append(request)
+                num_tokens.append(k)
+            else:
+                request.acceptance.steps_without += 1
+        if not requests:
+            return
+        for request, proposal in zip(requests, self.proposer.propose(requests, num_tokens)):
+            request.spec_token_ids, request.spec_probs = proposal.token_ids, proposal.probs
+            request.acceptance.steps_without = 0
+            self.kv_cache.trim(request.request_id, request.num_tokens + len(proposal.token_ids))
+
     def _logprobs(self, result: StepResult, row: int, request: Request) -> dict[int, Logprob]:
-        out = result.output
+        out = result.logprobs
         num = request.sampling_params.logprobs or 0
-        token_id = int(result.output.token_ids[row])
+        token_id = int(out.token_ids[row])
         entries = {token_id: (float(out.sampled_logprobs[row]), int(out.sampled_ranks[row]))}
         top_ids = out.top_token_ids[row, :num].tolist()
         top_values = out.top_logprobs[row, :num].tolist()
@@ -274,6 +320,27 @@ class LLMEngine:
         namespace = f"{Path(self.config.model.model).name}-{self.config.model.torch_dtype}-bs{cache.block_size}"
         store = DiskKVStore(cache.disk_cache_dir, namespace, int(cache.disk_cache_gb * 2**30))
         return DiskTier(store, self.runner.read_block, self.runner.write_block)
+
+    def _load_draft(self, name: str) -> LlamaForCausalLM:
+        """A draft model for speculative decoding: it must share the target's tokenizer."""
+        source = resolve_model(name)
+        config = loader.load_config(source)
+        draft_tokenizer = loader.load_tokenizer(source)
+        same_vocab = config.vocab_size == self.hf_config.vocab_size and (
+            draft_tokenizer is None or self.tokenizer is None
+            or draft_tokenizer.get_vocab() == self.tokenizer.get_vocab()
+        )
+        if not same_vocab:
+            raise ValueError(f"draft model {name!r} does not share the target model's tokenizer")
+        return loader.build_model(
+            config,
+            None if self.config.model.load_format == "random" else source,
+            backend=attention_backend(self.config.model.device),
+            max_position=self.max_model_len,
+            dtype=self.config.model.torch_dtype,
+            device=self.config.model.device,
+            seed=self.config.model.seed + 1,
+        )
 
     def _eos_token_id(self) -> int | None:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -115,6 +115,14 @@ class KVCacheManager:
             table.extend(self.pool.allocate(num_new))
         return True
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Return the blocks past the first `num_tokens` tokens (rejected draft tokens' KV)."""
+        table = self._block_tables[request_id]
+        keep = max(self.num_blocks_for(num_tokens), self._num_registered.get(request_id, 0))
+        if len(table) > keep:
+            self.pool.free(table[keep:][::-1])
+            del table[keep:]
+
     def register_computed(self, request: Request) -> None:
         """Offer the request's blocks that are full and computed to the prefix cache."""
         if not self.enable_prefix_caching:

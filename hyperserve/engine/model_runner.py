@@ -1,7 +1,8 @@
 """ModelRunner: SchedulerOutput -> flat input tensors and attention metadata -> forward -> sample.
 
 Owns the model, the KV cache tensors and the per-request random generators. Logits are computed
-only for the rows that are sampled (the last new token of each request that reaches its end).
+only for the rows that are sampled: the last new token of each request that reaches its end, and
+with speculation also the rows of its draft tokens, which are verified against them.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import torch
 
 from hyperserve.config import EngineConfig
 from hyperserve.engine.kv_cache_manager import KVCacheManager
+from hyperserve.engine.rejection_sampler import verify_greedy, verify_sampled
 from hyperserve.engine.request import Request
-from hyperserve.engine.sampler import SamplerOutput, SamplingBatch, sample
+from hyperserve.engine.sampler import SamplerOutput, SamplingBatch, gather_logprobs, sample, sampling_probs
 from hyperserve.engine.scheduler import SchedulerOutput
 from hyperserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan, allowed_keys
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
@@ -24,39 +26,49 @@ MIN_DECODE_GROUP = 8
 
 
 @dataclass(slots=True)
+class SeqChunk:
+    """Tokens of one sequence to compute this pass, at positions start, start + 1, ..."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    num_logits: int  # logits are wanted for this many of its last tokens (0: none)
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attn: AttentionMetadata
-    sample_rows: torch.Tensor  # [S] rows whose logits are sampled
-    sampled_requests: list[Request]  # [S]
+    logit_rows: torch.Tensor  # [S] rows whose logits are computed
 
 
 @dataclass(slots=True)
 class StepResult:
-    requests: list[Request]  # those that were sampled, in row order
-    output: SamplerOutput
+    requests: list[Request]  # those that received tokens, in order
+    token_ids: list[list[int]]  # the tokens each received: one, or with speculation up to k + 1
+    logprobs: SamplerOutput | None  # one row per received token, in the same order; None: not asked for
 
-    def token_ids_by_request(self) -> dict[str, int]:
-        ids = self.output.token_ids.tolist()
-        return {r.request_id: t for r, t in zip(self.requests, ids)}
+    def token_ids_by_request(self) -> dict[str, list[int]]:
+        return {r.request_id: t for r, t in zip(self.requests, self.token_ids)}
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig, num_blocks: int) -> None:
         self.model = model
         self.device = torch.device(config.model.device)
+        self.dtype = config.model.torch_dtype
         self.block_size = config.cache.block_size
-        self.sliding_window = model.sliding_window
+        self.num_blocks = num_blocks
         self.vocab_size = model.config.vocab_size
-        hf = model.config
-        shape = (2, num_blocks, self.block_size, hf.num_key_value_heads, head_dim_of(hf))
-        self.kv_caches = [
-            torch.zeros(shape, dtype=config.model.torch_dtype, device=self.device)
-            for _ in range(hf.num_hidden_layers)
-        ]
+        self.kv_caches = self.allocate_kv_caches(model.config)
         self.shared_generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self._generators: dict[str, torch.Generator] = {}
+
+    def allocate_kv_caches(self, hf_config) -> list[torch.Tensor]:
+        """One [2, num_blocks, block_size, Hkv, D] tensor per layer of a model of this config."""
+        shape = (2, self.num_blocks, self.block_size, hf_config.num_key_value_heads, head_dim_of(hf_config))
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(hf_config.num_hidden_layers)]
 
     def read_block(self, block_id: int) -> torch.Tensor:
         """Every layer's K and V of one block: [num_layers, 2, block_size, Hkv, D]."""
@@ -68,17 +80,64 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv_cache: KVCacheManager) -> StepResult:
+        """Run the scheduled tokens (drafts included) and decide each sampled request's new tokens."""
         for request_id in out.finished_ids:
             self._generators.pop(request_id, None)
-        batch = self._prepare(out, kv_cache)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
-        if not batch.sampled_requests:
-            return StepResult([], SamplerOutput(torch.empty(0, dtype=torch.long), None, None, None, None))
-        logits = self.model.compute_logits(hidden[batch.sample_rows])  # [S, V]
-        sampled = sample(logits, self._sampling_batch(batch.sampled_requests), self.shared_generator)
-        return StepResult(batch.sampled_requests, sampled)
+        chunks, rows, sampled = [], [], []
+        for request, num_new in zip(out.requests, out.num_new_tokens):
+            start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+            tokens = request.all_token_ids[start:end]
+            num_drafts = max(0, end - request.num_tokens)  # scheduled draft tokens, verified here
+            num_logits = num_drafts + 1 if end >= request.num_tokens else 0
+            if num_drafts:
+                tokens += request.spec_token_ids[:num_drafts]
+            chunks.append(SeqChunk(tokens, start, kv_cache.block_table(request.request_id), num_logits))
+            rows.extend((request, request.spec_token_ids[:j]) for j in range(num_logits))
+            if num_logits:
+                sampled.append((request, num_drafts))
+        logits = self.forward(chunks)
+        if not sampled:
+            return StepResult([], [], None)
+        batch = self.sampling_batch(rows)
+        if len(rows) == len(sampled):  # no drafts: one batched sample
+            output = sample(logits, batch, self.shared_generator)
+            token_ids = [[t] for t in output.token_ids.tolist()]
+            return StepResult([r for r, _ in sampled], token_ids, output if batch.num_logprobs is not None else None)
+        return self._verify(logits, batch, sampled)
 
-    def _prepare(self, out: SchedulerOutput, kv_cache: KVCacheManager) -> ForwardBatch:
+    def _verify(self, logits: torch.Tensor, batch: SamplingBatch, sampled: list[tuple[Request, int]]) -> StepResult:
+        greedy, probs = sampling_probs(logits, batch)
+        greedy = greedy.tolist()
+        token_ids, emitted_rows, row = [], [], 0
+        for request, num_drafts in sampled:
+            drafts = request.spec_token_ids[:num_drafts]
+            generator = self._generator(request) or self.shared_generator
+            if request.sampling_params.is_greedy:
+                tokens = verify_greedy(greedy[row : row + num_drafts + 1], drafts)
+            else:
+                draft_probs = None if request.spec_probs is None else request.spec_probs[:num_drafts]
+                tokens = verify_sampled(probs[row : row + num_drafts + 1], drafts, draft_probs, generator)
+            token_ids.append(tokens)
+            emitted_rows.extend(range(row, row + len(tokens)))
+            row += num_drafts + 1
+        logprobs = None
+        if batch.num_logprobs is not None:
+            flat = torch.tensor([t for tokens in token_ids for t in tokens], device=self.device)
+            raw = torch.log_softmax(logits[emitted_rows].float(), dim=-1)
+            logprobs = gather_logprobs(flat, raw, batch.num_logprobs)
+        return StepResult([r for r, _ in sampled], token_ids, logprobs)
+
+    def forward(self, chunks: list[SeqChunk], model: LlamaForCausalLM | None = None,
+                kv_caches: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits [sum of num_logits, V] of a flattened batch of chunks; the target model and its
+        KV by default, a draft model (and its own KV, or a prefix of the target's layers) otherwise."""
+        model = model or self.model
+        batch = self._prepare(chunks, model.sliding_window)
+        hidden = model(batch.input_ids, batch.positions, self.kv_caches if kv_caches is None else kv_caches,
+                       batch.attn)
+        return model.compute_logits(hidden[batch.logit_rows])
+
+    def _prepare(self, chunks: list[SeqChunk], sliding_window: int | None) -> ForwardBatch:
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[torch.Tensor] = []
@@ -86,38 +145,34 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lengths: list[int] = []
         prefills: list[PrefillSpan] = []
-        sample_rows: list[int] = []
-        sampled: list[Request] = []
+        logit_rows: list[int] = []
         row = 0
-        for request, num_new in zip(out.requests, out.num_new_tokens):
-            start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
-            table = kv_cache.block_table(request.request_id)
-            input_ids.extend(request.all_token_ids[start:end])
+        for chunk in chunks:
+            num_new = len(chunk.token_ids)
+            start, end = chunk.start, chunk.start + num_new
+            input_ids.extend(chunk.token_ids)
             positions.extend(range(start, end))
-            slot_mapping.append(self._slots(table, start, end))
+            slot_mapping.append(self._slots(chunk.block_table, start, end))
             if num_new == 1:
                 decode_rows.append(row)
-                decode_tables.append(table)
+                decode_tables.append(chunk.block_table)
                 decode_lengths.append(end)
             else:
-                prefills.append(self._prefill_span(row, start, end, table))
-            if end == request.num_tokens:
-                sample_rows.append(row + num_new - 1)
-                sampled.append(request)
+                prefills.append(self._prefill_span(row, start, end, chunk.block_table, sliding_window))
+            logit_rows.extend(range(row + num_new - chunk.num_logits, row + num_new))
             row += num_new
 
         to = self.device
         attn = AttentionMetadata(
             slot_mapping=torch.cat(slot_mapping).to(to),
-            decodes=self._decode_groups(decode_rows, decode_tables, decode_lengths),
+            decodes=self._decode_groups(decode_rows, decode_tables, decode_lengths, sliding_window),
             prefills=prefills,
         )
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=to),
             positions=torch.tensor(positions, dtype=torch.long, device=to),
             attn=attn,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=to),
-            sampled_requests=sampled,
+            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=to),
         )
 
     def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
@@ -125,15 +180,17 @@ class ModelRunner:
         bs = self.block_size
         return torch.tensor([table[p // bs] * bs + p % bs for p in range(start, end)], dtype=torch.long)
 
-    def _prefill_span(self, row: int, start: int, end: int, table: list[int]) -> PrefillSpan:
+    def _prefill_span(self, row: int, start: int, end: int, table: list[int], sliding_window: int | None
+                      ) -> PrefillSpan:
         num_new = end - start
-        if start == 0 and (self.sliding_window is None or num_new <= self.sliding_window):
+        if start == 0 and (sliding_window is None or num_new <= sliding_window):
             return PrefillSpan(row, row + num_new, None, None)
-        mask = allowed_keys(torch.arange(start, end), torch.arange(end), self.sliding_window)
+        mask = allowed_keys(torch.arange(start, end), torch.arange(end), sliding_window)
         blocks = None if start == 0 else torch.tensor(table, dtype=torch.long, device=self.device)
         return PrefillSpan(row, row + num_new, blocks, mask.to(self.device))
 
-    def _decode_groups(self, rows: list[int], tables: list[list[int]], lengths: list[int]) -> list[DecodeGroup]:
+    def _decode_groups(self, rows: list[int], tables: list[list[int]], lengths: list[int],
+                       sliding_window: int | None) -> list[DecodeGroup]:
         """Decodes sorted by context length and cut into groups whose lengths differ by at most
         DECODE_GROUP_SPREAD, so little of each group's gathered context is padding."""
         order = sorted(range(len(rows)), key=lambda i: lengths[i])
@@ -145,21 +202,25 @@ class ModelRunner:
             current.append(i)
         if current:
             groups.append(current)
-        return [self._decode_group([rows[i] for i in g], [tables[i] for i in g], [lengths[i] for i in g])
-                for g in groups]
+        return [self._decode_group([rows[i] for i in g], [tables[i] for i in g], [lengths[i] for i in g],
+                                   sliding_window) for g in groups]
 
-    def _decode_group(self, rows: list[int], tables: list[list[int]], lengths: list[int]) -> DecodeGroup:
+    def _decode_group(self, rows: list[int], tables: list[list[int]], lengths: list[int],
+                      sliding_window: int | None) -> DecodeGroup:
         max_blocks = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
         lengths_t = torch.tensor(lengths).unsqueeze(1)  # [Bd, 1]
         key_positions = torch.arange(max_blocks * self.block_size).unsqueeze(0)  # [1, L]
         mask = key_positions < lengths_t
-        if self.sliding_window is not None:
-            mask &= key_positions >= lengths_t - self.sliding_window
+        if sliding_window is not None:
+            mask &= key_positions >= lengths_t - sliding_window
         to = self.device
         return DecodeGroup(torch.tensor(rows, device=to), padded.to(to), mask[:, None, None, :].to(to))
 
-    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
+    def sampling_batch(self, rows: list[tuple[Request, list[int]]]) -> SamplingBatch:
+        """Sampling parameters of logits rows, each a request and the draft tokens before the row
+        (they count as output tokens for the penalties at that row)."""
+        requests = [r for r, _ in rows]
         params = [r.sampling_params for r in requests]
         to = self.device
         floats = lambda values: torch.tensor(values, dtype=torch.float32, device=to)
@@ -168,9 +229,10 @@ class ModelRunner:
         if any_penalties:
             counts = torch.zeros(len(requests), self.vocab_size, dtype=torch.long)
             prompt_mask = torch.zeros(len(requests), self.vocab_size, dtype=torch.bool)
-            for i, r in enumerate(requests):
-                if r.output_token_ids:
-                    counts[i] = torch.bincount(torch.tensor(r.output_token_ids), minlength=self.vocab_size)
+            for i, (r, drafts) in enumerate(rows):
+                if r.output_token_ids or drafts:
+                    output = torch.tensor(r.output_token_ids + drafts)
+                    counts[i] = torch.bincount(output, minlength=self.vocab_size)
                 prompt_mask[i, r.prompt_token_ids] = True
             counts, prompt_mask = counts.to(to), prompt_mask.to(to)
         requested_logprobs = [p.logprobs for p in params if p.logprobs is not None]

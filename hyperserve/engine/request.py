@@ -12,6 +12,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
+from hyperserve.engine.speculative import Acceptance
 from hyperserve.outputs import RequestMetrics, TokenLogprobs
 from hyperserve.sampling_params import SamplingParams
 
@@ -53,6 +56,13 @@ class Request:
     logprobs: list[TokenLogprobs] | None = None
     detokenizer: IncrementalDetokenizer | None = None
     metrics: RequestMetrics = field(init=False)
+    # Speculative decoding: draft tokens to verify next step (positions num_tokens, num_tokens + 1, ...),
+    # their draft distributions (None: deterministic proposals), how many leading tokens have KV in a
+    # separate draft model's cache, and the request's acceptance rate.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None
+    draft_num_computed: int = 0
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -88,3 +98,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def discard_output_after(self, num_output_tokens: int) -> None:
+        """Drop output tokens past the first `num_output_tokens` (received beyond a stop string)."""
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens :]

@@ -49,24 +49,30 @@ class SamplerOutput:
 def sample(logits: torch.Tensor, batch: SamplingBatch, shared: torch.Generator | None = None) -> SamplerOutput:
     logits = logits.float()  # [B, V]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.num_logprobs is not None else None
-
-    if batch.repetition_penalty is not None:
-        logits = apply_penalties(logits, batch)
-
-    greedy = logits.argmax(dim=-1)
-    if batch.all_greedy:
+    greedy, probs = sampling_probs(logits, batch)
+    if probs is None:
         token_ids = greedy
     else:
-        is_greedy = batch.temperature == 0
-        temperature = torch.where(is_greedy, 1.0, batch.temperature).unsqueeze(1)
-        logits = logits / temperature
-        if batch.needs_min_p:
-            logits = _apply_min_p(logits, batch.min_p)
-        if batch.needs_top_k_top_p:
-            logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        token_ids = torch.where(is_greedy, greedy, _exponential_race(probs, batch.generators, shared))
-    return _gather_logprobs(token_ids, raw_logprobs, batch.num_logprobs)
+        token_ids = torch.where(batch.temperature == 0, greedy, _exponential_race(probs, batch.generators, shared))
+    return gather_logprobs(token_ids, raw_logprobs, batch.num_logprobs)
+
+
+def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Steps 2-5: the greedy token of each row [B] and the distribution sampled from [B, V]
+    (None when every row is greedy; rows with temperature 0 hold garbage)."""
+    logits = logits.float()
+    if batch.repetition_penalty is not None:
+        logits = apply_penalties(logits, batch)
+    greedy = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy, None
+    temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature).unsqueeze(1)
+    logits = logits / temperature
+    if batch.needs_min_p:
+        logits = _apply_min_p(logits, batch.min_p)
+    if batch.needs_top_k_top_p:
+        logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    return greedy, torch.softmax(logits, dim=-1)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -109,7 +115,7 @@ def _exponential_race(
     return (probs / noise).argmax(dim=-1)
 
 
-def _gather_logprobs(
+def gather_logprobs(
     token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, num_logprobs: int | None
 ) -> SamplerOutput:
     if raw_logprobs is None or num_logprobs is None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from hyperserve.config import SchedulerConfig
 from hyperserve.engine.kv_cache_manager import KVCacheManager
 from hyperserve.engine.request import Request, RequestStatus
+from hyperserve.engine.speculative import SpecDecodeStats
 
 
 @dataclass(slots=True)
@@ -49,6 +50,7 @@ class Scheduler:
         self._order: dict[str, tuple[int, int]] = {}
         self._counter = itertools.count()
         self._finished_ids: list[str] = []
+        self.spec_stats = SpecDecodeStats()
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -68,7 +70,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
             while not self.kv_cache.allocate_slots(
                 request.request_id, request.num_computed_tokens + num_new
             ):
@@ -108,27 +110,43 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def update_from_output(
-        self, out: SchedulerOutput, sampled_token_ids: dict[str, int]
-    ) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish requests that hit a stop.
+    def update_from_output(self, out: SchedulerOutput, new_token_ids: dict[str, list[int]]) -> list[Request]:
+        """Advance computed counts, append the new tokens, finish requests that hit a stop.
 
-        Returns the requests that received a token this step.
+        A request that verified k draft tokens and received a + 1 tokens keeps the KV of the a
+        accepted ones; the other k - a are uncomputed again, and blocks that held only them go
+        back to the pool. Returns the requests that received tokens this step.
         """
-        for request, num_new in zip(out.requests, out.num_new_tokens):
-            request.num_computed_tokens += num_new
-            self.kv_cache.register_computed(request)
         updated = []
-        for request in out.requests:
-            token_id = sampled_token_ids.get(request.request_id)
-            if token_id is None:
+        for request, num_new in zip(out.requests, out.num_new_tokens):
+            num_drafts = max(0, request.num_computed_tokens + num_new - request.num_tokens)
+            tokens = new_token_ids.get(request.request_id)
+            num_accepted = len(tokens) - 1 if tokens else 0
+            request.num_computed_tokens += num_new - (num_drafts - num_accepted)
+            request.spec_token_ids, request.spec_probs = [], None
+            if num_drafts:
+                self._record_speculation(request, num_drafts, num_accepted)
+            self.kv_cache.register_computed(request)
+            if tokens is None:
                 continue
-            request.append_output_token(token_id)
-            status = self._check_stop(request, token_id)
-            if status is not None:
-                self.finish_request(request.request_id, status)
+            for token_id in tokens:
+                request.append_output_token(token_id)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    self.finish_request(request.request_id, status)
+                    break
+            if num_drafts and not request.is_finished:
+                self.kv_cache.trim(request.request_id, request.num_tokens)
             updated.append(request)
         return updated
+
+    def _record_speculation(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        request.acceptance.observe(num_drafts, num_accepted)
+        request.metrics.num_draft_tokens += num_drafts
+        request.metrics.num_accepted_tokens += num_accepted
+        self.spec_stats.num_drafts += 1
+        self.spec_stats.num_draft_tokens += num_drafts
+        self.spec_stats.num_accepted_tokens += num_accepted
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (or abort) a request in any state and return its blocks to the pool."""
@@ -159,7 +177,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)
         request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.draft_num_computed = 0
+        request.spec_token_ids, request.spec_probs = [], None
         request.metrics.num_preemptions += 1
         self._insert(self.waiting, request)
 

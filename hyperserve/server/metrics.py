@@ -43,9 +43,20 @@ class ServerMetrics:
                                   labels, registry=r)
         self.disk_writes = Counter("hyperserve:prefix_cache_disk_writes", "KV blocks written to the disk tier",
                                    labels, registry=r)
+        self.spec_drafts = Counter("hyperserve:spec_decode_num_drafts",
+                                   "Speculative verification steps (a request with draft tokens)", labels, registry=r)
+        self.spec_draft_tokens = Counter("hyperserve:spec_decode_num_draft_tokens", "Draft tokens proposed",
+                                         labels, registry=r)
+        self.spec_accepted_tokens = Counter("hyperserve:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                            labels, registry=r)
+        self.spec_acceptance = Gauge("hyperserve:spec_decode_acceptance_rate",
+                                     "Accepted over proposed draft tokens, since start", labels, registry=r)
+        self.spec_length = Gauge("hyperserve:spec_decode_mean_accepted_length",
+                                 "Tokens emitted per verification step, since start", labels, registry=r)
         self._counters = {"queries": self.prefix_queries, "hits": self.prefix_hits,
                           "evictions": self.prefix_evictions, "disk_reads": self.disk_reads,
-                          "disk_writes": self.disk_writes}
+                          "disk_writes": self.disk_writes, "spec_drafts": self.spec_drafts,
+                          "spec_draft_tokens": self.spec_draft_tokens, "spec_accepted": self.spec_accepted_tokens}
         self._seen = dict.fromkeys(self._counters, 0)  # engine totals already exported
         self.model_name = model_name
         self._last_token_time: dict[str, float] = {}  # request id -> when its last token came out
@@ -58,8 +69,13 @@ class ServerMetrics:
         self.kv_usage.labels(m).set(engine.kv_cache.usage)
         kv = engine.kv_cache
         disk = kv.lower_tier.store if kv.lower_tier is not None else None
+        spec = engine.scheduler.spec_stats
         totals = {"queries": kv.num_queried_tokens, "hits": kv.num_hit_tokens, "evictions": kv.pool.num_evictions,
-                  "disk_reads": disk.num_reads if disk else 0, "disk_writes": disk.num_writes if disk else 0}
+                  "disk_reads": disk.num_reads if disk else 0, "disk_writes": disk.num_writes if disk else 0,
+                  "spec_drafts": spec.num_drafts, "spec_draft_tokens": spec.num_draft_tokens,
+                  "spec_accepted": spec.num_accepted_tokens}
+        self.spec_acceptance.labels(m).set(spec.acceptance_rate)
+        self.spec_length.labels(m).set(spec.mean_accepted_length)
         for key, counter in self._counters.items():
             counter.labels(m).inc(totals[key] - self._seen[key])
         self._seen = totals

@@ -22,7 +22,7 @@ def make_request(request_id: str, num_prompt: int, priority: int = 0, max_tokens
 def run_step(scheduler: Scheduler, token: int = 7):
     out = scheduler.schedule()
     sampled = {
-        r.request_id: token
+        r.request_id: [token]
         for r, n in zip(out.requests, out.num_new_tokens)
         if r.num_computed_tokens + n == r.num_tokens
     }
@@ -113,3 +113,23 @@ def test_max_tokens_and_context_end_finish_with_length():
     run_step(s)
     assert s.kv_cache.num_free_blocks == 100
     assert not s.has_unfinished_requests()
+
+
+def test_rejected_draft_tokens_are_uncomputed_and_their_blocks_returned():
+    s = make_scheduler(num_blocks=20, block_size=4)
+    s.add_request(make_request("a", 6))
+    run_step(s)  # prefill 6 tokens, sample the 7th
+    request = s.running[0]
+    request.spec_token_ids = [11, 12, 13, 14, 15]  # positions 7..11: blocks 1 and 2 needed
+    s.kv_cache.allocate_slots("a", request.num_tokens + 5)
+    out = s.schedule()
+    assert out.num_new_tokens == [6]  # the last sampled token and five drafts
+    assert len(s.kv_cache.block_table("a")) == 3
+    s.update_from_output(out, {"a": [99]})  # the first draft rejected and replaced: the rest go too
+    assert request.output_token_ids == [7, 99]
+    assert request.num_computed_tokens == 7  # the prompt and 7; 99 is the next step's input
+    assert request.spec_token_ids == []
+    assert len(s.kv_cache.block_table("a")) == 2  # 8 tokens: the drafts' third block went back
+    assert (request.metrics.num_draft_tokens, request.metrics.num_accepted_tokens) == (5, 0)
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert s.kv_cache.num_free_blocks == 20

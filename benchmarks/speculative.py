@@ -1,0 +1,115 @@
+"""Speculative decoding, single stream on SmolLM2-135M: tokens/s with each method vs none.
+
+Two workloads of greedy requests, run one at a time:
+  (a) input-grounded: rewrite, extract or continue a given text or code (output repeats input)
+  (b) open chat
+Each method runs in a fresh engine; decode tokens/s counts output tokens after the first over
+the time from the first token to the last, so prefill time (the same for all) is left out.
+
+    python benchmarks/speculative.py [--max-tokens 128] [--methods none ngram self self:27]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+CODE = '''def parse_config(path):
+    with open(path) as f:
+        lines = f.readlines()
+    config = {}
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, value = line.split("=", 1)
+        config[key.strip()] = value.strip()
+    return config
+'''
+TEXT = ("The Amazon rainforest covers much of the Amazon basin of South America. The basin covers seven million "
+        "square kilometres, of which five and a half million are covered by the rainforest. The region includes "
+        "territory belonging to nine nations. The majority of the forest is contained within Brazil, with 60% of "
+        "the rainforest, followed by Peru with 13%, and Colombia with 10%.")
+
+GROUNDED = [
+    f"Rename the function parse_config to load_settings and output the complete code:\n\n{CODE}",
+    f"Add a docstring to this function and output the complete code:\n\n{CODE}",
+    f"Repeat the following paragraph exactly:\n\n{TEXT}",
+    f"Rewrite the following paragraph, replacing 'rainforest' with 'jungle':\n\n{TEXT}",
+]
+CHAT = [
+    "Tell me a short story about a robot who learns to paint.",
+    "What are the benefits of regular exercise?",
+    "Explain how a hash table works.",
+    "Give me three tips for learning a new language.",
+]
+
+
+def run(method: str, workloads: dict[str, list[str]], max_tokens: int) -> dict:
+    from hyperserve import LLM, SamplingParams
+
+    speculative = None
+    if method != "none":
+        name, _, layers = method.partition(":")
+        speculative = {"method": name, "num_tokens": 5, **({"num_layers": int(layers)} if layers else {})}
+    llm = LLM(max_model_len=2048, kv_cache_memory_gb=0.5, speculative=speculative)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    results = {}
+    for workload, prompts in workloads.items():
+        stats = llm.engine.scheduler.spec_stats
+        drafted, accepted, drafts = stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_drafts
+        tokens, seconds = 0, 0.0
+        for prompt in prompts:
+            out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
+            m = out.metrics
+            tokens += len(out.outputs[0].token_ids) - 1
+            seconds += m.finished_time - m.first_token_time
+        drafted, accepted, drafts = (stats.num_draft_tokens - drafted, stats.num_accepted_tokens - accepted,
+                                     stats.num_drafts - drafts)
+        results[workload] = {
+            "decode_tps": tokens / seconds,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+            "draft_tokens": drafted,
+        }
+    del llm
+    gc.collect()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--methods", nargs="+", default=["none", "ngram", "self", "self:27"],
+                        help="none, ngram, self or self:N (the target's first N layers draft)")
+    parser.add_argument("--json", default="benchmarks/results/speculative.json")
+    args = parser.parse_args()
+    workloads = {"(a) input-grounded": GROUNDED, "(b) open chat": CHAT}
+    results = {}
+    for method in args.methods:
+        print(f"running {method} ...", flush=True)
+        results[method] = run(method, workloads, args.max_tokens)
+
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    print(f"\n{'workload':<20}{'method':<10}{'decode tok/s':>14}{'speedup':>9}{'accept rate':>13}{'mean len':>10}")
+    for workload in workloads:
+        base = results["none"][workload]["decode_tps"] if "none" in results else None
+        for method, by_workload in results.items():
+            r = by_workload[workload]
+            speedup = r["decode_tps"] / base if base else None
+            print(f"{workload:<20}{method:<10}{r['decode_tps']:>14.1f}{fmt(speedup, '.2f'):>9}"
+                  f"{fmt(r['acceptance_rate'], '.2f'):>13}{fmt(r['mean_accepted_length'], '.2f'):>10}")
+    with open(args.json, "w") as f:
+        json.dump({"args": vars(args), "date": time.strftime("%Y-%m-%d"), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

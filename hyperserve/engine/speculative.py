@@ -1,0 +1,193 @@
+"""Speculative decoding: proposers, and how many tokens each request speculates.
+
+At the end of a step every decoding request may get draft tokens (`Request.spec_token_ids`).
+The next step schedules them as extra tokens to compute, so one target forward pass verifies
+every request's drafts beside other requests' prefill chunks and plain decodes; ModelRunner then
+accepts or rejects them (rejection_sampler) and the scheduler rolls back what was rejected.
+
+Proposers:
+  NgramProposer   prompt lookup: the continuation of the latest earlier occurrence of the last
+                  n tokens (prompt and output); no model, no cost
+  ModelProposer   a small model run through the same runner machinery, either a separate draft
+                  model with its own KV tensors addressed by the target's block tables, or the
+                  target's own first layers plus its LM head ("self"), which reads and writes the
+                  target's KV for those layers (the verify pass rewrites the drafted slots)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+
+from hyperserve.config import SpeculativeConfig
+from hyperserve.engine.rejection_sampler import draw
+from hyperserve.engine.sampler import sampling_probs
+
+if TYPE_CHECKING:
+    from hyperserve.engine.kv_cache_manager import KVCacheManager
+    from hyperserve.engine.model_runner import ModelRunner
+    from hyperserve.engine.request import Request
+    from hyperserve.models.llama import LlamaForCausalLM
+
+# Cost of verifying one more token, relative to a one-token decode step: a lower estimate (on the
+# 2-core CPU with SmolLM2 a 6-token step costs 1.5-1.7 one-token steps). It keeps k modest when
+# acceptance is middling.
+VERIFY_COST = 0.1
+PROBE_EVERY = 16  # a request that stopped speculating proposes one token this often, to re-measure
+
+
+@dataclass(slots=True)
+class Proposal:
+    token_ids: list[int]
+    probs: torch.Tensor | None  # [k, V] the draft's distributions; None: deterministic proposals
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """A request's acceptance rate per proposed token, with old steps decaying (prior: 0.7)."""
+
+    accepted: float = 1.4
+    trials: float = 2.0
+    steps_without: int = 0  # decode steps since it last speculated
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        # Tokens after the first rejection were never tried: a rejection is one trial.
+        trials = num_accepted + (num_accepted < num_drafts)
+        self.accepted = 0.9 * self.accepted + num_accepted
+        self.trials = 0.9 * self.trials + trials
+
+    @property
+    def rate(self) -> float:
+        return min(self.accepted / self.trials, 0.99)
+
+
+@dataclass
+class SpecDecodeStats:
+    num_drafts: int = 0  # verification steps of a request with at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification step: accepted drafts plus the one the target adds."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def num_tokens_to_propose(acceptance: Acceptance, max_tokens: int, draft_cost: float) -> int:
+    """The k that maximises expected tokens per unit of cost: with per-token acceptance a, a step
+    emits (1 - a^(k+1)) / (1 - a) tokens and costs 1 + k * (draft_cost + VERIFY_COST)."""
+    a = acceptance.rate
+    best_k, best = 0, 1.0
+    for k in range(1, max_tokens + 1):
+        value = (1 - a ** (k + 1)) / (1 - a) / (1 + k * (draft_cost + VERIFY_COST))
+        if value > best:
+            best_k, best = k, value
+    if best_k == 0 and acceptance.steps_without >= PROBE_EVERY:
+        return 1
+    return best_k
+
+
+class Proposer(Protocol):
+    draft_cost: float  # one proposed token's cost relative to a target decode step
+
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Proposal]: ...
+
+
+class NgramProposer:
+    draft_cost = 0.0
+
+    def __init__(self, ngram_min: int, ngram_max: int) -> None:
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Proposal]:
+        return [Proposal(self.lookup(r.all_token_ids, k), None) for r, k in zip(requests, num_tokens)]
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """The k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        array = np.asarray(tokens)
+        for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(array[:-1], n)  # excludes the suffix itself
+            hits = np.flatnonzero((windows == array[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return tokens[start : start + k]
+        return []
+
+
+class ModelProposer:
+    """Drafts k tokens per request with a small model: first a catch-up pass over the tokens whose
+    draft KV is missing (the last sampled token, or the whole prompt the first time), then k - 1
+    one-token steps. Draft tokens are sampled with the request's own sampling parameters, so q is
+    close to the target's p and acceptance is high."""
+
+    def __init__(self, runner: ModelRunner, kv_cache: KVCacheManager, model: LlamaForCausalLM,
+                 kv_caches: list[torch.Tensor], shares_target_kv: bool, draft_cost: float) -> None:
+        self.runner, self.kv_cache, self.model, self.kv_caches = runner, kv_cache, model, kv_caches
+        self.shares_target_kv = shares_target_kv
+        self.draft_cost = draft_cost
+        self.generator = torch.Generator(device=runner.device).manual_seed(1234)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Proposal]:
+        from hyperserve.engine.model_runner import SeqChunk
+
+        drafts: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        chunks = []
+        for r in requests:
+            start = r.num_computed_tokens if self.shares_target_kv else min(r.draft_num_computed, r.num_computed_tokens)
+            chunks.append(SeqChunk(r.all_token_ids[start:], start, self.kv_cache.block_table(r.request_id), 1))
+        active = list(range(len(requests)))
+        for step in range(max(num_tokens, default=0)):
+            logits = self.runner.forward(chunks, self.model, self.kv_caches)
+            rows = [(requests[i], drafts[i]) for i in active]
+            batch = self.runner.sampling_batch(rows)
+            greedy, p = sampling_probs(logits, batch)
+            greedy = greedy.tolist()
+            next_active, chunks = [], []
+            for row, i in enumerate(active):
+                if requests[i].sampling_params.is_greedy:
+                    token = greedy[row]
+                else:
+                    token = draw(p[row], self.generator)
+                    probs[i].append(p[row])
+                drafts[i].append(token)
+                if step + 1 < num_tokens[i]:
+                    r = requests[i]
+                    chunks.append(SeqChunk([token], r.num_tokens + step, self.kv_cache.block_table(r.request_id), 1))
+                    next_active.append(i)
+            active = next_active
+        for r, k in zip(requests, num_tokens):
+            r.draft_num_computed = r.num_tokens + k - 1  # d_k itself was never fed
+        return [Proposal(d, torch.stack(q) if q else None) for d, q in zip(drafts, probs)]
+
+
+def build_proposer(config: SpeculativeConfig, runner: ModelRunner, kv_cache: KVCacheManager,
+                   draft: LlamaForCausalLM | None) -> Proposer:
+    if config.speculative_method == "ngram":
+        return NgramProposer(config.ngram_min, config.ngram_max)
+    target = runner.model
+    if config.speculative_method == "self":
+        num_layers = target.config.num_hidden_layers
+        n = min(config.self_draft_layers or num_layers // 2, num_layers)
+        return ModelProposer(runner, kv_cache, target, runner.kv_caches[:n], shares_target_kv=True,
+                             draft_cost=_cost(target, n) / _cost(target, num_layers))
+    assert draft is not None
+    draft_cost = _cost(draft, draft.config.num_hidden_layers) / _cost(target, target.config.num_hidden_layers)
+    return ModelProposer(runner, kv_cache, draft, runner.allocate_kv_caches(draft.config), shares_target_kv=False,
+                         draft_cost=draft_cost)
+
+
+def _cost(model: LlamaForCausalLM, num_layers: int) -> float:
+    """Weights read per decoded token with the first `num_layers` layers: what a CPU step costs."""
+    per_layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return num_layers * per_layer + head.numel()
+

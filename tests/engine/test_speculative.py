@@ -1,0 +1,188 @@
+"""Speculative decoding against plain decoding: identical greedy tokens, the target's distribution
+when sampling, and no KV left behind by rejected tokens."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from hyperserve import LLM, SamplingParams
+from hyperserve.engine import model_runner, rejection_sampler
+from hyperserve.engine.speculative import NgramProposer
+from tests.conftest import DEVICES, tiny_config
+
+NUM_BLOCKS = 200
+
+
+# ---- the real model: greedy output is token-identical ---------------------------------------
+
+@pytest.fixture(scope="module")
+def grounded_prompts(smollm2_tokenizer, chat_prompt_ids):
+    """Input-grounded requests (the output repeats the input, so prompt lookup hits) and open chat."""
+    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n" * 3
+    grounded = [
+        [{"role": "user", "content": f"Repeat this code exactly:\n\n{code}"}],
+        [{"role": "user", "content": "Copy this sentence: The quick brown fox jumps over the lazy dog. " * 3}],
+    ]
+    ids = [list(smollm2_tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False)) for m in grounded]
+    return ids + chat_prompt_ids[:3]
+
+
+@pytest.fixture(scope="module")
+def plain_llm():
+    return LLM(num_kv_blocks=NUM_BLOCKS, max_model_len=1024)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("speculative", [{"method": "ngram", "num_tokens": 5},
+                                         {"method": "self", "num_tokens": 3, "num_layers": 28}],
+                         ids=["ngram", "self"])
+def test_greedy_output_is_identical_with_speculation(speculative, plain_llm, grounded_prompts):
+    params = [
+        SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3, frequency_penalty=0.4),
+        SamplingParams(temperature=0, max_tokens=37),
+        SamplingParams(temperature=0, max_tokens=40, stop=["\n"]),
+    ]
+    expected = plain_llm.generate(grounded_prompts, params, use_tqdm=False)
+    llm = LLM(num_kv_blocks=NUM_BLOCKS, max_model_len=1024, speculative={**speculative, "max_batch": 8})
+    outputs = llm.generate(grounded_prompts, params, use_tqdm=False)
+    for out, ref in zip(outputs, expected):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.outputs[0].text == ref.outputs[0].text
+        assert out.outputs[0].finish_reason == ref.outputs[0].finish_reason
+    for got, want in zip(outputs[1].outputs[0].logprobs, expected[1].outputs[0].logprobs):
+        assert got.keys() == want.keys()
+        for token_id in got:
+            assert got[token_id].logprob == pytest.approx(want[token_id].logprob, abs=1e-3)
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_accepted_tokens > 0, "speculation should have been accepted at least once"
+    assert stats.num_accepted_tokens < stats.num_draft_tokens, "some drafts should have been rejected"
+    assert sum(o.metrics.num_draft_tokens for o in outputs) == stats.num_draft_tokens
+    assert llm.engine.kv_cache.num_free_blocks == NUM_BLOCKS
+
+
+# ---- a tiny random model: the sampled distribution is the target's --------------------------
+
+VOCAB = 6
+PROMPT = [1, 3, 0, 1, 3, 0, 1]  # repeats, so prompt lookup proposes too
+
+
+def _exact_joint(hf_model, prompt: list[int], length: int) -> dict[tuple[int, ...], float]:
+    """The target's probability of every continuation of `length` tokens, by enumeration."""
+    joint = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(VOCAB), repeat=length):
+            logits = hf_model(torch.tensor([prompt + list(seq[:-1])])).logits[0, len(prompt) - 1 :]
+            probs = torch.softmax(logits.float(), dim=-1)
+            joint[seq] = float(torch.prod(probs[torch.arange(length), torch.tensor(seq)]))
+    return joint
+
+
+def _sampled_joint(llm: LLM, num_samples: int, length: int) -> dict[tuple[int, ...], float]:
+    params = SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True, n=num_samples, seed=3)
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    counts: dict[tuple[int, ...], float] = {}
+    for c in out.outputs:
+        counts[tuple(c.token_ids)] = counts.get(tuple(c.token_ids), 0) + 1 / num_samples
+    return counts
+
+
+def _total_variation(p: dict, q: dict) -> float:
+    return 0.5 * sum(abs(p.get(key, 0) - q.get(key, 0)) for key in set(p) | set(q))
+
+
+@pytest.fixture
+def tiny_target(save_hf_model, tmp_path_factory):
+    """A random target and, saved beside it, a draft: the target's first layer and its LM head
+    scaled by 3, so q is close to a sharpened p (accepted often, different enough to matter)."""
+    hf_model, path = save_hf_model(tiny_config("llama", vocab_size=VOCAB), seed=1)
+    from transformers import AutoModelForCausalLM
+
+    draft = AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=1)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(3)
+    draft_dir = str(tmp_path_factory.mktemp("draft"))
+    draft.save_pretrained(draft_dir)
+    return hf_model, path, draft_dir
+
+
+def _speculative_llm(path: str, speculative: dict, device: str = "cpu") -> LLM:
+    return LLM(model=path, num_kv_blocks=2048, block_size=4, max_model_len=64, max_num_seqs=512, device=device,
+               dtype="float32", max_num_batched_tokens=4096,
+               speculative={"num_tokens": 3, "max_batch": 10**6, **speculative})
+
+
+LENGTH, SAMPLES = 3, 3000
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampled_tokens_follow_the_targets_distribution(method, device, tiny_target):
+    hf_model, path, draft_dir = tiny_target
+    speculative = {"method": method, "model": draft_dir} if method == "draft" else {"method": method}
+    llm = _speculative_llm(path, speculative, device)
+    tv = _total_variation(_sampled_joint(llm, SAMPLES, LENGTH), _exact_joint(hf_model, PROMPT, LENGTH))
+    stats = llm.engine.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    # 216 outcomes, 3000 samples: sampling noise alone gives a TV near 0.06; naive acceptance 0.4.
+    assert tv < 0.12, f"total variation {tv:.3f} from the target's distribution"
+    assert llm.engine.kv_cache.num_free_blocks == 2048
+
+
+def test_the_distribution_test_catches_naive_acceptance(tiny_target, monkeypatch):
+    """Accepting a draft whenever it is the target's most likely token (instead of the rejection
+    rule) skews the distribution; the test above must see it, or it proves nothing."""
+    hf_model, path, draft_dir = tiny_target
+
+    def naive(target_probs, draft_token_ids, draft_probs, generator):
+        emitted = []
+        for i, draft in enumerate(draft_token_ids):
+            if draft != int(target_probs[i].argmax()):
+                emitted.append(rejection_sampler.draw(target_probs[i], generator))
+                return emitted
+            emitted.append(draft)
+        return emitted + [rejection_sampler.draw(target_probs[len(draft_token_ids)], generator)]
+
+    monkeypatch.setattr(model_runner, "verify_sampled", naive)
+    llm = _speculative_llm(path, {"method": "draft", "model": draft_dir})
+    tv = _total_variation(_sampled_joint(llm, SAMPLES, LENGTH), _exact_joint(hf_model, PROMPT, LENGTH))
+    assert tv > 0.12
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_output_is_identical_with_a_draft_model(device, tiny_target):
+    _, path, draft_dir = tiny_target
+    prompts = [PROMPT, [5, 4, 3, 2, 1, 0, 5, 4], [2] * 20, list(range(6)) * 5]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (30, 17, 25)]
+    params.append(SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.5))
+    plain = LLM(model=path, num_kv_blocks=256, block_size=4, max_model_len=64, device=device, dtype="float32")
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    llm = _speculative_llm(path, {"method": "draft", "model": draft_dir}, device)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    for out, ref in zip(outputs[:3], expected):
+        for got, want in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs):
+            assert got.keys() == want.keys()
+            assert [v.logprob for v in got.values()] == pytest.approx([v.logprob for v in want.values()], abs=1e-4)
+    stats = llm.engine.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert llm.engine.kv_cache.num_free_blocks == 2048
+
+
+# ---- pieces --------------------------------------------------------------------------------
+
+def test_ngram_proposes_the_continuation_of_the_latest_match():
+    proposer = NgramProposer(ngram_min=1, ngram_max=3)
+    assert proposer.lookup([5, 6, 7, 8, 1, 5, 6, 7, 9, 5, 6, 7], 2) == [9, 5]  # latest of two matches
+    assert proposer.lookup([1, 2, 3, 4], 3) == []  # no earlier occurrence of any suffix
+    assert proposer.lookup([4, 1, 2, 9, 9, 2], 4) == [9, 9, 2]  # falls back to the 1-gram "2"
+
+
+def test_greedy_verification_stops_at_the_first_mismatch():
+    assert rejection_sampler.verify_greedy([4, 5, 6, 7], [4, 5, 6]) == [4, 5, 6, 7]  # all accepted + bonus
+    assert rejection_sampler.verify_greedy([4, 8, 6, 7], [4, 5, 6]) == [4, 8]  # second replaced

@@ -1,0 +1,37 @@
+"""`hyperserve serve --speculative-method ngram`: the same greedy text as the plain server, streamed,
+with the speculation counters in /metrics."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.server.conftest import start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+GROUNDED = [{"role": "user", "content": "Repeat exactly: " + "one two three four five six seven. " * 4}]
+
+
+@pytest.fixture(scope="module")
+def ngram_server():
+    s = start_server("--kv-cache-memory-gb", "0.5", "--speculative-method", "ngram",
+                     "--num-speculative-tokens", "5", log_name="ngram")
+    yield s
+    stop_server(s)
+
+
+def _streamed_text(url: str) -> str:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(model=MODEL, messages=GROUNDED, temperature=0, max_tokens=60,
+                                            stream=True)
+    return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+
+def test_speculative_server_streams_the_same_greedy_text(ngram_server, server):
+    assert _streamed_text(ngram_server.url) == _streamed_text(server.url)
+    accepted = ngram_server.metric("spec_decode_num_accepted_tokens_total")
+    assert 0 < accepted <= ngram_server.metric("spec_decode_num_draft_tokens_total")
+    assert ngram_server.metric("spec_decode_mean_accepted_length") > 1
+    ngram_server.wait_idle()
