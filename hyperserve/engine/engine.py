@@ -229,7 +229,7 @@ class LLMEngine:
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - request.num_output_tokens - 1)
             limit = min(self.config.speculative.num_speculative_tokens, room)
-            k = min(num_tokens_to_propose(request.acceptance, limit, self.proposer.draft_cost), limit)
+            k = num_tokens_to_propose(request.acceptance, limit, self.proposer.draft_cost)
             if k > 0 and self.kv_cache.allocate_slots(request.request_id, request.num_tokens + k):
                 requests.append(request)
                 num_tokens.append(k)

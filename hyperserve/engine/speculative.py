@@ -83,6 +83,8 @@ class SpecDecodeStats:
 def num_tokens_to_propose(acceptance: Acceptance, max_tokens: int, draft_cost: float) -> int:
     """The k that maximises expected tokens per unit of cost: with per-token acceptance a, a step
     emits (1 - a^(k+1)) / (1 - a) tokens and costs 1 + k * (draft_cost + VERIFY_COST)."""
+    if max_tokens < 1:
+        return 0
     a = acceptance.rate
     best_k, best = 0, 1.0
     for k in range(1, max_tokens + 1):
