@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install serve chat test lint bench clean
+.PHONY: install serve chat test lint bench clean redis
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +24,14 @@ serve: $(STAMP)
 chat: $(STAMP)
 	$(BIN)/hyperserve chat $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) redis
 	$(BIN)/python -m pytest -q --durations=10 $(ARGS)
+
+redis:  # the shared-cache tests start their own redis-server; Debian's package provides it
+	@command -v redis-server >/dev/null || { command -v apt-get >/dev/null && \
+		(apt-get install -y -q redis-server >/dev/null 2>&1 || \
+		 (apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null)) ; } || \
+		echo "redis-server could not be installed: the Redis tests will be skipped"
 
 lint: $(STAMP)
 	$(BIN)/ruff check hyperserve tests benchmarks

@@ -1,4 +1,4 @@
-"""The `hyperserve` command: generate, chat, serve, bench."""
+"""The `hyperserve` command: generate, chat, serve, gateway, bench."""
 
 from __future__ import annotations
 
@@ -104,11 +104,42 @@ def cmd_serve(args: argparse.Namespace) -> None:
         server.should_exit = True
 
     app = build_app(lambda: LLMEngine(config), settings, on_load_error=stop)
+    if args.semantic_cache or args.response_cache:
+        app = _cached_front(app, settings, args)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=args.shutdown_grace_s))
     server.run()
     if failed:
         sys.exit(f"error: the model failed to load: {failed[0]}")
+
+
+def _cached_front(engine_app, settings, args: argparse.Namespace):
+    """The gateway's response cache in front of this process's own engine (served on a private
+    Unix socket), as `hyperserve gateway` would put it in front of a remote one."""
+    from hyperserve.gateway.app import build_gateway_app
+    from hyperserve.gateway.config import parse_config
+
+    config = parse_config({
+        "backends": [{"name": "engine", "url": "http://engine"}],
+        "routes": [{"model": settings.model_name, "backends": ["engine"]}],
+        "cache": {"path": args.response_cache_path, "ttl_s": args.response_cache_ttl_s,
+                  "semantic": {"enabled": args.semantic_cache, "threshold": args.semantic_cache_threshold}},
+    }, source="serve flags")
+    return build_gateway_app(config, embedded={"engine": engine_app}, max_body_bytes=settings.max_body_bytes)
+
+
+def cmd_gateway(args: argparse.Namespace) -> None:
+    import logging
+
+    import uvicorn
+
+    from hyperserve.gateway.app import build_gateway_app
+    from hyperserve.gateway.config import load_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_gateway_app(load_config(args.config), max_body_bytes=args.max_body_bytes)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
+                access_log=not args.quiet, timeout_graceful_shutdown=args.shutdown_grace_s)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -143,8 +174,25 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     serve.add_argument("--shutdown-grace-s", type=float, default=30.0,
                        help="on SIGTERM, how long running requests may take to finish")
+    cache = serve.add_argument_group("response cache (the gateway's, in front of this engine)")
+    cache.add_argument("--response-cache", action="store_true",
+                       help="answer repeated deterministic requests from the cache (exact match)")
+    cache.add_argument("--semantic-cache", action="store_true",
+                       help="also answer paraphrases (all-MiniLM-L6-v2 embeddings); implies --response-cache")
+    cache.add_argument("--semantic-cache-threshold", type=float, default=0.9, help="cosine similarity for a hit")
+    cache.add_argument("--response-cache-path", default=".hyperserve/response-cache.sqlite")
+    cache.add_argument("--response-cache-ttl-s", type=float, default=86400.0)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    gateway = commands.add_parser("gateway", help="OpenAI-compatible gateway: caching, routing, fallback, cascades")
+    gateway.add_argument("--config", required=True, help="gateway YAML (see examples/gateway.yaml)")
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=int, default=8080)
+    gateway.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    gateway.add_argument("--shutdown-grace-s", type=float, default=30.0)
+    gateway.add_argument("--quiet", action="store_true", help="no access log")
+    gateway.set_defaults(func=cmd_gateway)
 
     from hyperserve.bench.run import add_bench_args
 

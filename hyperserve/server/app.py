@@ -78,7 +78,7 @@ def build_app(
             await asyncio.to_thread(state.async_engine.shutdown)
 
     app = FastAPI(title="HyperServe", lifespan=lifespan)
-    app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
     def serving() -> OpenAIServing:
         if state.shutting_down:
@@ -89,18 +89,7 @@ def build_app(
             raise APIError(503, message, type_="service_unavailable", headers={"Retry-After": "5"})
         return state.serving
 
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        return JSONResponse(_validation_body(error.errors()), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        body = APIError(error.status_code, str(error.detail)).body()
-        return JSONResponse(body, status_code=error.status_code)
+    install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -143,6 +132,23 @@ def build_app(
         await _serve_websocket(ws, serving)
 
     return app
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as an OpenAI-style body (shared by the server and the gateway)."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        return JSONResponse(_validation_body(error.errors()), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        body = APIError(error.status_code, str(error.detail)).body()
+        return JSONResponse(body, status_code=error.status_code)
 
 
 async def _respond(s: OpenAIServing, job: Job, stream: bool, request: Request, settings: ServerSettings) -> Response:
@@ -271,7 +277,7 @@ def _validation_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
     return APIError(400, message, param=param).body()
 
 
-class _BodyLimit:
+class BodyLimit:
     """Reject request bodies over `max_bytes` with 413, whether or not Content-Length is sent."""
 
     def __init__(self, app, max_bytes: int) -> None:

@@ -1,0 +1,130 @@
+"""Exact and semantic response caching.
+
+A request is cacheable when its answer is reproducible (temperature 0 or a fixed seed) or the
+client opts in. Two keys come from the normalised request:
+- the exact key hashes everything that shapes the answer (model, messages, sampling parameters);
+- the semantic namespace hashes the same minus the last user message (or prompt), whose
+  embedding is then matched by cosine similarity. A different system prompt, earlier turn,
+  temperature or max_tokens is a different namespace, so it can never produce a hit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hyperserve.gateway.cache_store import CacheEntry, CacheStore
+from hyperserve.gateway.embedder import Embedder
+from hyperserve.gateway.vector_index import VectorIndex
+
+logger = logging.getLogger("hyperserve.gateway")
+
+# Fields that never change the answer, so two requests differing only in them share an entry.
+_TRANSPORT_FIELDS = frozenset({"stream", "stream_options", "user", "priority", "model"})
+
+
+@dataclass
+class CacheKey:
+    exact: str
+    namespace: str
+    text: str | None  # what is embedded for the semantic lookup; None: exact matching only
+
+
+@dataclass
+class CacheHit:
+    kind: str  # "exact" | "semantic"
+    entry: CacheEntry
+    similarity: float
+
+
+def _hash(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _content(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: the text ones, in order
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return " ".join(str(content or "").split())  # whitespace runs do not make a different question
+
+
+def is_deterministic(body: dict[str, Any]) -> bool:
+    return body.get("temperature", 1.0) == 0 or body.get("seed") is not None
+
+
+def cache_key(kind: str, model: str, body: dict[str, Any]) -> CacheKey:
+    """kind: "chat" | "completion"; model: the route the client asked for."""
+    params = {k: v for k, v in body.items() if k not in _TRANSPORT_FIELDS and k not in ("messages", "prompt")}
+    if kind == "chat":
+        messages = [{"role": m.get("role"), "content": _content(m)} for m in body.get("messages") or []]
+        exact = _hash([kind, model, params, messages])
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "user":
+            return CacheKey(exact, _hash([kind, model, params, messages[:-1]]), last["content"])
+        return CacheKey(exact, exact, None)
+    prompt = body.get("prompt")
+    exact = _hash([kind, model, params, prompt])
+    text = " ".join(prompt.split()) if isinstance(prompt, str) else None
+    return CacheKey(exact, _hash([kind, model, params]), text)
+
+
+class ResponseCache:
+    def __init__(self, store: CacheStore, ttl_s: float, embedder: Embedder | None = None,
+                 threshold: float = 0.9) -> None:
+        self.store, self.ttl_s = store, ttl_s
+        self.embedder, self.threshold = embedder, threshold
+        self.index = VectorIndex(embedder.dim) if embedder is not None else None
+        self._cursor: Any = None
+
+    @property
+    def semantic(self) -> bool:
+        return self.embedder is not None
+
+    def sync_index(self) -> int:
+        """Add embeddings stored since the last call (by this or another replica) to the index."""
+        if self.index is None:
+            return 0
+        self._cursor, vectors = self.store.entries_since(self._cursor)
+        by_namespace: dict[str, list] = {}
+        for v in vectors:
+            by_namespace.setdefault(v.namespace, []).append(v)
+        for namespace, group in by_namespace.items():
+            self.index.add(namespace, np.array([v.id for v in group]), np.stack([v.embedding for v in group]))
+        return len(vectors)
+
+    async def lookup(self, key: CacheKey) -> tuple[CacheHit | None, Any]:
+        """The best hit, and the query embedding (reused by `insert` after a miss)."""
+        entry = self.store.get(key.exact)
+        if entry is not None:
+            return CacheHit("exact", entry, 1.0), None
+        if not self.semantic or key.text is None:
+            return None, None
+        vector = (await self.embedder.embed_async([key.text]))[0]
+        self.sync_index()
+        found = self.index.nearest(key.namespace, vector)
+        if found is None or found[1] < self.threshold:
+            return None, vector
+        entry_id, similarity = found
+        entry = self.store.get_by_id(entry_id)
+        if entry is None or entry.namespace != key.namespace:  # expired or evicted since it was indexed
+            self.index.remove(key.namespace, entry_id)
+            return None, vector
+        return CacheHit("semantic", entry, similarity), vector
+
+    async def insert(self, key: CacheKey, response: dict[str, Any], vector: Any = None) -> None:
+        if self.semantic and key.text is not None and vector is None:
+            vector = (await self.embedder.embed_async([key.text]))[0]
+        entry = CacheEntry(key.exact, key.namespace, key.text or "", response,
+                           vector if key.text is not None else None, time.time() + self.ttl_s)
+        await asyncio.to_thread(self.store.put, entry)
+        self.sync_index()
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,71 @@
+"""Between OpenAI's two response shapes: a complete answer replayed as server-sent events (a cached
+answer to a streaming client), and streamed chunks folded back into a complete answer (so a
+streamed miss can be cached)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def replay(body: dict[str, Any], chat: bool, include_usage: bool) -> Iterator[str]:
+    """SSE events equivalent to the complete response `body`, then [DONE]."""
+    base = {"id": body.get("id"), "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": body.get("created"), "model": body.get("model")}
+    choices = body.get("choices") or []
+    if chat:
+        yield sse({**base, "choices": [{"index": c.get("index", 0), "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None} for c in choices]})
+        yield sse({**base, "choices": [{"index": c.get("index", 0),
+                                        "delta": {"content": (c.get("message") or {}).get("content") or ""},
+                                        "logprobs": c.get("logprobs"), "finish_reason": c.get("finish_reason")}
+                                       for c in choices]})
+    else:
+        yield sse({**base, "choices": [{"index": c.get("index", 0), "text": c.get("text", ""),
+                                        "logprobs": c.get("logprobs"), "finish_reason": c.get("finish_reason")}
+                                       for c in choices]})
+    if include_usage and body.get("usage") is not None:
+        yield sse({**base, "choices": [], "usage": body["usage"]})
+    yield sse("[DONE]")
+
+
+class StreamAccumulator:
+    """Feed it each SSE chunk; `response()` is the complete answer once every choice finished."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.meta: dict[str, Any] = {}
+        self.texts: dict[int, list[str]] = {}
+        self.finish_reasons: dict[int, str | None] = {}
+        self.usage: dict[str, Any] | None = None
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        if not self.meta:
+            self.meta = {k: chunk.get(k) for k in ("id", "created", "model")}
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            index = choice.get("index", 0)
+            text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
+            self.texts.setdefault(index, []).append(text or "")
+            if choice.get("finish_reason") is not None:
+                self.finish_reasons[index] = choice["finish_reason"]
+            else:
+                self.finish_reasons.setdefault(index, None)
+
+    def response(self) -> dict[str, Any] | None:
+        """None unless every choice finished normally (an interrupted stream is never cached)."""
+        if not self.texts or any(self.finish_reasons.get(i) not in ("stop", "length") for i in self.texts):
+            return None
+        choices = []
+        for index in sorted(self.texts):
+            text = "".join(self.texts[index])
+            content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            choices.append({"index": index, **content, "logprobs": None, "finish_reason": self.finish_reasons[index]})
+        return {**self.meta, "object": "chat.completion" if self.chat else "text_completion", "choices": choices,
+                "usage": self.usage}

@@ -1,0 +1,132 @@
+"""Real processes for the gateway tests: stub backends, gateways and a redis-server on loopback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.server.conftest import free_port
+
+STUB = str(Path(__file__).with_name("stub_backend.py"))
+
+
+def wait_http(url: str, process: subprocess.Popen, timeout: float = 60, status: int = 200) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args} exited with {process.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == status:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer {status}")
+
+
+@dataclass
+class Stub:
+    name: str
+    port: int
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Stub:
+        self.process = subprocess.Popen([sys.executable, STUB, "--port", str(self.port), "--name", self.name])
+        wait_http(f"{self.url}/health", self.process)
+        return self
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+    def control(self, **changes) -> None:
+        httpx.post(f"{self.url}/control", json=changes).raise_for_status()
+
+    @property
+    def count(self) -> int:
+        return httpx.get(f"{self.url}/stats").json()["count"]
+
+
+@dataclass
+class Gateway:
+    url: str
+    process: subprocess.Popen
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+    def chat(self, content: str, model: str = "m", system: str | None = None, **params) -> httpx.Response:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+        body = {"model": model, "messages": messages, "temperature": 0, **params}
+        return httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=60)
+
+    def metric(self, name: str, **labels) -> float:
+        total = 0.0
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line.startswith(f"hyperserve:{name}") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def start_gateway(config: dict, tmp_path: Path, name: str = "gateway") -> Gateway:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    log = open(tmp_path / f"{name}-{port}.log", "w")
+    process = subprocess.Popen([sys.executable, "-m", "hyperserve.cli", "gateway", "--config", str(path),
+                                "--port", str(port), "--quiet"], stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    gateway = Gateway(f"http://127.0.0.1:{port}", process)
+    wait_http(f"{gateway.url}/health", process, timeout=300)
+    return gateway
+
+
+@pytest.fixture
+def stubs():
+    started = [Stub(name, free_port()).start() for name in ("a", "b")]
+    yield started
+    for stub in started:
+        if stub.process.poll() is None:
+            stub.kill()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (make test installs it)")
+    port = free_port()
+    process = subprocess.Popen([binary, "--port", str(port), "--save", "", "--appendonly", "no",
+                                "--dir", str(tmp_path_factory.mktemp("redis"))], stdout=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(port=port)
+    deadline = time.time() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    process.terminate()
+    process.wait()

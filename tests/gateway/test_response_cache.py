@@ -1,0 +1,121 @@
+"""Exact and semantic caching with the real all-MiniLM-L6-v2 embeddings."""
+
+import asyncio
+import time
+
+import pytest
+
+from hyperserve.gateway.cache_store import RedisStore, SQLiteStore
+from hyperserve.gateway.embedder import Embedder
+from hyperserve.gateway.response_cache import ResponseCache, cache_key
+
+QUESTION = "What's the capital of France?"
+PARAPHRASE = "Tell me France's capital city"
+SAME_WORDS_OTHER_QUESTION = "What's the capital gains tax in France?"
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    return Embedder()
+
+
+def _chat(content: str, system: str | None = None, **params) -> dict:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+    return {"messages": messages, "temperature": 0, "max_tokens": 32, **params}
+
+
+def _answer(text: str) -> dict:
+    return {"object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                                      "finish_reason": "stop"}]}
+
+
+def _lookup(cache: ResponseCache, body: dict, model: str = "m"):
+    return asyncio.run(cache.lookup(cache_key("chat", model, body)))[0]
+
+
+def _insert(cache: ResponseCache, body: dict, text: str, model: str = "m") -> None:
+    asyncio.run(cache.insert(cache_key("chat", model, body), _answer(text)))
+
+
+def test_keys_ignore_transport_fields_and_whitespace_but_not_sampling():
+    key = cache_key("chat", "m", _chat(QUESTION))
+    assert cache_key("chat", "m", _chat("  What's the   capital of France? ", stream=True, user="u")) == key
+    assert cache_key("chat", "m", _chat(QUESTION, temperature=0.5)).namespace != key.namespace
+    assert cache_key("chat", "m", _chat(QUESTION, system="Be brief.")).namespace != key.namespace
+    assert cache_key("chat", "other", _chat(QUESTION)).namespace != key.namespace
+    assert cache_key("chat", "m", _chat(PARAPHRASE)).namespace == key.namespace
+    assert key.text == QUESTION
+
+
+def test_paraphrase_hits_and_a_different_question_with_the_same_words_misses(embedder):
+    cache = ResponseCache(SQLiteStore(":memory:", 100), ttl_s=60, embedder=embedder, threshold=0.9)
+    _insert(cache, _chat(QUESTION), "Paris.")
+    exact = _lookup(cache, _chat(QUESTION))
+    assert exact.kind == "exact" and exact.entry.response == _answer("Paris.")
+    hit = _lookup(cache, _chat(PARAPHRASE))
+    assert hit.kind == "semantic" and hit.similarity >= 0.9 and hit.entry.response == _answer("Paris.")
+    assert _lookup(cache, _chat(SAME_WORDS_OTHER_QUESTION)) is None
+
+
+def test_namespaces_never_hit_across_system_prompt_sampling_or_model(embedder):
+    cache = ResponseCache(SQLiteStore(":memory:", 100), ttl_s=60, embedder=embedder, threshold=0.5)
+    _insert(cache, _chat(QUESTION), "Paris.")
+    assert _lookup(cache, _chat(QUESTION, system="Answer in French.")) is None
+    assert _lookup(cache, _chat(QUESTION, temperature=0.7)) is None
+    assert _lookup(cache, _chat(QUESTION, max_tokens=64)) is None
+    assert _lookup(cache, _chat(QUESTION), model="other") is None
+    assert _lookup(cache, _chat(PARAPHRASE)) is not None  # the low threshold alone would let it hit
+
+
+def test_threshold_is_respected(embedder):
+    cache = ResponseCache(SQLiteStore(":memory:", 100), ttl_s=60, embedder=embedder, threshold=0.95)
+    _insert(cache, _chat(QUESTION), "Paris.")
+    assert _lookup(cache, _chat(PARAPHRASE)) is None  # similarity ~0.91
+    assert _lookup(cache, _chat("What's France's capital?")).kind == "semantic"  # ~0.98
+
+
+def test_entries_survive_a_restart(embedder, tmp_path):
+    path = str(tmp_path / "cache.sqlite")
+    first = ResponseCache(SQLiteStore(path, 100), ttl_s=60, embedder=embedder)
+    _insert(first, _chat(QUESTION), "Paris.")
+    first.close()
+    second = ResponseCache(SQLiteStore(path, 100), ttl_s=60, embedder=embedder)
+    assert second.sync_index() == 1
+    assert _lookup(second, _chat(PARAPHRASE)).entry.response == _answer("Paris.")
+
+
+def test_entries_expire_after_their_ttl(embedder):
+    cache = ResponseCache(SQLiteStore(":memory:", 100), ttl_s=0.3, embedder=embedder)
+    _insert(cache, _chat(QUESTION), "Paris.")
+    assert _lookup(cache, _chat(QUESTION)) is not None
+    time.sleep(0.4)
+    assert _lookup(cache, _chat(QUESTION)) is None
+    assert _lookup(cache, _chat(PARAPHRASE)) is None
+
+
+def test_least_recently_used_entry_is_evicted_beyond_max_entries():
+    cache = ResponseCache(SQLiteStore(":memory:", 2), ttl_s=60)
+    for question in ("one", "two"):
+        _insert(cache, _chat(question), question)
+    assert _lookup(cache, _chat("one")) is not None  # "two" is now the least recently used
+    _insert(cache, _chat("three"), "three")
+    assert [_lookup(cache, _chat(q)) is not None for q in ("one", "two", "three")] == [True, False, True]
+
+
+def test_redis_store_is_shared_by_replicas(embedder, redis_url):
+    replica_a = ResponseCache(RedisStore(redis_url, "test-shared:", 100), ttl_s=60, embedder=embedder)
+    replica_b = ResponseCache(RedisStore(redis_url, "test-shared:", 100), ttl_s=60, embedder=embedder)
+    _insert(replica_a, _chat(QUESTION), "Paris.")
+    assert _lookup(replica_b, _chat(QUESTION)).kind == "exact"
+    hit = _lookup(replica_b, _chat(PARAPHRASE))
+    assert hit.kind == "semantic" and hit.entry.response == _answer("Paris.")
+    assert _lookup(replica_b, _chat(SAME_WORDS_OTHER_QUESTION)) is None
+
+
+def test_redis_store_evicts_least_recently_used(redis_url):
+    cache = ResponseCache(RedisStore(redis_url, "test-lru:", 2), ttl_s=60)
+    for question in ("one", "two"):
+        _insert(cache, _chat(question), question)
+    assert _lookup(cache, _chat("one")) is not None
+    _insert(cache, _chat("three"), "three")
+    assert [_lookup(cache, _chat(q)) is not None for q in ("one", "two", "three")] == [True, False, True]

@@ -1,0 +1,53 @@
+"""`hyperserve serve --semantic-cache`: the gateway's cache in front of the server's own engine."""
+
+import json
+
+import httpx
+import pytest
+
+from tests.server.conftest import start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cached_server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("response-cache") / "cache.sqlite"
+    server = start_server("--semantic-cache", "--response-cache-path", str(path), "--kv-cache-memory-gb", "0.5",
+                          log_name="semantic-cache")
+    yield server
+    stop_server(server)
+
+
+def _ask(url: str, content: str, stream: bool = False) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 12, "stream": stream}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+
+
+def _streamed_text(response: httpx.Response) -> str:
+    chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+def test_paraphrase_is_answered_from_the_cache_with_the_engines_answer(cached_server):
+    url = cached_server.url
+    miss = _ask(url, "What's the capital of France?", stream=True)
+    assert miss.headers["x-hyperserve-cache"] == "miss"
+    answer = _streamed_text(miss)
+    assert answer
+    generated = cached_server.metric("generation_tokens_total")
+    hit = _ask(url, "Tell me France's capital city")
+    assert hit.headers["x-hyperserve-cache"] == "hit-semantic"
+    assert hit.json()["choices"][0]["message"]["content"] == answer
+    streamed_hit = _ask(url, "Tell me France's capital city", stream=True)
+    assert _streamed_text(streamed_hit) == answer
+    assert cached_server.metric("generation_tokens_total") == generated  # the engine did no work for the hits
+
+
+def test_engine_endpoints_pass_through(cached_server):
+    pinned = httpx.post(f"{cached_server.url}/v1/cache", json={"prompt": "You are a helpful assistant.", "ttl": 30})
+    assert pinned.status_code == 200 and pinned.json()["cached_tokens"] >= 0
+    deleted = httpx.delete(f"{cached_server.url}/v1/cache/{pinned.json()['id']}")
+    assert deleted.json()["deleted"] is True
+    assert httpx.delete(f"{cached_server.url}/v1/cache/nope").status_code == 404
