@@ -84,6 +84,38 @@ def cmd_chat(args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": answer})
 
 
+def _security_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("security (API keys, limits, guardrails)")
+    group.add_argument("--api-key", default=os.environ.get("HYPERSERVE_API_KEY"),
+                       help="a single key clients must send (default: $HYPERSERVE_API_KEY)")
+    group.add_argument("--security-config", default=None,
+                       help="keys file (YAML/JSON): hashed keys, per-key models, limits, budgets, guardrails")
+    group.add_argument("--protect-metrics", action="store_true", default=None, help="/metrics needs a key too")
+    group.add_argument("--audit-log", default=None, help="JSON-lines audit log (who, model, tokens, verdicts)")
+
+
+def _governor(args: argparse.Namespace):
+    """None when no security option is given: the server stays open, as before."""
+    if args.api_key is None and args.security_config is None and args.audit_log is None:
+        return None
+    from hyperserve.security.config import load_security_config
+    from hyperserve.security.middleware import Governor
+
+    config = load_security_config(args.security_config, args.api_key, protect_metrics=args.protect_metrics,
+                                  audit_log=args.audit_log)
+    return Governor(config)
+
+
+def cmd_keys(args: argparse.Namespace) -> None:
+    import secrets
+
+    from hyperserve.security.config import hash_key
+
+    key = "hs-" + secrets.token_urlsafe(32)
+    print(f"key (give it to {args.name}; it is not stored anywhere): {key}", file=sys.stderr)
+    print(f"- name: {args.name}\n  sha256: {hash_key(key)}")
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import logging
 
@@ -103,9 +135,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
         failed.append(error)
         server.should_exit = True
 
-    app = build_app(lambda: LLMEngine(config), settings, on_load_error=stop)
-    if args.semantic_cache or args.response_cache:
-        app = _cached_front(app, settings, args)
+    governor = _governor(args)
+    cached = args.semantic_cache or args.response_cache
+    app = build_app(lambda: LLMEngine(config), settings, on_load_error=stop, governor=None if cached else governor)
+    if cached:
+        app = _cached_front(app, settings, args, governor)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=args.shutdown_grace_s))
     server.run()
@@ -113,7 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         sys.exit(f"error: the model failed to load: {failed[0]}")
 
 
-def _cached_front(engine_app, settings, args: argparse.Namespace):
+def _cached_front(engine_app, settings, args: argparse.Namespace, governor):
     """The gateway's response cache in front of this process's own engine (served on a private
     Unix socket), as `hyperserve gateway` would put it in front of a remote one."""
     from hyperserve.gateway.app import build_gateway_app
@@ -125,7 +159,8 @@ def _cached_front(engine_app, settings, args: argparse.Namespace):
         "cache": {"path": args.response_cache_path, "ttl_s": args.response_cache_ttl_s,
                   "semantic": {"enabled": args.semantic_cache, "threshold": args.semantic_cache_threshold}},
     }, source="serve flags")
-    return build_gateway_app(config, embedded={"engine": engine_app}, max_body_bytes=settings.max_body_bytes)
+    return build_gateway_app(config, embedded={"engine": engine_app}, max_body_bytes=settings.max_body_bytes,
+                             governor=governor)
 
 
 def cmd_gateway(args: argparse.Namespace) -> None:
@@ -137,7 +172,7 @@ def cmd_gateway(args: argparse.Namespace) -> None:
     from hyperserve.gateway.config import load_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_gateway_app(load_config(args.config), max_body_bytes=args.max_body_bytes)
+    app = build_gateway_app(load_config(args.config), max_body_bytes=args.max_body_bytes, governor=_governor(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
                 access_log=not args.quiet, timeout_graceful_shutdown=args.shutdown_grace_s)
 
@@ -182,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--semantic-cache-threshold", type=float, default=0.9, help="cosine similarity for a hit")
     cache.add_argument("--response-cache-path", default=".hyperserve/response-cache.sqlite")
     cache.add_argument("--response-cache-ttl-s", type=float, default=86400.0)
+    _security_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -192,7 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     gateway.add_argument("--shutdown-grace-s", type=float, default=30.0)
     gateway.add_argument("--quiet", action="store_true", help="no access log")
+    _security_args(gateway)
     gateway.set_defaults(func=cmd_gateway)
+
+    keys = commands.add_parser("keys", help="make an API key and its keys-file entry (only the hash is stored)")
+    keys.add_argument("action", choices=["new"])
+    keys.add_argument("--name", required=True)
+    keys.set_defaults(func=cmd_keys)
 
     from hyperserve.bench.run import add_bench_args
 

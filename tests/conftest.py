@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -91,3 +94,31 @@ def save_hf_model(tmp_path):
         return model, str(tmp_path)
 
     return save
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real redis-server on a free port, for the shared cache and shared limits."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (make test installs it)")
+    from tests.server.conftest import free_port
+
+    port = free_port()
+    process = subprocess.Popen([binary, "--port", str(port), "--save", "", "--appendonly", "no",
+                                "--dir", str(tmp_path_factory.mktemp("redis"))], stdout=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(port=port)
+    deadline = time.time() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    process.terminate()
+    process.wait()

@@ -33,7 +33,8 @@ from hyperserve.gateway.response_cache import CacheKey, ResponseCache, cache_key
 from hyperserve.gateway.router import Route, Router
 from hyperserve.gateway.streaming import StreamAccumulator, replay, sse
 from hyperserve.gateway.telemetry import GatewayMetrics, RequestLog
-from hyperserve.server.app import BodyLimit, install_error_handlers
+from hyperserve.security.middleware import Governor
+from hyperserve.server.app import BodyLimit, add_security, install_error_handlers
 from hyperserve.server.openai_api import APIError
 
 logger = logging.getLogger("hyperserve.gateway")
@@ -69,7 +70,7 @@ class _State:
 
 
 def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = None,
-                      max_body_bytes: int = 4 * 2**20) -> FastAPI:
+                      max_body_bytes: int = 4 * 2**20, governor: Governor | None = None) -> FastAPI:
     """`embedded`: backend name -> ASGI app served in this process on a private Unix socket (how
     `hyperserve serve --semantic-cache` puts the cache in front of its own engine)."""
     state = _State()
@@ -124,6 +125,7 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
         log.close()
 
     app = FastAPI(title="HyperServe gateway", lifespan=lifespan)
+    add_security(app, governor)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     install_error_handlers(app)
 

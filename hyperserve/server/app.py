@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hyperserve.engine.engine import LLMEngine
+from hyperserve.security.middleware import Governor
 from hyperserve.server.async_engine import AsyncEngine
 from hyperserve.server.metrics import ServerMetrics
 from hyperserve.server.openai_api import APIError, Job, OpenAIServing
@@ -51,6 +52,7 @@ def build_app(
     load_engine: Callable[[], LLMEngine],
     settings: ServerSettings,
     on_load_error: Callable[[Exception], None] | None = None,
+    governor: Governor | None = None,
 ) -> FastAPI:
     state = _State()
     metrics = ServerMetrics(settings.model_name)
@@ -78,7 +80,8 @@ def build_app(
             await asyncio.to_thread(state.async_engine.shutdown)
 
     app = FastAPI(title="HyperServe", lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    add_security(app, governor)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)  # added last: outermost
 
     def serving() -> OpenAIServing:
         if state.shutting_down:
@@ -132,6 +135,14 @@ def build_app(
         await _serve_websocket(ws, serving)
 
     return app
+
+
+def add_security(app: FastAPI, governor: Governor | None) -> None:
+    """API keys, limits and guardrails (hyperserve.security), inside the body-size limit."""
+    if governor is not None:
+        from hyperserve.security.middleware import SecurityMiddleware
+
+        app.add_middleware(SecurityMiddleware, governor=governor)
 
 
 def install_error_handlers(app: FastAPI) -> None:

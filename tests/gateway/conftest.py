@@ -1,9 +1,8 @@
-"""Real processes for the gateway tests: stub backends, gateways and a redis-server on loopback."""
+"""Real processes for the gateway tests: stub backends and gateways on loopback."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -105,28 +104,3 @@ def stubs():
     for stub in started:
         if stub.process.poll() is None:
             stub.kill()
-
-
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory):
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (make test installs it)")
-    port = free_port()
-    process = subprocess.Popen([binary, "--port", str(port), "--save", "", "--appendonly", "no",
-                                "--dir", str(tmp_path_factory.mktemp("redis"))], stdout=subprocess.DEVNULL)
-    import redis
-
-    client = redis.Redis(port=port)
-    deadline = time.time() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.time() > deadline:
-                raise
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    process.terminate()
-    process.wait()

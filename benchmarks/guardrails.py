@@ -1,0 +1,158 @@
+"""Guardrails, in one run:
+
+1. the prompt-injection classifier on the held-out families of data/prompt_injection.jsonl:
+   precision, recall and F1, against the keyword baseline and the patterns alone;
+2. guardrail latency per request, in process (injection check + PII scan and redaction);
+3. what they add to time to first token end to end: streaming requests through two gateways in
+   front of the same instant stub backend, one with keys and guardrails (injection: block,
+   pii_request: redact, pii_response: redact), one without, interleaved.
+
+    python benchmarks/guardrails.py [--requests 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+import yaml  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hyperserve.gateway.embedder import Embedder  # noqa: E402
+from hyperserve.security.config import SecurityConfig, hash_key  # noqa: E402
+from hyperserve.security.injection import PATTERNS, InjectionDetector, keyword_baseline  # noqa: E402
+from hyperserve.security.middleware import Governor, Guard  # noqa: E402
+from tests.gateway.conftest import STUB, wait_http  # noqa: E402
+from tests.server.conftest import free_port  # noqa: E402
+
+GUARDRAILS = {"injection": "block", "pii_request": "redact", "pii_response": "redact"}
+REQUESTS = [  # a mix users send: plain questions and some with personal data
+    "What is the capital of France?", "Summarise the water cycle in two sentences.",
+    "My e-mail is jane.roe@example.org, please draft a reply to my landlord.",
+    "Write a Python function that checks whether a number is prime.",
+    "Charge card 4111 1111 1111 1111 and send the receipt to +44 20 7946 0958.",
+    "Translate 'see you tomorrow' into Italian.",
+]
+
+
+def scores(predicted: list[bool], labels: list[int]) -> dict:
+    tp = sum(p and y for p, y in zip(predicted, labels))
+    precision, recall = tp / max(1, sum(predicted)), tp / max(1, sum(labels))
+    return {"precision": precision, "recall": recall, "f1": 2 * precision * recall / max(1e-9, precision + recall)}
+
+
+def classifier_quality(detector: InjectionDetector) -> dict:
+    rows = [json.loads(line) for line in (ROOT / "data" / "prompt_injection.jsonl").read_text().splitlines()]
+    test = [r for r in rows if r["split"] == "test"]
+    texts, labels = [r["text"] for r in test], [r["label"] for r in test]
+    probabilities = detector.probabilities(texts)
+    return {"examples": len(test), "injections": sum(labels),
+            "ours": scores([detector.judge(t, p).flagged for t, p in zip(texts, probabilities)], labels),
+            "classifier_alone": scores([p >= detector.threshold for p in probabilities], labels),
+            "patterns_alone": scores([PATTERNS.search(t) is not None for t in texts], labels),
+            "keyword_baseline": scores([keyword_baseline(t) for t in texts], labels)}
+
+
+def in_process_latency(governor: Governor, count: int) -> dict:
+    async def run() -> list[float]:
+        times = []
+        for i in range(count + 10):
+            body = {"messages": [{"role": "user", "content": REQUESTS[i % len(REQUESTS)]}]}
+            guard = Guard(None, governor.config.guardrails)
+            t = time.perf_counter()
+            await governor.guard_request(guard, body, chat=True)
+            if i >= 10:
+                times.append(time.perf_counter() - t)
+        return times
+
+    times = asyncio.run(run())
+    return {"p50_ms": float(np.percentile(times, 50)) * 1e3, "p99_ms": float(np.percentile(times, 99)) * 1e3}
+
+
+def end_to_end(workdir: Path, count: int) -> dict:
+    stub_port = free_port()
+    stub = subprocess.Popen([sys.executable, STUB, "--port", str(stub_port), "--name", "stub"])
+    wait_http(f"http://127.0.0.1:{stub_port}/health", stub)
+    gateway_config = workdir / "gateway.yaml"
+    gateway_config.write_text(yaml.safe_dump({"backends": [{"name": "stub", "url": f"http://127.0.0.1:{stub_port}"}],
+                                              "routes": [{"model": "m", "backends": ["stub"]}],
+                                              "cache": {"enabled": False}}))
+    security = workdir / "security.yaml"
+    security.write_text(yaml.safe_dump({"keys": [{"name": "bench", "sha256": hash_key("bench-key")}],
+                                        "guardrails": GUARDRAILS}))
+    urls, processes = {}, [stub]
+    for name, extra in (("plain", []), ("guarded", ["--security-config", str(security)])):
+        port = free_port()
+        processes.append(subprocess.Popen([sys.executable, "-m", "hyperserve.cli", "gateway", "--config",
+                                           str(gateway_config), "--port", str(port), "--quiet", *extra],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        urls[name] = f"http://127.0.0.1:{port}"
+        wait_http(f"{urls[name]}/health", processes[-1], timeout=120)
+    ttft: dict[str, list[float]] = {"plain": [], "guarded": []}
+    try:
+        with httpx.Client(timeout=30, headers={"Authorization": "Bearer bench-key"}) as client:
+            for i in tqdm(range(count + 20), desc="TTFT", leave=False):
+                body = {"model": "m", "stream": True,
+                        "messages": [{"role": "user", "content": REQUESTS[i % len(REQUESTS)]}]}
+                for name, url in urls.items():
+                    t = time.perf_counter()
+                    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+                        for line in response.iter_lines():
+                            if line.startswith("data: {") and '"content": "' in line and '"content": ""' not in line:
+                                if i >= 20:
+                                    ttft[name].append(time.perf_counter() - t)
+                                break
+    finally:
+        for process in processes:
+            process.terminate()
+    result = {name: {"p50_ms": float(np.percentile(v, 50)) * 1e3, "p99_ms": float(np.percentile(v, 99)) * 1e3}
+              for name, v in ttft.items()}
+    result["added_p50_ms"] = result["guarded"]["p50_ms"] - result["plain"]["p50_ms"]
+    result["added_p99_ms"] = result["guarded"]["p99_ms"] - result["plain"]["p99_ms"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "guardrails.json"))
+    args = parser.parse_args()
+    embedder = Embedder()
+    governor = Governor(SecurityConfig(guardrails=GUARDRAILS), embedder=embedder)
+    quality = classifier_quality(governor.injection)
+    latency = in_process_latency(governor, args.requests)
+    with tempfile.TemporaryDirectory() as directory:
+        e2e = end_to_end(Path(directory), args.requests)
+    Path(args.out).write_text(json.dumps({"quality": quality, "in_process": latency, "end_to_end": e2e}, indent=2))
+
+    print(f"\nPrompt-injection detection, held-out families ({quality['examples']} examples, "
+          f"{quality['injections']} injections)\n")
+    print("| detector | precision | recall | F1 |\n|---|---|---|---|")
+    for name in ("ours", "classifier_alone", "patterns_alone", "keyword_baseline"):
+        s = quality[name]
+        print(f"| {name.replace('_', ' ')} | {s['precision']:.3f} | {s['recall']:.3f} | {s['f1']:.3f} |")
+    print(f"\nGuardrail latency per request (injection + PII), in process: p50 {latency['p50_ms']:.2f} ms, "
+          f"p99 {latency['p99_ms']:.2f} ms")
+    print(f"\nTime to first token through the gateway, stub backend, {args.requests} streaming requests each\n")
+    print("| gateway | TTFT p50 ms | TTFT p99 ms |\n|---|---|---|")
+    for name in ("plain", "guarded"):
+        print(f"| {name} | {e2e[name]['p50_ms']:.2f} | {e2e[name]['p99_ms']:.2f} |")
+    print(f"| **added by keys + guardrails** | **{e2e['added_p50_ms']:.2f}** | {e2e['added_p99_ms']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

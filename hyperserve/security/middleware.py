@@ -1,0 +1,389 @@
+"""The security layer, as ASGI middleware shared by `hyperserve serve` and `hyperserve gateway`.
+
+Per completion request, before any engine work: API key (401) -> allowed model (403) -> size limits
+(400 naming the limit) -> guardrails on the request (injection, PII: 400 `content_blocked`, or
+redaction of the body the model sees) -> rate limits and budget (429 with Retry-After and
+x-ratelimit-* headers). The answer then passes through the response guardrails (PII redaction,
+streamed too), its usage settles the token accounting, and one audit line is written.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hyperserve.gateway.telemetry import RequestLog
+from hyperserve.security.config import Guardrails, KeyEntry, Limits, SecurityConfig, hash_key
+from hyperserve.security.limits import InProcessLimiter, RateLimited, RedisLimiter
+from hyperserve.security.pii import Finding, Redactor, StreamRedactor, find_pii
+from hyperserve.server.openai_api import APIError
+
+logger = logging.getLogger("hyperserve.security")
+
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+OPEN_PATHS = ("/health",)
+DEFAULT_MAX_TOKENS = 256  # the estimate for a request that sets no max_tokens
+
+
+def estimate_tokens(text: str) -> int:
+    """About 4 characters per token for English; used for limits before the model tokenizes."""
+    return math.ceil(len(text) / 4)
+
+
+@dataclass
+class Guard:
+    """One request's state through the layer."""
+
+    key: KeyEntry | None
+    guardrails: Guardrails
+    redactor: Redactor = field(default_factory=Redactor)
+    verdicts: dict[str, Any] = field(default_factory=dict)
+    response_findings: list[Finding] = field(default_factory=list)
+
+    def filter_text(self, text: str, findings: list[Finding]) -> str:
+        """Response text as the caller may see it: the model's own PII redacted (or only logged),
+        then the caller's own redacted values restored if configured."""
+        self.response_findings += findings
+        if self.guardrails.pii_response == "redact" and findings:
+            text = Redactor(self.redactor.placeholders.copy(), dict(self.redactor.counts)).redact(text, findings)
+        if self.guardrails.reversible_redaction:
+            text = self.redactor.restore(text)
+        return text
+
+
+class Governor:
+    """Keys, limiters, detectors and the audit log, built once from the config."""
+
+    def __init__(self, config: SecurityConfig, embedder=None) -> None:
+        self.config = config
+        self.keys = {k.sha256: k for k in config.keys}
+        self.limiter = RedisLimiter(config.redis_url, config.redis_prefix) if config.redis_url else InProcessLimiter()
+        self.audit = RequestLog(config.audit_log)
+        uses_injection = any(g.injection != "off" for g in [config.guardrails] + [k.guardrails for k in config.keys
+                                                                                   if k.guardrails])
+        self.injection = None
+        if uses_injection:
+            from hyperserve.gateway.embedder import Embedder
+            from hyperserve.security.injection import InjectionDetector
+
+            self.injection = InjectionDetector(embedder or Embedder(), config.guardrails.injection_threshold)
+
+    @property
+    def needs_http(self) -> bool:
+        """Limits or guardrails are configured: they are enforced on HTTP requests only."""
+        limits = [self.config.defaults] + [k.limits for k in self.config.keys if k.limits]
+        guardrails = [self.config.guardrails] + [k.guardrails for k in self.config.keys if k.guardrails]
+        return (any(v is not None for lim in limits for k, v in lim if k != "budget_period_s")
+                or any(g.injection != "off" or g.pii_request != "off" or g.pii_response != "off" for g in guardrails))
+
+    def authenticate(self, headers: dict[bytes, bytes]) -> KeyEntry | None:
+        """The key's entry; raises 401. Compared as digests, in constant time."""
+        if not self.keys:
+            return None
+        auth = headers.get(b"authorization", b"").decode(errors="replace")
+        presented = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get(b"x-api-key", b"").decode()
+        if not presented:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", type_="authentication_error",
+                           code="missing_api_key")
+        digest = hash_key(presented)
+        entry = self.keys.get(digest)
+        if entry is None or not hmac.compare_digest(entry.sha256, digest):
+            raise APIError(401, "incorrect API key provided", type_="authentication_error", code="invalid_api_key")
+        return entry
+
+    def limits(self, key: KeyEntry | None) -> Limits:
+        return key.limits if key is not None and key.limits is not None else self.config.defaults
+
+    def guardrails(self, key: KeyEntry | None) -> Guardrails:
+        return key.guardrails if key is not None and key.guardrails is not None else self.config.guardrails
+
+    def check_request(self, key: KeyEntry | None, body: dict[str, Any], chat: bool) -> int:
+        """Model permission and size limits; returns the estimated prompt tokens."""
+        model = body.get("model")
+        if key is not None and key.models is not None and model not in key.models:
+            raise APIError(403, f"the key {key.name!r} may not use model {model!r}; allowed: {key.models}",
+                           type_="permission_error", param="model", code="model_not_allowed")
+        limits = self.config.request_limits
+        messages = body.get("messages") if chat else None
+        if isinstance(messages, list) and len(messages) > limits.max_messages:
+            raise APIError(400, f"{len(messages)} messages exceed the limit of {limits.max_messages} (max_messages)",
+                           param="messages", code="request_too_large")
+        n = body.get("n") or 1
+        if isinstance(n, int) and n > limits.max_n:
+            raise APIError(400, f"n={n} exceeds the limit of {limits.max_n} (max_n)", param="n",
+                           code="request_too_large")
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        if limits.max_tokens and isinstance(max_tokens, int) and max_tokens > limits.max_tokens:
+            raise APIError(400, f"max_tokens={max_tokens} exceeds the limit of {limits.max_tokens} (max_tokens)",
+                           param="max_tokens", code="request_too_large")
+        prompt_tokens = estimate_tokens(" ".join(_texts(body, chat)))
+        if limits.max_prompt_tokens and prompt_tokens > limits.max_prompt_tokens:
+            raise APIError(400, f"the prompt has about {prompt_tokens} tokens, over the limit of "
+                                f"{limits.max_prompt_tokens} (max_prompt_tokens)",
+                           param="messages" if chat else "prompt", code="request_too_large")
+        return prompt_tokens
+
+    async def guard_request(self, guard: Guard, body: dict[str, Any], chat: bool) -> None:
+        """Request guardrails; may redact `body` in place. Raises 400 content_blocked."""
+        g = guard.guardrails
+        if g.injection != "off" and self.injection is not None:
+            latest = _latest_input(body, chat)
+            if latest:
+                verdict = await self.injection.judge_async(latest)
+                guard.verdicts["injection"] = {"flagged": verdict.flagged, "probability": round(verdict.probability, 3),
+                                               "pattern": verdict.pattern}
+                if verdict.flagged and g.injection == "block":
+                    raise APIError(400, "the request was blocked: it looks like a prompt injection "
+                                        f"(classifier probability {verdict.probability:.2f})",
+                                   code="content_blocked", param="messages" if chat else "prompt")
+        if g.pii_request != "off":
+            kinds: list[str] = []
+            for holder, field_name in _text_fields(body, chat):
+                findings = find_pii(holder[field_name])
+                kinds += [f.kind for f in findings]
+                if findings and g.pii_request == "redact":
+                    holder[field_name] = guard.redactor.redact(holder[field_name], findings)
+            guard.verdicts["pii_request"] = sorted(set(kinds))
+            if kinds and g.pii_request == "block":
+                raise APIError(400, f"the request was blocked: it contains {', '.join(sorted(set(kinds)))}",
+                               code="content_blocked", param="messages" if chat else "prompt")
+
+
+class SecurityMiddleware:
+    def __init__(self, app, governor: Governor) -> None:
+        self.app, self.governor = app, governor
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "websocket":
+            return await self._websocket(scope, receive, send)
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or (
+                scope["path"] == "/metrics" and not self.governor.config.protect_metrics):
+            return await self.app(scope, receive, send)
+        started = time.perf_counter()
+        try:
+            key = self.governor.authenticate(dict(scope["headers"]))
+            if scope["method"] != "POST" or scope["path"] not in COMPLETION_PATHS:
+                return await self.app(scope, receive, send)
+            await self._completion(scope, receive, send, key, started)
+        except APIError as error:
+            await _send_json(send, error.status, error.body(), error.headers)
+        except RateLimited as limited:
+            body = APIError(429, limited.message, type_="rate_limit_error", code="rate_limit_exceeded").body()
+            await _send_json(send, 429, body, limited.headers)
+
+    async def _websocket(self, scope, receive, send) -> None:
+        """Keys apply; limits and guardrails need HTTP, so with either configured sockets are refused."""
+        try:
+            self.governor.authenticate(dict(scope["headers"]))
+        except APIError:
+            return await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
+        if self.governor.needs_http:
+            return await send({"type": "websocket.close", "code": 1008,
+                               "reason": "use HTTP: rate limits and guardrails apply to HTTP requests"})
+        await self.app(scope, receive, send)
+
+    async def _completion(self, scope, receive, send, key: KeyEntry | None, started: float) -> None:
+        governor = self.governor
+        raw = await _read_body(receive)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):  # malformed: the app gives the proper 400
+            return await self.app(scope, _replay(raw, receive), send)
+        chat = scope["path"] == "/v1/chat/completions"
+        prompt_tokens = governor.check_request(key, body, chat)
+        guard = Guard(key, governor.guardrails(key))
+        record: dict[str, Any] = {"key": key.name if key else None, "path": scope["path"], "model": body.get("model")}
+        if governor.config.audit_prompts:
+            record["prompt"] = _texts(body, chat)
+        n = body.get("n") if isinstance(body.get("n"), int) else 1
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
+        estimate = prompt_tokens + (max_tokens if isinstance(max_tokens, int) else DEFAULT_MAX_TOKENS) * n
+        try:
+            await governor.guard_request(guard, body, chat)
+            grant = await governor.limiter.acquire(key.name if key else "anonymous", governor.limits(key), estimate)
+        except (APIError, RateLimited) as refusal:
+            governor.audit.write({**record, "status": getattr(refusal, "status", 429), "verdicts": guard.verdicts,
+                                  "refused": str(refusal)})
+            raise
+        stream = body.get("stream") is True
+        client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if stream:
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        relay = _ResponseRelay(send, guard, grant.headers, chat, stream, client_wants_usage)
+        try:
+            await self.app(scope, _replay(json.dumps(body).encode(), receive), relay.send)
+        finally:
+            used = relay.usage.get("total_tokens") if relay.usage else None
+            await governor.limiter.release(grant, used if isinstance(used, int) else estimate)
+            guard.verdicts["pii_response"] = sorted({f.kind for f in guard.response_findings})
+            governor.audit.write({**record, "status": relay.status, "stream": stream,
+                                  "latency_ms": round((time.perf_counter() - started) * 1000, 2),
+                                  "tokens": {"prompt": (relay.usage or {}).get("prompt_tokens"),
+                                             "completion": (relay.usage or {}).get("completion_tokens")},
+                                  "verdicts": guard.verdicts})
+
+
+class _ResponseRelay:
+    """Wraps the app's `send`: adds rate-limit headers, filters answer text, records usage."""
+
+    def __init__(self, send, guard: Guard, headers: dict[str, str], chat: bool, stream: bool,
+                 client_wants_usage: bool) -> None:
+        self._send, self.guard, self.headers = send, guard, headers
+        self.chat, self.stream, self.client_wants_usage = chat, stream, client_wants_usage
+        self.status = 0
+        self.usage: dict[str, Any] | None = None
+        self._start: dict[str, Any] | None = None
+        self._is_sse = False
+        self._buffer = b""
+        self._redactors: dict[int, StreamRedactor] = {}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            extra = [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]
+            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"content-length"] + extra
+            self._is_sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                               for k, v in message.get("headers", []))
+            self._start = {**message, "headers": headers}
+            if self._is_sse:
+                await self._send(self._start)
+            return
+        if message["type"] != "http.response.body":
+            return await self._send(message)
+        self._buffer += message.get("body", b"")
+        more = message.get("more_body", False)
+        if self._is_sse:
+            events, _, self._buffer = self._buffer.rpartition(b"\n\n")
+            out = b"".join(self._event(e) for e in events.split(b"\n\n") if e) if events else b""
+            if not more and self._buffer:
+                out += self._event(self._buffer)
+                self._buffer = b""
+            await self._send({"type": "http.response.body", "body": out, "more_body": more})
+            return
+        if more:
+            return
+        body = self._buffer
+        if self.status == 200:
+            body = self._filter_json(body)
+        self._start["headers"].append((b"content-length", str(len(body)).encode()))
+        await self._send(self._start)
+        await self._send({"type": "http.response.body", "body": body})
+
+    def _filter_json(self, raw: bytes) -> bytes:
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            return raw
+        self.usage = answer.get("usage")
+        for choice in answer.get("choices") or []:
+            holder = choice.get("message") if self.chat else choice
+            if isinstance(holder, dict) and isinstance(holder.get("content" if self.chat else "text"), str):
+                name = "content" if self.chat else "text"
+                holder[name] = self.guard.filter_text(holder[name], find_pii(holder[name]))
+        return json.dumps(answer).encode()
+
+    def _event(self, event: bytes) -> bytes:
+        text = event.decode(errors="replace").strip()
+        if not text.startswith("data:") or text[5:].strip() == "[DONE]":
+            return event + b"\n\n"
+        try:
+            chunk = json.loads(text[5:])
+        except ValueError:
+            return event + b"\n\n"
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+            if not chunk.get("choices") and not self.client_wants_usage:
+                return b""
+        for choice in chunk.get("choices") or []:
+            holder = choice.get("delta") if self.chat else choice
+            name = "content" if self.chat else "text"
+            if not isinstance(holder, dict):
+                continue
+            redactor = self._redactors.setdefault(choice.get("index", 0), StreamRedactor(self.guard.filter_text))
+            piece = redactor.feed(holder.get(name) or "")
+            if choice.get("finish_reason") is not None:
+                piece += redactor.flush()
+            if name in holder or piece:
+                holder[name] = piece
+        return f"data: {json.dumps(chunk)}\n\n".encode()
+
+
+def _texts(body: dict[str, Any], chat: bool) -> list[str]:
+    return [holder[name] for holder, name in _text_fields(body, chat)]
+
+
+def _text_fields(body: dict[str, Any], chat: bool) -> list[tuple[dict | list, Any]]:
+    """(container, key) of every text the model will read, so a guardrail can rewrite it in place."""
+    fields: list[tuple[dict | list, Any]] = []
+    if chat:
+        for message in body.get("messages") or []:
+            if not isinstance(message, dict):
+                continue
+            content = message.get("content")
+            if isinstance(content, str):
+                fields.append((message, "content"))
+            elif isinstance(content, list):
+                fields += [(part, "text") for part in content if isinstance(part, dict)
+                           and isinstance(part.get("text"), str)]
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            fields.append((body, "prompt"))
+        elif isinstance(prompt, list):
+            fields += [(prompt, i) for i, p in enumerate(prompt) if isinstance(p, str)]
+    return fields
+
+
+def _latest_input(body: dict[str, Any], chat: bool) -> str:
+    """What the injection check reads: the newest user or tool message (earlier ones were checked
+    when they were sent), or the prompt."""
+    if not chat:
+        return " ".join(_texts(body, chat))
+    for message in reversed(body.get("messages") or []):
+        if isinstance(message, dict) and message.get("role") in ("user", "tool"):
+            content = message.get("content")
+            if isinstance(content, list):
+                content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+            return content if isinstance(content, str) else ""
+    return ""
+
+
+async def _read_body(receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """The (possibly rewritten) body once, then the client's own messages (its disconnect)."""
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+async def _send_json(send, status: int, body: dict[str, Any], headers: dict[str, str]) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+                + [(k.lower().encode(), v.encode()) for k, v in headers.items()]})
+    await send({"type": "http.response.body", "body": data})

@@ -1,0 +1,68 @@
+import asyncio
+
+import pytest
+
+from hyperserve.security.config import Limits
+from hyperserve.security.limits import InProcessLimiter, RateLimited, RedisLimiter
+
+
+async def _burst(limiters, limits: Limits, count: int, key: str = "k") -> tuple[list, list]:
+    async def one(i):
+        try:
+            return await limiters[i % len(limiters)].acquire(key, limits, 1)
+        except RateLimited as error:
+            return error
+    results = await asyncio.gather(*(one(i) for i in range(count)))
+    return [r for r in results if not isinstance(r, RateLimited)], [r for r in results if isinstance(r, RateLimited)]
+
+
+def test_requests_per_minute_under_concurrent_load():
+    granted, refused = asyncio.run(_burst([InProcessLimiter()], Limits(requests_per_minute=10), 50))
+    assert len(granted) == 10 and len(refused) == 40
+    assert refused[0].headers["Retry-After"] == "6"  # one request refills in 60/10 s
+    assert refused[0].headers["x-ratelimit-remaining-requests"] == "0"
+    assert granted[-1].headers["x-ratelimit-limit-requests"] == "10"
+
+
+def test_tokens_concurrency_and_budget():
+    limiter = InProcessLimiter()
+
+    async def scenario():
+        tokens = Limits(tokens_per_minute=1000)
+        grant = await limiter.acquire("t", tokens, 600)
+        with pytest.raises(RateLimited, match="1000 tokens per minute"):
+            await limiter.acquire("t", tokens, 600)
+        await limiter.release(grant, used_tokens=100)  # the estimate was high: 500 come back
+        await limiter.acquire("t", tokens, 600)
+
+        concurrency = Limits(concurrent_requests=2)
+        grants = [await limiter.acquire("c", concurrency, 1) for _ in range(2)]
+        with pytest.raises(RateLimited, match="2 concurrent requests"):
+            await limiter.acquire("c", concurrency, 1)
+        await limiter.release(grants[0], 1)
+        await limiter.acquire("c", concurrency, 1)
+
+        budget = Limits(token_budget=100, budget_period_s=3600)
+        grant = await limiter.acquire("b", budget, 60)
+        await limiter.release(grant, used_tokens=90)
+        with pytest.raises(RateLimited, match="token budget exhausted: 90 of 100") as error:
+            await limiter.acquire("b", budget, 20)
+        assert int(error.value.headers["Retry-After"]) <= 3600
+
+    asyncio.run(scenario())
+
+
+def test_redis_limits_are_shared_by_replicas(redis_url):
+    prefix = f"test-limits-{id(object())}:"
+
+    async def scenario():
+        replicas = [RedisLimiter(redis_url, prefix) for _ in range(3)]
+        granted, refused = await _burst(replicas, Limits(requests_per_minute=7), 40)
+        assert len(granted) == 7 and len(refused) == 33
+        concurrency = Limits(concurrent_requests=3)
+        granted, _ = await _burst(replicas, concurrency, 10, key="c")
+        assert len(granted) == 3
+        await replicas[0].release(granted[0], 1)
+        assert await replicas[1].acquire("c", concurrency, 1)
+
+    asyncio.run(scenario())

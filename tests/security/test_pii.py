@@ -1,0 +1,45 @@
+import random
+
+import pytest
+
+from hyperserve.security.pii import Redactor, StreamRedactor, find_pii
+
+SECRETS = {
+    "EMAIL": "jane.roe@example.org", "PHONE": "+44 20 7946 0958", "CARD": "4111 1111 1111 1111",
+    "IBAN": "DE89 3704 0044 0532 0130 00", "IP": "10.20.30.40", "API_KEY": "sk-proj-" + "Ab3" * 20,
+}
+TEXT = ("Contact jane.roe@example.org or +44 20 7946 0958. Pay with 4111 1111 1111 1111 or to "
+        "DE89 3704 0044 0532 0130 00. The box is 10.20.30.40 and the key is sk-proj-" + "Ab3" * 20 + ". Thanks!")
+
+
+def test_every_kind_is_found_with_its_checks():
+    assert {f.kind: f.text for f in find_pii(TEXT)} == SECRETS
+    assert find_pii("card 4111 1111 1111 1112") == []  # fails Luhn
+    assert "IBAN" not in {f.kind for f in find_pii("IBAN DE89 3704 0044 0532 0130 01")}  # fails mod-97
+    assert find_pii("in 1999 we sold 12 units at 300.5 each") == []
+    assert [f.kind for f in find_pii("AKIAIOSFODNN7EXAMPLE and ghp_" + "x" * 36)] == ["API_KEY", "API_KEY"]
+
+
+def test_redaction_uses_stable_placeholders_and_is_reversible():
+    redactor = Redactor()
+    redacted = redactor.redact(TEXT + " Again: jane.roe@example.org")
+    assert not any(secret in redacted for secret in SECRETS.values())
+    assert redacted.count("[EMAIL_1]") == 2
+    assert redactor.restore(redacted) == TEXT + " Again: jane.roe@example.org"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_streamed_redaction_never_emits_a_secret_split_across_chunks(seed):
+    rng = random.Random(seed)
+    text = TEXT * 3
+    redactor = Redactor()
+    stream = StreamRedactor(lambda piece, findings: redactor.redact(piece, findings))
+    emitted, position = [], 0
+    while position < len(text):
+        size = rng.randint(1, 9)
+        emitted.append(stream.feed(text[position:position + size]))
+        position += size
+    emitted.append(stream.flush())
+    joined = "".join(emitted)
+    assert not any(secret in joined for secret in SECRETS.values())
+    assert joined == Redactor().redact(text)  # the same as redacting the whole text at once
