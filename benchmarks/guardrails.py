@@ -62,7 +62,7 @@ def classifier_quality(detector: InjectionDetector) -> dict:
     probabilities = detector.probabilities(texts)
     return {"examples": len(test), "injections": sum(labels),
             "ours": scores([detector.judge(t, p).flagged for t, p in zip(texts, probabilities)], labels),
-            "classifier_alone": scores([p >= detector.threshold for p in probabilities], labels),
+            "classifier_alone": scores([p >= 0.5 for p in probabilities], labels),
             "patterns_alone": scores([PATTERNS.search(t) is not None for t in texts], labels),
             "keyword_baseline": scores([keyword_baseline(t) for t in texts], labels)}
 

@@ -53,9 +53,9 @@ def build_cache(config: GatewayConfig) -> ResponseCache | None:
         store = SQLiteStore(":memory:" if c.store == "memory" else c.path, c.max_entries)
     embedder = None
     if c.semantic.enabled:
-        from hyperserve.gateway.embedder import Embedder
+        from hyperserve.gateway.embedder import shared_embedder
 
-        embedder = Embedder()
+        embedder = shared_embedder()
     return ResponseCache(store, c.ttl_s, embedder, c.semantic.threshold)
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,3 +51,9 @@ class Embedder:
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [B, T, 1]
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
         return torch.nn.functional.normalize(pooled, dim=-1).numpy().astype(np.float32)
+
+
+@functools.cache
+def shared_embedder() -> Embedder:
+    """One instance per process (the cache and the injection check share it, and its thread)."""
+    return Embedder()

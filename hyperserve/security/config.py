@@ -68,6 +68,8 @@ class SecurityConfig(_Section):
     keys: list[KeyEntry] = Field(default_factory=list)
     defaults: Limits = Field(default_factory=Limits, description="limits of keys that set none")
     guardrails: Guardrails = Field(default_factory=Guardrails, description="guardrails of keys that set none")
+    model_guardrails: dict[str, Guardrails] = Field(default_factory=dict,
+                                                    description="per model (a gateway route): for keys that set none")
     request_limits: RequestLimits = Field(default_factory=RequestLimits)
     protect_metrics: bool = False
     redis_url: str | None = Field(default=None, description="share limits between replicas through Redis")

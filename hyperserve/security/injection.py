@@ -41,24 +41,22 @@ class InjectionVerdict:
 
 
 class InjectionDetector:
-    def __init__(self, embedder: Embedder, threshold: float = 0.5, weights: Path = WEIGHTS) -> None:
+    def __init__(self, embedder: Embedder, weights: Path = WEIGHTS) -> None:
         data = np.load(weights)
-        self.embedder, self.threshold = embedder, threshold
+        self.embedder = embedder
         self.coef, self.bias = data["coef"].astype(np.float32), float(data["bias"])
 
     def probabilities(self, texts: list[str]) -> np.ndarray:
         logits = self.embedder.embed(texts) @ self.coef + self.bias
         return 1 / (1 + np.exp(-logits))
 
-    def judge(self, text: str, probability: float | None = None) -> InjectionVerdict:
-        if probability is None:
-            probability = float(self.probabilities([text])[0])
+    def judge(self, text: str, probability: float, threshold: float = 0.5) -> InjectionVerdict:
+        """`probability`: the classifier's, from `probabilities` (batched) or `judge_async`."""
         match = PATTERNS.search(text)
-        return InjectionVerdict(probability >= self.threshold or match is not None, probability,
+        return InjectionVerdict(probability >= threshold or match is not None, probability,
                                 match.group() if match else None)
 
-    async def judge_async(self, text: str) -> InjectionVerdict:
-        """Embeds on the embedder's own worker thread (see Embedder)."""
+    async def judge_async(self, text: str, threshold: float = 0.5) -> InjectionVerdict:
         embedding = (await self.embedder.embed_async([text]))[0]
         probability = float(1 / (1 + np.exp(-(embedding @ self.coef + self.bias))))
-        return self.judge(text, probability)
+        return self.judge(text, probability, threshold)

@@ -64,20 +64,23 @@ class Governor:
         self.keys = {k.sha256: k for k in config.keys}
         self.limiter = RedisLimiter(config.redis_url, config.redis_prefix) if config.redis_url else InProcessLimiter()
         self.audit = RequestLog(config.audit_log)
-        uses_injection = any(g.injection != "off" for g in [config.guardrails] + [k.guardrails for k in config.keys
-                                                                                   if k.guardrails])
+        uses_injection = any(g.injection != "off" for g in self._all_guardrails())
         self.injection = None
         if uses_injection:
-            from hyperserve.gateway.embedder import Embedder
+            from hyperserve.gateway.embedder import shared_embedder
             from hyperserve.security.injection import InjectionDetector
 
-            self.injection = InjectionDetector(embedder or Embedder(), config.guardrails.injection_threshold)
+            self.injection = InjectionDetector(embedder or shared_embedder())
+
+    def _all_guardrails(self) -> list[Guardrails]:
+        c = self.config
+        return [c.guardrails, *c.model_guardrails.values(), *(k.guardrails for k in c.keys if k.guardrails)]
 
     @property
     def needs_http(self) -> bool:
         """Limits or guardrails are configured: they are enforced on HTTP requests only."""
         limits = [self.config.defaults] + [k.limits for k in self.config.keys if k.limits]
-        guardrails = [self.config.guardrails] + [k.guardrails for k in self.config.keys if k.guardrails]
+        guardrails = self._all_guardrails()
         return (any(v is not None for lim in limits for k, v in lim if k != "budget_period_s")
                 or any(g.injection != "off" or g.pii_request != "off" or g.pii_response != "off" for g in guardrails))
 
@@ -99,8 +102,12 @@ class Governor:
     def limits(self, key: KeyEntry | None) -> Limits:
         return key.limits if key is not None and key.limits is not None else self.config.defaults
 
-    def guardrails(self, key: KeyEntry | None) -> Guardrails:
-        return key.guardrails if key is not None and key.guardrails is not None else self.config.guardrails
+    def guardrails(self, key: KeyEntry | None, model: Any) -> Guardrails:
+        """The key's own, else the model's (route's), else the default."""
+        if key is not None and key.guardrails is not None:
+            return key.guardrails
+        return self.config.model_guardrails.get(model, self.config.guardrails) if isinstance(model, str) \
+            else self.config.guardrails
 
     def check_request(self, key: KeyEntry | None, body: dict[str, Any], chat: bool) -> int:
         """Model permission and size limits; returns the estimated prompt tokens."""
@@ -134,7 +141,7 @@ class Governor:
         if g.injection != "off" and self.injection is not None:
             latest = _latest_input(body, chat)
             if latest:
-                verdict = await self.injection.judge_async(latest)
+                verdict = await self.injection.judge_async(latest, g.injection_threshold)
                 guard.verdicts["injection"] = {"flagged": verdict.flagged, "probability": round(verdict.probability, 3),
                                                "pattern": verdict.pattern}
                 if verdict.flagged and g.injection == "block":
@@ -198,7 +205,7 @@ class SecurityMiddleware:
             return await self.app(scope, _replay(raw, receive), send)
         chat = scope["path"] == "/v1/chat/completions"
         prompt_tokens = governor.check_request(key, body, chat)
-        guard = Guard(key, governor.guardrails(key))
+        guard = Guard(key, governor.guardrails(key, body.get("model")))
         record: dict[str, Any] = {"key": key.name if key else None, "path": scope["path"], "model": body.get("model")}
         if governor.config.audit_prompts:
             record["prompt"] = _texts(body, chat)
