@@ -22,6 +22,7 @@ class ModelConfig:
     load_format: str = "auto"  # auto: weights from the checkpoint; random: random weights from its config
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0
+    quantization: str | None = None  # int8: int8 weights (per-channel scales), quantized at load (CPU)
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -32,6 +33,11 @@ class ModelConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.load_format not in ("auto", "random"):
             raise ValueError(f"load_format must be 'auto' or 'random', got {self.load_format!r}")
+        if self.quantization is not None:
+            if self.quantization not in ("int8",):
+                raise ValueError(f"quantization must be 'int8', got {self.quantization!r}")
+            if self.device != "cpu":
+                raise ValueError("quantization='int8' runs on the CPU (PyTorch's x86 quantized engine)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
 

@@ -60,6 +60,7 @@ class LLMEngine:
             dtype=config.model.torch_dtype,
             device=config.model.device,
             seed=config.model.seed,
+            quantization=config.model.quantization,
         )
         self.runner = ModelRunner(model, config, num_blocks)
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
@@ -340,6 +341,7 @@ class LLMEngine:
             dtype=self.config.model.torch_dtype,
             device=self.config.model.device,
             seed=self.config.model.seed + 1,
+            quantization=self.config.model.quantization,
         )
 
     def _eos_token_id(self) -> int | None:

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from hyperserve.layers.attention import AttentionBackend
+from hyperserve.layers.quantization import quantize_model
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
 from hyperserve.models.registry import SUPPORTED_ARCHITECTURES, ModelSource
 
@@ -63,8 +64,10 @@ def build_model(
     dtype: torch.dtype,
     device: str,
     seed: int = 0,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """Materialise the model and fill it from `source`, or randomly when `source` is None."""
+    """Materialise the model and fill it from `source`, or randomly when `source` is None;
+    then quantize its weights if asked."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, max_position).to(dtype)
     model.to_empty(device=device)
@@ -73,7 +76,10 @@ def build_model(
         _init_random(model, config, seed)
     else:
         _load_checkpoint(model, source)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if quantization is not None:
+        quantize_model(model, quantization)
+    return model
 
 
 def _load_checkpoint(model: LlamaForCausalLM, source: ModelSource) -> None:
