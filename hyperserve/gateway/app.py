@@ -191,7 +191,11 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
         if state.cache is not None and mode != "off" and (mode == "on" or is_deterministic(body)):
             key = cache_key(kind, name, body)
             t = time.perf_counter()
-            hit, vector = await state.cache.lookup(key)
+            try:
+                hit, vector = await state.cache.lookup(key)
+            except Exception:  # an unreachable cache store degrades to a miss, never to an error
+                logger.exception("response cache: lookup failed")
+                hit, vector = None, None
             timings["cache_lookup"] = time.perf_counter() - t
             metrics.cache_lookup.labels(f"hit-{hit.kind}" if hit else "miss").observe(timings["cache_lookup"])
             if hit is not None:
@@ -258,14 +262,22 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
         except (TimeoutError, aiohttp.ClientError, ValueError) as error:
             status = 502
             yield sse(APIError(502, f"the backend stream broke: {error}", type_="bad_gateway").body())
+        finally:
+            await lines.aclose()  # releases the connection (and the backend's outstanding count) now
         yield sse("[DONE]")
         answer = folded.response()
         if key is not None and status == 200 and answer is not None:
             remember(key, answer, vector)
         finish(record, timings, started, cache_state, status, folded.usage)
 
+    async def insert(key: CacheKey, body: dict[str, Any], vector: Any) -> None:
+        try:
+            await state.cache.insert(key, body, vector)
+        except Exception:  # a cache that cannot store (Redis down, disk full) must not fail requests
+            logger.exception("response cache: insert failed")
+
     def remember(key: CacheKey, body: dict[str, Any], vector: Any) -> None:
-        task = asyncio.create_task(state.cache.insert(key, body, vector))
+        task = asyncio.create_task(insert(key, body, vector))
         state.pending.add(task)
         task.add_done_callback(state.pending.discard)
 
