@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -46,6 +47,8 @@ class RequestLog:
     (milliseconds) and tokens. Never prompts or keys."""
 
     def __init__(self, path: str | None) -> None:
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "a", buffering=1) if path else None  # lives as long as the app
         self._lock = threading.Lock()
 
