@@ -41,7 +41,8 @@ class Guard:
 
     key: KeyEntry | None
     guardrails: Guardrails
-    redactor: Redactor = field(default_factory=Redactor)
+    redactor: Redactor = field(default_factory=Redactor)  # the request's values: restorable
+    answer_redactor: Redactor | None = None  # continues its numbering over the model's own values
     verdicts: dict[str, Any] = field(default_factory=dict)
     response_findings: list[Finding] = field(default_factory=list)
 
@@ -50,7 +51,9 @@ class Guard:
         then the caller's own redacted values restored if configured."""
         self.response_findings += findings
         if self.guardrails.pii_response == "redact" and findings:
-            text = Redactor(self.redactor.placeholders.copy(), dict(self.redactor.counts)).redact(text, findings)
+            if self.answer_redactor is None:
+                self.answer_redactor = Redactor(dict(self.redactor.placeholders), dict(self.redactor.counts))
+            text = self.answer_redactor.redact(text, findings)
         if self.guardrails.reversible_redaction:
             text = self.redactor.restore(text)
         return text

@@ -142,3 +142,14 @@ def test_audit_log_names_the_key_never_the_secret(secured):
     assert any(r["status"] == 400 and r["verdicts"].get("injection", {}).get("flagged") for r in records)
     text = audit.read_text()
     assert "-secret" not in text and "audited question" not in text
+
+
+def test_answer_placeholders_stay_distinct_across_chunks():
+    from hyperserve.security.config import Guardrails
+    from hyperserve.security.middleware import Guard
+    from hyperserve.security.pii import find_pii
+
+    guard = Guard(None, Guardrails(pii_response="redact"))
+    first, second = "write to a@example.com ", "or to b@example.com"
+    assert guard.filter_text(first, find_pii(first)) + guard.filter_text(second, find_pii(second)) == \
+        "write to [EMAIL_1] or to [EMAIL_2]"
