@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -56,7 +57,8 @@ def build_cache(config: GatewayConfig) -> ResponseCache | None:
         from hyperserve.gateway.embedder import shared_embedder
 
         embedder = shared_embedder()
-    return ResponseCache(store, c.ttl_s, embedder, c.semantic.threshold)
+    index_dir = Path(c.path).with_suffix(".index") if c.store == "sqlite" else None  # Redis replicas replay
+    return ResponseCache(store, c.ttl_s, embedder, c.semantic.threshold, index_dir)
 
 
 @dataclass

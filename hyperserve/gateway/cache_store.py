@@ -49,6 +49,9 @@ class CacheStore(Protocol):
     def entries_since(self, cursor: Any) -> tuple[Any, list[IndexedVector]]:
         """Embeddings added after `cursor` (None: from the start) and the cursor to pass next."""
 
+    def high_water(self) -> int:
+        """The largest id ever assigned (a saved index beyond it belongs to another store)."""
+
     def __len__(self) -> int: ...
 
     def close(self) -> None: ...
@@ -133,6 +136,11 @@ class SQLiteStore:
         vectors = [IndexedVector(i, ns, _vector(blob)) for i, ns, blob in rows]
         return (rows[-1][0] if rows else cursor or 0), vectors
 
+    def high_water(self) -> int:
+        with self._lock:
+            row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'entries'").fetchone()
+        return row[0] if row else 0
+
     def __len__(self) -> int:
         with self._lock:
             return self._db.execute("SELECT COUNT(*) FROM entries WHERE expires_at > ?", (time.time(),)).fetchone()[0]
@@ -200,6 +208,9 @@ class RedisStore:
             for message_id, fields in batch[0][1]:
                 cursor = message_id.decode()
                 vectors.append(IndexedVector(int(fields[b"id"]), fields[b"ns"].decode(), _vector(fields[b"v"])))
+
+    def high_water(self) -> int:
+        return int(self.redis.get(self._k("next")) or 0)
 
     def __len__(self) -> int:
         return int(self.redis.zcard(self._k("lru")))

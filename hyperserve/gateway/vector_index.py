@@ -3,7 +3,9 @@ so a lookup only ever sees entries with the same model, system prompt and sampli
 
 from __future__ import annotations
 
+import json
 import threading
+from pathlib import Path
 
 import numpy as np
 from usearch.index import Index
@@ -40,3 +42,22 @@ class VectorIndex:
         if len(match.keys) == 0:
             return None
         return int(match.keys[0]), 1.0 - float(match.distances[0])
+
+    def save(self, directory: Path, cursor: int) -> None:
+        """Every namespace's graph, and the store cursor they are complete up to."""
+        directory.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            for namespace, index in self._indexes.items():
+                index.save(str(directory / f"{namespace}.usearch"))
+            (directory / "manifest.json").write_text(json.dumps({"cursor": cursor, "namespaces": list(self._indexes)}))
+
+    def load(self, directory: Path) -> int | None:
+        """Graphs saved by `save`; returns their cursor, or None when there is nothing to load."""
+        manifest = directory / "manifest.json"
+        if not manifest.exists():
+            return None
+        saved = json.loads(manifest.read_text())
+        with self._lock:
+            for namespace in saved["namespaces"]:
+                self._indexes[namespace] = Index.restore(str(directory / f"{namespace}.usearch"))
+        return saved["cursor"]

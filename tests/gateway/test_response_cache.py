@@ -119,3 +119,18 @@ def test_redis_store_evicts_least_recently_used(redis_url):
     assert _lookup(cache, _chat("one")) is not None
     _insert(cache, _chat("three"), "three")
     assert [_lookup(cache, _chat(q)) is not None for q in ("one", "two", "three")] == [True, False, True]
+
+
+def test_saved_index_is_loaded_at_start_and_discarded_for_another_store(embedder, tmp_path):
+    path, index_dir = str(tmp_path / "cache.sqlite"), tmp_path / "cache.index"
+    first = ResponseCache(SQLiteStore(path, 100), ttl_s=60, embedder=embedder, index_dir=index_dir)
+    _insert(first, _chat(QUESTION), "Paris.")
+    first.close()  # saves the index
+    second = ResponseCache(SQLiteStore(path, 100), ttl_s=60, embedder=embedder, index_dir=index_dir)
+    assert second.sync_index() == 0  # nothing to rebuild: the graph came from disk
+    assert _lookup(second, _chat(PARAPHRASE)).entry.response == _answer("Paris.")
+    _insert(second, _chat("Who wrote Hamlet?"), "Shakespeare.")
+    second.close()
+    fresh = ResponseCache(SQLiteStore(str(tmp_path / "other.sqlite"), 100), ttl_s=60, embedder=embedder,
+                          index_dir=index_dir)
+    assert len(fresh.index) == 0 and _lookup(fresh, _chat(PARAPHRASE)) is None
