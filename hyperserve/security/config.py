@@ -86,10 +86,6 @@ class SecurityConfig(_Section):
                 raise ValueError(f"keys: duplicate {attribute} {duplicates}")
         return self
 
-    @property
-    def requires_key(self) -> bool:
-        return bool(self.keys)
-
 
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
