@@ -2,12 +2,13 @@
 single-stream decode tokens/s (128 tokens), prefill tokens/s of a 512-token prompt, and output
 throughput of 16 concurrent requests (200-token prompts, 128 output tokens).
 
-Ours: float32 and int8 weights; decode and prefill through the engine, the 16 requests through
-`hyperserve serve` and `hyperserve bench` (as llama.cpp's figure is its server's). llama.cpp runs
+Ours: float32 and our best configuration (int4 weights, compiled decode step); decode and prefill
+through the engine, the 16 requests through `hyperserve serve` and `hyperserve bench` (as
+llama.cpp's figure is its server's). llama.cpp runs
 through llama-cpp-python, installed for this benchmark only (`pip install llama-cpp-python`); its
 Python API serves one sequence at a time, so its 16 requests run one after another.
 
-    python benchmarks/cpu_vs_llamacpp.py [--configs none int8]
+    python benchmarks/cpu_vs_llamacpp.py [--configs float32 int4+compile]  (see benchmarks/quality.py)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.quality import speed  # noqa: E402
+from benchmarks.quality import engine_options, server_args, speed  # noqa: E402
 from benchmarks.serving import start_server  # noqa: E402
 from hyperserve import LLM  # noqa: E402
 from hyperserve.bench.run import add_bench_args, run_from_args  # noqa: E402
@@ -33,11 +34,10 @@ from hyperserve.models.registry import resolve_model  # noqa: E402
 from tests.server.conftest import free_port  # noqa: E402
 
 
-def ours(quantization: str | None) -> dict:
-    result = speed(LLM(quantization=quantization, kv_cache_memory_gb=1, max_num_batched_tokens=512))
+def ours(config: str) -> dict:
+    result = speed(LLM(kv_cache_memory_gb=1, max_num_batched_tokens=512, **engine_options(config)))
     port = free_port()
-    server = start_server(port, ["--kv-cache-memory-gb", "1"] + (["--quantization", quantization]
-                                                                    if quantization else []))
+    server = start_server(port, ["--kv-cache-memory-gb", "1", *server_args(config)])
     try:
         parser = argparse.ArgumentParser()
         add_bench_args(parser)
@@ -84,13 +84,13 @@ def llama_cpp(gguf: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="+", default=["none", "int8"])
+    parser.add_argument("--configs", nargs="+", default=["float32", "int4+compile"])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_vs_llamacpp.json"))
     args = parser.parse_args()
     source = resolve_model("smollm2-135m")
     results = {"llama.cpp": llama_cpp(str(source.directory / source.gguf_file))}
     for name in args.configs:
-        results[f"hyperserve {'float32' if name == 'none' else name}"] = ours(None if name == "none" else name)
+        results[f"hyperserve {name}"] = ours(name)
     Path(args.out).write_text(json.dumps(results, indent=2))
     base = results["llama.cpp"]
     print(f"\nSmolLM2-135M-Instruct Q4_1 GGUF, {os.cpu_count()} CPU threads\n")

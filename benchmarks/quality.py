@@ -6,7 +6,10 @@ configuration more than 3% worse than float32 in perplexity must not be a defaul
 Speed, in the same run: single-stream decode (128 tokens), prefill of a 512-token prompt, and
 output throughput of 16 requests together (200-token prompts, 128 output tokens each).
 
-    python benchmarks/quality.py [--configs none int8]
+A configuration is its options joined by "+": `float32`, `int8`, `int4`, `compile` (torch.compile
+the decode step), `kv-int8` / `kv-fp8` (quantized KV cache), e.g. `int4+compile+kv-int8`.
+
+    python benchmarks/quality.py [--configs float32 int8 int4 int4+compile]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from hyperserve import LLM, SamplingParams  # noqa: E402
 from hyperserve.engine.model_runner import SeqChunk  # noqa: E402
@@ -30,16 +34,42 @@ ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "data" / "quality_text.txt"
 
 
-def logits_over(llm: LLM, token_ids: list[int], window: int) -> torch.Tensor:
+def engine_options(config: str) -> dict:
+    """`int4+compile+kv-int8` -> LLM keyword arguments."""
+    options: dict = {}
+    for part in config.split("+"):
+        if part in ("int4", "int8"):
+            options["quantization"] = part
+        elif part == "compile":
+            options["compile"] = True
+        elif part.startswith("kv-"):
+            options["kv_cache_dtype"] = part[3:]
+        elif part != "float32":
+            raise ValueError(f"unknown configuration part {part!r} in {config!r}")
+    return options
+
+
+def server_args(config: str) -> list[str]:
+    """The same configuration as `hyperserve serve` flags."""
+    args = []
+    for key, value in engine_options(config).items():
+        args += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    return args
+
+
+def logits_over(llm: LLM, token_ids: list[int], window: int, step: int) -> torch.Tensor:
     """Logits [T, V] at every position, in independent windows of `window` tokens (each window
-    starts a fresh sequence, so every window's first token has no prediction)."""
+    starts a fresh sequence, so every window's first token has no prediction), fed `step` tokens
+    per forward: the whole window runs the prefill path, one token the decode path."""
     runner, block_size = llm.engine.runner, llm.engine.config.cache.block_size
     rows = []
     for start in range(0, len(token_ids), window):
         ids = token_ids[start:start + window]
         blocks = list(range(-(-len(ids) // block_size)))  # the pool is empty: any blocks will do
         with torch.inference_mode():
-            rows.append(runner.forward([SeqChunk(ids, 0, blocks, num_logits=len(ids))]))
+            for pos in range(0, len(ids), step):
+                chunk = ids[pos:pos + step]
+                rows.append(runner.forward([SeqChunk(chunk, pos, blocks, num_logits=len(chunk))]))
     return torch.cat(rows)
 
 
@@ -62,43 +92,55 @@ def speed(llm: LLM) -> dict:
             (time.perf_counter() - start)}
 
 
-def evaluate(quantization: str | None, token_ids: list[int], window: int) -> tuple[float, torch.Tensor, dict]:
-    llm = LLM(quantization=quantization, kv_cache_memory_gb=1, max_num_batched_tokens=512)
-    logits = logits_over(llm, token_ids, window)
+def evaluate(config: str, token_ids: list[int], window: int) -> dict:
+    """Perplexity through the prefill path and through the decode path (which run different
+    kernels when weights are quantized), greedy tokens of the prefill path, and speed."""
+    llm = LLM(kv_cache_memory_gb=1, max_num_batched_tokens=512, **engine_options(config))
     targets, predicted = [], []
     for start in range(0, len(token_ids), window):
         end = min(start + window, len(token_ids))
         targets += token_ids[start + 1:end]
         predicted += list(range(start, end - 1))
-    logprobs = torch.log_softmax(logits[predicted].float(), dim=-1)
-    nll = -logprobs[torch.arange(len(targets)), torch.tensor(targets)].mean().item()
-    return math.exp(nll), logits[predicted].argmax(-1), speed(llm)
+    result = {}
+    for path, step in (("prefill", window), ("decode", 1)):
+        logits = logits_over(llm, token_ids, window, step)[predicted]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        nll = -logprobs[torch.arange(len(targets)), torch.tensor(targets)].mean().item()
+        result[f"perplexity_{path}"] = math.exp(nll)
+        result[f"top1_{path}"] = logits.argmax(-1)
+    return result | speed(llm)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="+", default=["none", "int8"])
+    parser.add_argument("--configs", nargs="+", default=["float32", "int8", "int4", "int4+compile",
+                                                         "int4+compile+kv-int8"])
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quality.json"))
     args = parser.parse_args()
     token_ids = LLM(kv_cache_memory_gb=0.5).tokenizer(TEXT.read_text()).input_ids
     results, reference = {}, None
-    for name in args.configs:
-        perplexity, top1, timings = evaluate(None if name == "none" else name, token_ids, args.window)
-        if reference is None:
-            reference = top1
-        results[name] = {"perplexity": perplexity, "top1_agreement": (top1 == reference).float().mean().item(),
-                         **timings}
+    for name in tqdm(args.configs, desc="configurations"):
+        result = evaluate(name, token_ids, args.window)
+        reference = result["top1_prefill"] if reference is None else reference
+        for path in ("prefill", "decode"):
+            result[f"top1_agreement_{path}"] = (result.pop(f"top1_{path}") == reference).float().mean().item()
+        results[name] = result
     Path(args.out).write_text(json.dumps({"tokens": len(token_ids), "window": args.window, "results": results},
                                          indent=2))
-    base = results[args.configs[0]]["perplexity"]
-    print(f"\nPerplexity on data/quality_text.txt ({len(token_ids)} tokens, windows of {args.window}), SmolLM2-135M\n")
-    print("| weights | perplexity | vs float32 | greedy agreement with float32 | decode tok/s | prefill tok/s "
-          "| 16 together, output tok/s |\n|---|---|---|---|---|---|---|")
+    base = results[args.configs[0]]
+    print(f"\nPerplexity on data/quality_text.txt ({len(token_ids)} tokens, windows of {args.window}), "
+          f"SmolLM2-135M; vs {args.configs[0]}; greedy agreement with {args.configs[0]}'s prefill path\n")
+    print("| configuration | perplexity, prefill path | perplexity, decode path | greedy agreement, prefill / decode "
+          "| decode tok/s | prefill tok/s | 16 together, output tok/s |\n|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {'float32' if name == 'none' else name} | {r['perplexity']:.3f} | "
-              f"{(r['perplexity'] / base - 1) * 100:+.2f}% | {r['top1_agreement']:.1%} | {r['decode_tok_s']:.1f} | "
-              f"{r['prefill_tok_s']:.0f} | {r['batch16_output_tok_s']:.1f} |")
+        ppl = {}
+        for path in ("prefill", "decode"):
+            value = r[f"perplexity_{path}"]
+            ppl[path] = f"{value:.3f} ({(value / base[f'perplexity_{path}'] - 1) * 100:+.2f}%)"
+        print(f"| {name} | {ppl['prefill']} | {ppl['decode']} | {r['top1_agreement_prefill']:.1%} / "
+              f"{r['top1_agreement_decode']:.1%} | {r['decode_tok_s']:.1f} | {r['prefill_tok_s']:.0f} | "
+              f"{r['batch16_output_tok_s']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -17,12 +17,13 @@ import torch
 @dataclass
 class ModelConfig:
     model: str = "smollm2-135m"  # registry name, .gguf file, or Hugging Face model directory
-    dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda
+    dtype: str = "auto"  # auto: float32 on cpu (bfloat16 with int4), bfloat16 on cuda
     device: str | None = None  # cpu | cuda; None: cuda when available
     load_format: str = "auto"  # auto: weights from the checkpoint; random: random weights from its config
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0
-    quantization: str | None = None  # int8: int8 weights (per-channel scales), quantized at load (CPU)
+    quantization: str | None = None  # int4 (groups of 32, bfloat16 activations) or int8 weights, at load (CPU)
+    compile: bool = False  # torch.compile the decode step (fused elementwise ops, less Python per token)
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -34,17 +35,17 @@ class ModelConfig:
         if self.load_format not in ("auto", "random"):
             raise ValueError(f"load_format must be 'auto' or 'random', got {self.load_format!r}")
         if self.quantization is not None:
-            if self.quantization not in ("int8",):
-                raise ValueError(f"quantization must be 'int8', got {self.quantization!r}")
+            if self.quantization not in ("int4", "int8"):
+                raise ValueError(f"quantization must be 'int4' or 'int8', got {self.quantization!r}")
             if self.device != "cpu":
-                raise ValueError("quantization='int8' runs on the CPU (PyTorch's x86 quantized engine)")
+                raise ValueError(f"quantization={self.quantization!r} runs on the CPU (PyTorch's CPU kernels)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.device == "cuda" else torch.float32
+        if self.dtype == "auto":  # int4's kernel takes bfloat16 activations
+            return torch.bfloat16 if self.device == "cuda" or self.quantization == "int4" else torch.float32
         return getattr(torch, self.dtype)
 
 
@@ -56,6 +57,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True  # reuse the KV of prefixes seen before (--no-prefix-caching)
     disk_cache_dir: str | None = None  # a disk tier for evicted prefix blocks; None: memory only
     disk_cache_gb: float = 8.0  # the disk tier's budget
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8 or fp8: quantized with a scale per token and head
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -64,6 +66,8 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}")
 
 
 @dataclass

@@ -35,12 +35,13 @@ class DiskKVStore:
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._index
 
-    def save(self, block_hash: int, kv: torch.Tensor) -> None:
-        """kv [num_layers, 2, block_size, Hkv, D]; a block already stored is not written again."""
+    def save(self, block_hash: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Every layer's K and V of one block (and their scales, quantized), by name; a block
+        already stored is not written again."""
         if block_hash in self._index:
             return
         path = self._path(block_hash)
-        save_file({"kv": kv.contiguous().cpu()}, str(path))
+        save_file({name: t.contiguous().cpu() for name, t in tensors.items()}, str(path))
         size = path.stat().st_size
         self._index[block_hash] = size
         self._bytes += size
@@ -50,9 +51,9 @@ class DiskKVStore:
             self._path(oldest).unlink(missing_ok=True)
             self._bytes -= oldest_size
 
-    def load(self, block_hash: int) -> torch.Tensor:
+    def load(self, block_hash: int) -> dict[str, torch.Tensor]:
         self.num_reads += 1
-        return load_file(str(self._path(block_hash)))["kv"]
+        return load_file(str(self._path(block_hash)))
 
     def _path(self, block_hash: int) -> Path:
         return self.directory / f"{block_hash}.safetensors"
@@ -64,8 +65,8 @@ class DiskTier:
     def __init__(
         self,
         store: DiskKVStore,
-        read_block: Callable[[int], torch.Tensor],
-        write_block: Callable[[int, torch.Tensor], None],
+        read_block: Callable[[int], dict[str, torch.Tensor]],
+        write_block: Callable[[int, dict[str, torch.Tensor]], None],
     ) -> None:
         self.store, self._read, self._write = store, read_block, write_block
 

@@ -304,7 +304,8 @@ class LLMEngine:
         if cache.num_kv_blocks is not None:
             num_blocks = cache.num_kv_blocks
         else:
-            per_block = loader.kv_bytes_per_token(self.hf_config, self.config.model.torch_dtype) * cache.block_size
+            per_block = loader.kv_bytes_per_token(self.hf_config, self.config.model.torch_dtype,
+                                                  cache.kv_cache_dtype) * cache.block_size
             num_blocks = int(cache.kv_cache_memory_gb * 2**30) // per_block
         if num_blocks * cache.block_size < self.max_model_len:
             raise ValueError(
@@ -318,7 +319,8 @@ class LLMEngine:
         cache = self.config.cache
         if cache.disk_cache_dir is None or not cache.enable_prefix_caching:
             return None
-        namespace = f"{Path(self.config.model.model).name}-{self.config.model.torch_dtype}-bs{cache.block_size}"
+        namespace = (f"{Path(self.config.model.model).name}-{self.config.model.torch_dtype}-kv{cache.kv_cache_dtype}"
+                     f"-bs{cache.block_size}")
         store = DiskKVStore(cache.disk_cache_dir, namespace, int(cache.disk_cache_gb * 2**30))
         return DiskTier(store, self.runner.read_block, self.runner.write_block)
 

@@ -3,10 +3,18 @@
 Owns the model, the KV cache tensors and the per-request random generators. Logits are computed
 only for the rows that are sampled: the last new token of each request that reaches its end, and
 with speculation also the rows of its draft tokens, which are verified against them.
+
+With `compile`, steps that only decode (one new token per sequence, the common step of
+continuous batching) run a torch.compile'd forward: elementwise ops fuse and most per-op Python
+goes away, which at one token per step is as much time as the matmuls. Its decodes attend as one
+group over block tables at least two blocks wide, so only two graphs exist (one sequence; any
+batch), both compiled at start.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -17,12 +25,15 @@ from hyperserve.engine.rejection_sampler import verify_greedy, verify_sampled
 from hyperserve.engine.request import Request
 from hyperserve.engine.sampler import SamplerOutput, SamplingBatch, gather_logprobs, sample, sampling_probs
 from hyperserve.engine.scheduler import SchedulerOutput
-from hyperserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan, allowed_keys
+from hyperserve.layers.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillSpan, allowed_keys
+from hyperserve.layers.quantization import QUANTIZED_MAX_ROWS
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
 
 # Decodes whose context lengths differ by more than this factor attend in separate batches.
 DECODE_GROUP_SPREAD = 1.25
 MIN_DECODE_GROUP = 8
+
+logger = logging.getLogger("hyperserve.runner")
 
 
 @dataclass(slots=True)
@@ -59,24 +70,46 @@ class ModelRunner:
         self.device = torch.device(config.model.device)
         self.dtype = config.model.torch_dtype
         self.block_size = config.cache.block_size
+        self.kv_cache_dtype = config.cache.kv_cache_dtype
         self.num_blocks = num_blocks
         self.vocab_size = model.config.vocab_size
         self.kv_caches = self.allocate_kv_caches(model.config)
         self.shared_generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self._generators: dict[str, torch.Generator] = {}
+        self._compiled_decode = None
+        if config.model.compile:
+            self._compiled_decode = torch.compile(self._decode_logits, dynamic=False)
+            self._compile_decode_graphs()
 
-    def allocate_kv_caches(self, hf_config) -> list[torch.Tensor]:
-        """One [2, num_blocks, block_size, Hkv, D] tensor per layer of a model of this config."""
-        shape = (2, self.num_blocks, self.block_size, hf_config.num_key_value_heads, head_dim_of(hf_config))
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(hf_config.num_hidden_layers)]
+    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+                       ) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, attn))
 
-    def read_block(self, block_id: int) -> torch.Tensor:
-        """Every layer's K and V of one block: [num_layers, 2, block_size, Hkv, D]."""
-        return torch.stack([cache[:, block_id] for cache in self.kv_caches])
+    @torch.inference_mode()
+    def _compile_decode_graphs(self) -> None:
+        """Compile every decode graph now rather than on the first requests: one sequence, a few,
+        and more than quantized decode kernels take. The dummy tokens write into block 0 of the
+        still-empty pool."""
+        started = time.perf_counter()
+        logger.info("compiling the decode step (torch.compile; cached on disk for later starts)")
+        for batch in (1, 2, QUANTIZED_MAX_ROWS + 1):
+            self.forward([SeqChunk([0], 0, [0], num_logits=1)] * batch)
+        logger.info("decode step compiled in %.1f s", time.perf_counter() - started)
 
-    def write_block(self, block_id: int, kv: torch.Tensor) -> None:
+    def allocate_kv_caches(self, hf_config) -> list[KVCache]:
+        """One KVCache per layer of a model of this config."""
+        return [KVCache.allocate(self.num_blocks, self.block_size, hf_config.num_key_value_heads,
+                                 head_dim_of(hf_config), self.dtype, self.kv_cache_dtype, self.device)
+                for _ in range(hf_config.num_hidden_layers)]
+
+    def read_block(self, block_id: int) -> dict[str, torch.Tensor]:
+        """Every layer's K and V of one block (and scales), stacked over layers."""
+        per_layer = [cache.read_block(block_id) for cache in self.kv_caches]
+        return {name: torch.stack([layer[name] for layer in per_layer]) for name in per_layer[0]}
+
+    def write_block(self, block_id: int, tensors: dict[str, torch.Tensor]) -> None:
         for layer, cache in enumerate(self.kv_caches):
-            cache[:, block_id].copy_(kv[layer])
+            cache.write_block(block_id, {name: t[layer] for name, t in tensors.items()})
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv_cache: KVCacheManager) -> StepResult:
@@ -128,16 +161,28 @@ class ModelRunner:
         return StepResult([r for r, _ in sampled], token_ids, logprobs)
 
     def forward(self, chunks: list[SeqChunk], model: LlamaForCausalLM | None = None,
-                kv_caches: list[torch.Tensor] | None = None) -> torch.Tensor:
+                kv_caches: list[KVCache] | None = None) -> torch.Tensor:
         """Logits [sum of num_logits, V] of a flattened batch of chunks; the target model and its
         KV by default, a draft model (and its own KV, or a prefix of the target's layers) otherwise."""
         model = model or self.model
-        batch = self._prepare(chunks, model.sliding_window)
+        compiled = (self._compiled_decode is not None and model is self.model and kv_caches is None
+                    and all(len(c.token_ids) == c.num_logits == 1 for c in chunks))
+        batch = self._prepare(chunks, model.sliding_window, one_decode_group=compiled)
+        if compiled:
+            group = batch.attn.decodes[0]
+            for tensor in (batch.input_ids, batch.positions, batch.attn.slot_mapping, group.rows):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            torch._dynamo.maybe_mark_dynamic(group.block_tables, 0)
+            torch._dynamo.maybe_mark_dynamic(group.block_tables, 1)
+            torch._dynamo.maybe_mark_dynamic(group.mask, 0)
+            torch._dynamo.maybe_mark_dynamic(group.mask, 3)
+            return self._compiled_decode(batch.input_ids, batch.positions, batch.attn)
         hidden = model(batch.input_ids, batch.positions, self.kv_caches if kv_caches is None else kv_caches,
                        batch.attn)
         return model.compute_logits(hidden[batch.logit_rows])
 
-    def _prepare(self, chunks: list[SeqChunk], sliding_window: int | None) -> ForwardBatch:
+    def _prepare(self, chunks: list[SeqChunk], sliding_window: int | None,
+                 one_decode_group: bool = False) -> ForwardBatch:
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[torch.Tensor] = []
@@ -165,7 +210,10 @@ class ModelRunner:
         to = self.device
         attn = AttentionMetadata(
             slot_mapping=torch.cat(slot_mapping).to(to),
-            decodes=self._decode_groups(decode_rows, decode_tables, decode_lengths, sliding_window),
+            decodes=(
+                [self._decode_group(decode_rows, decode_tables, decode_lengths, sliding_window, min_blocks=2)]
+                if one_decode_group else
+                self._decode_groups(decode_rows, decode_tables, decode_lengths, sliding_window)),
             prefills=prefills,
         )
         return ForwardBatch(
@@ -206,8 +254,8 @@ class ModelRunner:
                                    sliding_window) for g in groups]
 
     def _decode_group(self, rows: list[int], tables: list[list[int]], lengths: list[int],
-                      sliding_window: int | None) -> DecodeGroup:
-        max_blocks = max(len(t) for t in tables)
+                      sliding_window: int | None, min_blocks: int = 1) -> DecodeGroup:
+        max_blocks = max(min_blocks, *(len(t) for t in tables))
         padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
         lengths_t = torch.tensor(lengths).unsqueeze(1)  # [Bd, 1]
         key_positions = torch.arange(max_blocks * self.block_size).unsqueeze(0)  # [1, L]

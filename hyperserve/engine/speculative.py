@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from hyperserve.engine.kv_cache_manager import KVCacheManager
     from hyperserve.engine.model_runner import ModelRunner
     from hyperserve.engine.request import Request
+    from hyperserve.layers.attention import KVCache
     from hyperserve.models.llama import LlamaForCausalLM
 
 # Cost of verifying one more token, relative to a one-token decode step: a lower estimate (on the
@@ -130,7 +131,7 @@ class ModelProposer:
     close to the target's p and acceptance is high."""
 
     def __init__(self, runner: ModelRunner, kv_cache: KVCacheManager, model: LlamaForCausalLM,
-                 kv_caches: list[torch.Tensor], shares_target_kv: bool, draft_cost: float) -> None:
+                 kv_caches: list[KVCache], shares_target_kv: bool, draft_cost: float) -> None:
         self.runner, self.kv_cache, self.model, self.kv_caches = runner, kv_cache, model, kv_caches
         self.shares_target_kv = shares_target_kv
         self.draft_cost = draft_cost

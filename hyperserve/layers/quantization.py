@@ -1,31 +1,126 @@
-"""Weight quantization at load time.
+"""Weight quantization at load time (CPU).
 
-`int8` (CPU): int8 weights with one scale per output channel, run by PyTorch's x86 quantized
-engine (fbgemm) as dynamic linears: each call quantizes its input to 8 bits with one scale for the
-whole call, multiplies in int8 with int32 accumulation and rescales. It reads a quarter of
-float32's bytes, which is what bounds decoding.
+Decoding is bound by the bytes of weights read per token, so each method stores fewer of them.
 
-Measured here on SmolLM2-135M (benchmarks/quality.py):
-- `down_proj` and the LM head stay in float32. Their inputs (the SwiGLU products, the final
-  norm's output) carry outlier channels that one 8-bit scale cannot hold: quantizing `down_proj`
-  made perplexity 70% worse, and the head alone added 2.5 points.
-- Activations use the full 8 bits (reduce_range off). The 7-bit range that avoids AVX2's int16
-  saturation made perplexity 3x worse, and saturation did not show in the perplexity.
+`int4`: 4-bit weights in groups of 32 along the input, each group with its own scale and minimum
+(w = q * scale + min, q in 0..15). That is exactly GGUF's Q4_1 layout, so a Q4_1 checkpoint is
+re-quantized without loss: our int4 weights equal the GGUF's. Activations are bfloat16, which the
+int4 kernel needs to be fast. The LM head gets int8 weights instead (below): in 4 bits it cost
+7% perplexity, in int8 1% (benchmarks/quality.py).
+
+Both quantized layers run their packed kernel only for small batches (decode, up to
+`QUANTIZED_MAX_ROWS` rows): bandwidth-bound, they gain from reading fewer bytes. Larger batches
+(prefill, wide decode batches) are compute-bound and run a dense copy of the same dequantized
+weights in the CPU's fastest dense type (bfloat16 where the CPU multiplies it natively, see
+`dense_dtype`), so weight memory is the packed copy plus the dense one.
+
+`int8` (and int4's head): int8 weights with one scale per output channel, run by PyTorch's x86 quantized engine
+(fbgemm) as dynamic linears: each call quantizes its input to 8 bits with one scale for the
+whole call. Measured on SmolLM2-135M (benchmarks/quality.py):
+- `down_proj` and the LM head stay in float32 (KEEP_FLOAT_INT8). Their inputs carry outlier
+  channels that one 8-bit scale cannot hold: quantizing `down_proj` made perplexity 70% worse,
+  and the head alone added 2.5 points.
+- Activations use the full 8 bits (reduce_range off); the 7-bit range made perplexity 3x worse.
 - The activation scale is per call, so a request's numerics depend on the rows batched with it, as
   with vLLM's dynamic per-tensor FP8. Greedy output can differ between batched and single runs.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger("hyperserve.quantization")
 
-METHODS = ("int8",)
-KEEP_FLOAT = frozenset({"down_proj", "lm_head"})  # layers whose inputs have outlier channels (see above)
+METHODS = ("int4", "int8")
+KEEP_FLOAT_INT8 = frozenset({"down_proj", "lm_head"})  # layers whose inputs have outlier channels (see above)
+INT4_GROUP_SIZE = 32
+QUANTIZED_MAX_ROWS = 4  # beyond this many rows the dense copy is faster (measured on an AMX CPU)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags of this CPU, from /proc/cpuinfo (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def dense_dtype() -> torch.dtype:
+    """bfloat16 where the CPU multiplies it natively (AMX or AVX-512 BF16: 4-5x float32's speed
+    at 16+ rows here), float32 elsewhere (on AVX2, bfloat16 matmuls were 4x slower than float32)."""
+    native = {"amx_bf16", "avx512_bf16"} & cpu_flags()
+    return torch.bfloat16 if native else torch.float32
+
+
+class DenseForLargeBatches(nn.Module):
+    """A quantized linear for small batches, with a dense copy of its dequantized weight for more
+    than QUANTIZED_MAX_ROWS rows. Subclasses set `dense_weight` and implement `small_batch`."""
+
+    dense_weight: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > QUANTIZED_MAX_ROWS:
+            return F.linear(x.to(self.dense_weight.dtype), self.dense_weight).to(x.dtype)
+        return self.small_batch(x).to(x.dtype)
+
+    def small_batch(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int4Linear(DenseForLargeBatches):
+    """y = x W^T + b with W in 4 bits, groups of 32 along the input with a scale and a minimum."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dense: torch.dtype) -> None:
+        super().__init__()
+        out_features, in_features = weight.shape
+        if in_features % INT4_GROUP_SIZE:
+            raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP_SIZE}, got {in_features}")
+        groups = weight.detach().float().reshape(out_features, -1, INT4_GROUP_SIZE)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15)
+        dequantized = (codes * scale[..., None] + low[..., None]).reshape(out_features, in_features)
+        self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.reshape(out_features, in_features).to(torch.int32), 1)
+        # the kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale; [groups, out, 2]
+        self._scale_zero = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().bfloat16()
+        self.dense_weight = dequantized.to(dense)
+        self._bias = None if bias is None else bias.detach().bfloat16()
+        self.in_features, self.out_features = in_features, out_features
+        self.num_bytes = (self._packed.numel() + 2 * self._scale_zero.numel()
+                          + self.dense_weight.numel() * self.dense_weight.element_size())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out if self._bias is None else out + self._bias.to(out.dtype)
+
+    def small_batch(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self._packed, INT4_GROUP_SIZE, self._scale_zero)
+
+
+class Int8Head(DenseForLargeBatches):
+    """The LM head of an int4 model: int8 (per-channel scales) for decode batches, where the
+    dynamic activation scale covers one or a few tokens, and the dense copy above that."""
+
+    def __init__(self, weight: torch.Tensor, dense: torch.dtype) -> None:
+        super().__init__()
+        self._int8 = Int8Linear(weight, None)
+        self.dense_weight = weight.detach().to(dense)
+        self.num_bytes = self.dense_weight.numel() * self.dense_weight.element_size()  # _int8 counts itself
+
+    def small_batch(self, x: torch.Tensor) -> torch.Tensor:
+        return self._int8(x.float())
 
 
 class Int8Linear(nn.Module):
@@ -45,18 +140,29 @@ class Int8Linear(nn.Module):
         return torch.ops.quantized.linear_dynamic(x, self._packed, False)  # False: full 8-bit activations
 
 
-def quantize_model(model: nn.Module, method: str) -> tuple[int, int]:
-    """Replace the projections but KEEP_FLOAT in place; returns weight bytes before and after."""
+def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> tuple[int, int]:
+    """Replace the model's projections in place, then cast what stays float to `dtype`; returns
+    weight bytes before and after. The model must hold float32 weights (a bfloat16 round trip
+    would lose the exactness of int4 on Q4_1 checkpoints). With int4 the LM head is int8; a tied
+    head gets its own copy of the embedding."""
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {METHODS}, got {method!r}")
     before = sum(p.numel() * p.element_size() for p in model.parameters())
-    replaced: list[tuple[nn.Module, str, nn.Linear]] = [
-        (parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-        if isinstance(child, nn.Linear) and name not in KEEP_FLOAT]
-    for parent, name, linear in replaced:
-        setattr(parent, name, Int8Linear(linear.weight, linear.bias))
+    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear)]
+    if method == "int4":
+        dense = dense_dtype()
+        for parent, name, linear in linears:
+            if name != "lm_head":
+                setattr(parent, name, Int4Linear(linear.weight, linear.bias, dense))
+        head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        model.lm_head = Int8Head(head, dense)
+    else:
+        for parent, name, linear in linears:
+            if name not in KEEP_FLOAT_INT8:
+                setattr(parent, name, Int8Linear(linear.weight, linear.bias))
+    model.to(dtype)
     after = (sum(p.numel() * p.element_size() for p in model.parameters())
-             + sum(m.num_bytes for m in model.modules() if isinstance(m, Int8Linear)))
-    logger.info("quantized %d linear layers to %s: weights %.0f MB -> %.0f MB", len(replaced), method,
-                before / 2**20, after / 2**20)
+             + sum(m.num_bytes for m in model.modules() if isinstance(m, Int4Linear | Int8Head | Int8Linear)))
+    logger.info("quantized the linear layers to %s: weights %.0f MB -> %.0f MB", method, before / 2**20, after / 2**20)
     return before, after

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from hyperserve.layers.attention import AttentionBackend, AttentionMetadata
+from hyperserve.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from hyperserve.layers.rotary import RotaryEmbedding
 
 # HF projection name -> (our fused parameter, shard index)
@@ -129,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],  # per layer [2, num_slots, Hkv, D]
+        kv_caches: list[KVCache],  # one per layer
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], before the final norm
         hidden = self.model.embed_tokens(input_ids)
@@ -140,8 +140,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] of the positions to sample -> float32 logits [S, vocab]."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.model.norm(hidden), weight).float()
+        hidden = self.model.norm(hidden)
+        if self.lm_head is None:  # tied, unquantized
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> str:
         """Copy one checkpoint tensor (Hugging Face name) into place; returns the parameter name."""

@@ -68,8 +68,9 @@ def build_model(
 ) -> LlamaForCausalLM:
     """Materialise the model and fill it from `source`, or randomly when `source` is None;
     then quantize its weights if asked."""
+    load_dtype = torch.float32 if quantization else dtype  # quantize from the checkpoint's own values
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, max_position).to(dtype)
+        model = LlamaForCausalLM(config, backend, max_position).to(load_dtype)
     model.to_empty(device=device)
     model.model.rotary.reset_cache()
     if source is None:
@@ -78,7 +79,7 @@ def build_model(
         _load_checkpoint(model, source)
     model = model.eval().requires_grad_(False)
     if quantization is not None:
-        quantize_model(model, quantization)
+        quantize_model(model, quantization, dtype)
     return model
 
 
@@ -158,6 +159,9 @@ def _init_random(model: LlamaForCausalLM, config: PretrainedConfig, seed: int) -
             param.normal_(0, std, generator=generator)
 
 
-def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim_of(config) * element
+def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of K and V of one token over all layers; a quantized cache adds a float32 scale per head."""
+    per_head = head_dim_of(config) * torch.empty((), dtype=dtype).element_size()
+    if kv_cache_dtype != "auto":
+        per_head = head_dim_of(config) + 4
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * per_head

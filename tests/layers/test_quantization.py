@@ -8,11 +8,43 @@ import torch.nn.functional as F
 from hyperserve import LLM
 from hyperserve.config import ModelConfig
 from hyperserve.engine.model_runner import SeqChunk
-from hyperserve.layers.quantization import KEEP_FLOAT, Int8Linear, quantize_model
+from hyperserve.layers.attention import TorchPagedAttention
+from hyperserve.layers.quantization import KEEP_FLOAT_INT8, QUANTIZED_MAX_ROWS, Int4Linear, Int8Linear, quantize_model
 from hyperserve.models.loader import build_model
 from tests.conftest import tiny_config
 
 TEXT = Path(__file__).parents[2] / "data" / "quality_text.txt"
+
+
+def q4_1_weight(out_features: int, in_features: int) -> torch.Tensor:
+    """A weight as a Q4_1 GGUF holds it: per group of 32, q * d + m with q in 0..15, d and m float16."""
+    codes = torch.randint(0, 16, (out_features, in_features // 32, 32)).float()
+    codes[..., 0], codes[..., 1] = 0, 15  # llama.cpp's quantizer maps each group's min to 0, max to 15
+    d = (torch.rand(out_features, in_features // 32) * 0.01 + 1e-3).half().float()
+    m = (-torch.rand(out_features, in_features // 32) * 0.05).half().float()
+    return (codes * d[..., None] + m[..., None]).reshape(out_features, in_features)
+
+
+def test_int4_reproduces_q4_1_weights_exactly_and_both_kernels_agree():
+    torch.manual_seed(0)
+    weight, bias = q4_1_weight(96, 128), torch.randn(96)
+    linear = Int4Linear(weight, bias, torch.float32)
+    assert torch.equal(linear.dense_weight, weight)  # lossless for a Q4_1 checkpoint
+    for rows in (1, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS + 3):  # the int4 kernel, then the dense copy
+        x = torch.randn(rows, 128)
+        expected = F.linear(x.bfloat16().float(), weight, bias)
+        got = linear(x)
+        assert (got - expected).norm() / expected.norm() < 0.01, rows  # bfloat16 activations
+    assert (Int4Linear(weight.flip(0), bias, torch.float32)(x) - expected).norm() / expected.norm() > 0.5
+
+
+def test_int4_quantizes_any_float_weight_within_a_sixteenth_of_each_group_range():
+    torch.manual_seed(0)
+    weight = torch.randn(64, 96)
+    dense = Int4Linear(weight, None, torch.float32).dense_weight
+    groups = weight.reshape(64, 3, 32)
+    step = ((groups.amax(-1) - groups.amin(-1)) / 15)[..., None]
+    assert ((dense.reshape(64, 3, 32) - groups).abs() <= step / 2 + 1e-6).all()
 
 
 def test_int8_linear_matches_float_within_quantization_error():
@@ -25,37 +57,63 @@ def test_int8_linear_matches_float_within_quantization_error():
     assert (Int8Linear(weight.flip(0), bias)(x) - expected).norm() / expected.norm() > 0.5  # a wrong weight shows
 
 
-def test_quantize_model_replaces_projections_and_shrinks_weights():
-    from hyperserve.layers.attention import TorchPagedAttention
-
-    model = build_model(tiny_config("llama"), None, TorchPagedAttention(), 512, torch.float32, "cpu")
-    before, after = quantize_model(model, "int8")
+@pytest.mark.parametrize(("method", "tied"), [("int8", False), ("int4", False), ("int4", True)])
+def test_quantize_model_replaces_projections_and_shrinks_weights(method, tied):
+    config = tiny_config("llama", tie_word_embeddings=tied)
+    model = build_model(config, None, TorchPagedAttention(), 512, torch.float32, "cpu")
+    before, after = quantize_model(model, method, torch.bfloat16 if method == "int4" else torch.float32)
     kinds = {name.rsplit(".", 1)[-1]: type(module).__name__ for name, module in model.named_modules()
              if name.endswith(("proj", "lm_head"))}
-    assert kinds == {"qkv_proj": "Int8Linear", "o_proj": "Int8Linear", "gate_up_proj": "Int8Linear",
-                     "down_proj": "Linear", "lm_head": "Linear"}
-    assert set(KEEP_FLOAT) == {"down_proj", "lm_head"}
+    if method == "int8":
+        assert kinds == {"qkv_proj": "Int8Linear", "o_proj": "Int8Linear", "gate_up_proj": "Int8Linear",
+                         "down_proj": "Linear", "lm_head": "Linear"}
+        assert set(KEEP_FLOAT_INT8) == {"down_proj", "lm_head"}
+    else:  # every projection; the head, tied or not, in int8; what stays float is bfloat16
+        assert kinds.pop("lm_head") == "Int8Head"
+        assert set(kinds.values()) == {"Int4Linear"}
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert after < before
 
 
-@pytest.mark.parametrize("bad", [dict(quantization="int3"), dict(quantization="int8", device="cuda")])
+@pytest.mark.parametrize("bad", [dict(quantization="int3"), dict(quantization="int4", device="cuda")])
 def test_invalid_quantization_is_rejected(bad):
     with pytest.raises(ValueError, match="quantization"):
         ModelConfig(**bad)
 
 
-def _perplexity(llm: LLM, token_ids: list[int]) -> float:
+def test_int4_runs_in_bfloat16_unless_told_otherwise():
+    assert ModelConfig(quantization="int4").torch_dtype == torch.bfloat16
+    assert ModelConfig(quantization="int8").torch_dtype == torch.float32
+
+
+def _perplexity(llm: LLM, token_ids: list[int], chunk: int = 64) -> float:
+    """Perplexity of one sequence fed in chunks, so each chunk attends to its context through the KV cache."""
     blocks = list(range(-(-len(token_ids) // llm.engine.config.cache.block_size)))
     with torch.inference_mode():
-        logits = llm.engine.runner.forward([SeqChunk(token_ids, 0, blocks, num_logits=len(token_ids))])
+        logits = torch.cat([
+            llm.engine.runner.forward([SeqChunk(token_ids[start:start + chunk], start, blocks,
+                                                num_logits=len(token_ids[start:start + chunk]))])
+            for start in range(0, len(token_ids), chunk)])
     logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
     return math.exp(-logprobs[torch.arange(len(token_ids) - 1), torch.tensor(token_ids[1:])].mean().item())
 
 
-@pytest.mark.slow
-def test_int8_smollm2_perplexity_is_within_3_percent_of_float32():
+@pytest.fixture(scope="module")
+def text_and_float_perplexity():
     reference = LLM(kv_cache_memory_gb=0.25, max_model_len=1024)
     token_ids = reference.tokenizer(TEXT.read_text()).input_ids[:512]
-    float_ppl = _perplexity(reference, token_ids)
-    int8_ppl = _perplexity(LLM(kv_cache_memory_gb=0.25, max_model_len=1024, quantization="int8"), token_ids)
-    assert float_ppl < int8_ppl < float_ppl * 1.03
+    return token_ids, _perplexity(reference, token_ids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("options", "chunk"), [
+    (dict(quantization="int8"), 64),
+    (dict(quantization="int4"), 64),  # prefill: the dense copies
+    (dict(quantization="int4"), 1),  # one token at a time: the int4 and int8 kernels that decode
+    (dict(quantization="int4", kv_cache_dtype="int8"), 64),
+])
+def test_smollm2_perplexity_is_within_3_percent_of_float32(options, chunk, text_and_float_perplexity):
+    token_ids, float_ppl = text_and_float_perplexity
+    ppl = _perplexity(LLM(kv_cache_memory_gb=0.25, max_model_len=1024, **options), token_ids, chunk)
+    assert abs(ppl / float_ppl - 1) < 0.03, (ppl, float_ppl)
+    assert ppl != float_ppl  # the configuration did change the numerics
