@@ -169,13 +169,10 @@ class ModelRunner:
                     and all(len(c.token_ids) == c.num_logits == 1 for c in chunks))
         batch = self._prepare(chunks, model.sliding_window, one_decode_group=compiled)
         if compiled:
-            group = batch.attn.decodes[0]
-            for tensor in (batch.input_ids, batch.positions, batch.attn.slot_mapping, group.rows):
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
-            torch._dynamo.maybe_mark_dynamic(group.block_tables, 0)
-            torch._dynamo.maybe_mark_dynamic(group.block_tables, 1)
-            torch._dynamo.maybe_mark_dynamic(group.mask, 0)
-            torch._dynamo.maybe_mark_dynamic(group.mask, 3)
+            group = batch.attn.decodes[0]  # batch size and context blocks vary; nothing else does
+            for tensor, dims in ((batch.input_ids, [0]), (batch.positions, [0]), (batch.attn.slot_mapping, [0]),
+                                 (group.rows, [0]), (group.block_tables, [0, 1]), (group.mask, [0, 3])):
+                torch._dynamo.maybe_mark_dynamic(tensor, dims)
             return self._compiled_decode(batch.input_ids, batch.positions, batch.attn)
         hidden = model(batch.input_ids, batch.positions, self.kv_caches if kv_caches is None else kv_caches,
                        batch.attn)
