@@ -64,6 +64,12 @@ class Gateway:
     url: str
     process: subprocess.Popen
 
+    def __enter__(self) -> Gateway:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self) -> None:
         self.process.terminate()
         try:

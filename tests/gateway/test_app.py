@@ -34,8 +34,7 @@ def _stream(gateway, content: str, **params) -> tuple[httpx.Headers, str]:
 
 
 def test_pass_through_streaming_and_errors(stubs, tmp_path):
-    gateway = start_gateway(_config(stubs[:1], tmp_path, cache={"enabled": False}), tmp_path)
-    try:
+    with start_gateway(_config(stubs[:1], tmp_path, cache={"enabled": False}), tmp_path) as gateway:
         reply = gateway.chat("hello", temperature=0.7)
         assert reply.status_code == 200 and reply.headers["x-hyperserve-cache"] == "bypass"
         assert reply.json()["choices"][0]["message"]["content"] == "a says: hello"
@@ -48,14 +47,11 @@ def test_pass_through_streaming_and_errors(stubs, tmp_path):
         log = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
         assert log[0]["backend"] == "a" and log[0]["tokens"]["completion"] == 3 and "total" in log[0]["latency_ms"]
         assert log[1]["stream"] and log[1]["tokens"]["completion"] == 4  # usage asked upstream, not shown
-    finally:
-        gateway.stop()
 
 
 def test_semantic_hits_over_http_streamed_and_after_a_restart(stubs, tmp_path):
     config = _config(stubs[:1], tmp_path)
-    gateway = start_gateway(config, tmp_path)
-    try:
+    with start_gateway(config, tmp_path) as gateway:
         first = gateway.chat(PARIS)
         assert first.headers["x-hyperserve-cache"] == "miss"
         answer = first.json()["choices"][0]["message"]["content"]
@@ -74,33 +70,24 @@ def test_semantic_hits_over_http_streamed_and_after_a_restart(stubs, tmp_path):
         assert opted_in.headers["x-hyperserve-cache"] == "bypass"
         assert stubs[0].count == 5
         assert gateway.metric("gateway_requests_total", cache="hit-semantic") == 2
-    finally:
-        gateway.stop()
-    restarted = start_gateway(config, tmp_path, name="restarted")
-    try:
+    with start_gateway(config, tmp_path, name="restarted") as restarted:
         assert restarted.chat("Tell me France's capital city").headers["x-hyperserve-cache"] == "hit-semantic"
         assert stubs[0].count == 5
-    finally:
-        restarted.stop()
 
 
 def test_streamed_miss_is_cached(stubs, tmp_path):
-    gateway = start_gateway(_config(stubs[:1], tmp_path), tmp_path)
-    try:
+    with start_gateway(_config(stubs[:1], tmp_path), tmp_path) as gateway:
         headers, text = _stream(gateway, PARIS)
         assert headers["x-hyperserve-cache"] == "miss"
         time.sleep(0.3)
         reply = gateway.chat(PARIS)
         assert reply.headers["x-hyperserve-cache"] == "hit-exact"
         assert reply.json()["choices"][0]["message"]["content"] == text
-    finally:
-        gateway.stop()
 
 
 def test_killed_backend_is_bypassed_and_readmitted(stubs, tmp_path):
     a, b = stubs
-    gateway = start_gateway(_config(stubs, tmp_path, cache={"enabled": False}), tmp_path)
-    try:
+    with start_gateway(_config(stubs, tmp_path, cache={"enabled": False}), tmp_path) as gateway:
         a.kill()
         answers = [gateway.chat(f"q{i}", temperature=1) for i in range(6)]
         assert all(r.status_code == 200 for r in answers)  # nothing lost: each completed on b
@@ -111,14 +98,11 @@ def test_killed_backend_is_bypassed_and_readmitted(stubs, tmp_path):
         answers = [gateway.chat(f"r{i}", temperature=1) for i in range(4)]
         assert "a" in {r.json()["model"] for r in answers}
         assert httpx.get(f"{gateway.url}/health").json()["backends"]["a"] == "up"
-    finally:
-        gateway.stop()
 
 
 def test_failures_everywhere_give_a_clear_502(stubs, tmp_path):
     a, b = stubs
-    gateway = start_gateway(_config(stubs, tmp_path, cache={"enabled": False}), tmp_path)
-    try:
+    with start_gateway(_config(stubs, tmp_path, cache={"enabled": False}), tmp_path) as gateway:
         a.control(fail_status=500)
         b.kill()
         reply = gateway.chat("anything", temperature=1)
@@ -129,8 +113,6 @@ def test_failures_everywhere_give_a_clear_502(stubs, tmp_path):
         time.sleep(0.6)
         limited = gateway.chat("anything", temperature=1)
         assert limited.status_code == 429 and "retry-after" in limited.headers
-    finally:
-        gateway.stop()
 
 
 @pytest.mark.parametrize("small_logprob, escalates", [(-0.5, False), (-1.0, False), (-1.01, True), (-3.0, True)])
@@ -139,8 +121,7 @@ def test_cascade_escalates_exactly_below_the_threshold(stubs, tmp_path, small_lo
     config = _config(stubs, tmp_path, cache={"enabled": False}, routes=[
         {"model": "small", "backends": ["a"]}, {"model": "large", "backends": ["b"]},
         {"model": "m", "cascade": {"models": ["small", "large"], "min_confidence": -1.0}}])
-    gateway = start_gateway(config, tmp_path)
-    try:
+    with start_gateway(config, tmp_path) as gateway:
         small.control(logprob=small_logprob)
         reply = gateway.chat("How hard is this?")
         assert reply.status_code == 200
@@ -150,33 +131,24 @@ def test_cascade_escalates_exactly_below_the_threshold(stubs, tmp_path, small_lo
         assert gateway.metric("gateway_cascade_escalations_total", reason="low_confidence") == int(escalates)
         headers, text = _stream(gateway, "How hard is this?")
         assert text.startswith("b says" if escalates else "a says")
-    finally:
-        gateway.stop()
 
 
 def test_prefix_affinity_keeps_a_conversation_on_one_replica(stubs, tmp_path):
     route = {"model": "m", "backends": ["a", "b"], "balance": "prefix-affinity", "affinity_prefix_chars": 64}
-    gateway = start_gateway(_config(stubs, tmp_path, cache={"enabled": False}, routes=[route]), tmp_path)
-    try:
+    with start_gateway(_config(stubs, tmp_path, cache={"enabled": False}, routes=[route]), tmp_path) as gateway:
         def served_by(system: str) -> set[str]:
             return {gateway.chat(f"turn {i}", system=system, temperature=1).json()["model"] for i in range(4)}
         assert all(len(served_by(f"You are assistant number {n}. " * 4)) == 1 for n in range(6))
         assert len({next(iter(served_by(f"Persona {n}. " * 8))) for n in range(12)}) == 2  # prefixes spread
-    finally:
-        gateway.stop()
 
 
 def test_two_gateways_share_a_redis_cache(stubs, tmp_path, redis_url):
     cache = {"store": "redis", "redis_url": redis_url, "redis_prefix": f"gw-{time.time()}:"}
-    first = start_gateway(_config(stubs[:1], tmp_path, cache=cache), tmp_path, name="first")
-    second = start_gateway(_config(stubs[:1], tmp_path, cache=cache), tmp_path, name="second")
-    try:
+    with (start_gateway(_config(stubs[:1], tmp_path, cache=cache), tmp_path, name="first") as first,
+          start_gateway(_config(stubs[:1], tmp_path, cache=cache), tmp_path, name="second") as second):
         assert first.chat(PARIS).headers["x-hyperserve-cache"] == "miss"
         time.sleep(0.3)
         hit = second.chat("Tell me France's capital city")
         assert hit.headers["x-hyperserve-cache"] == "hit-semantic"
         assert hit.json()["choices"][0]["message"]["content"] == f"a says: {PARIS}"
         assert stubs[0].count == 1
-    finally:
-        first.stop()
-        second.stop()
