@@ -7,6 +7,10 @@
       throughput is a rate, and a batch of the same size runs at the same rate)
 
     python benchmarks/gpu.py [--num-requests 1000] [--hf-requests 128] [--layers 32]
+        [--quantization fp8] [--enforce-eager] [--attention-backend torch]
+
+By default the engine runs as a user gets it on CUDA: Triton paged decode, decode steps replayed
+from CUDA graphs, the KV pool sized by gpu_memory_utilization.
 """
 
 from __future__ import annotations
@@ -58,14 +62,20 @@ def workload(num: int, input_len: int, vocab: int) -> list[list[int]]:
 
 def run_hyperserve(model_dir: str, args) -> dict:
     from hyperserve import LLM, SamplingParams
+    from hyperserve.layers.quantization import weight_bytes as model_weight_bytes
 
     llm = LLM(model=model_dir, load_format="random", device="cuda", dtype="bfloat16", max_model_len=2048,
               kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+              max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,
+              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
+    model = llm.engine.runner.model
+    weight_bytes = model_weight_bytes(model)
     # the embedding table is gathered, not read whole, each step
-    embed = llm.engine.runner.model.model.embed_tokens.weight
+    embed = model.model.embed_tokens.weight
     streamed_bytes = weight_bytes - embed.numel() * embed.element_size()
+    setup = {"attention": type(model.attention_backend).__name__,
+             "cuda_graphs": llm.engine.runner.decode_graphs is not None,
+             "kv_blocks": llm.engine.kv_cache.pool.num_blocks}
 
     one = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     llm.generate([workload(1, 128, 128256)[0]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
@@ -84,7 +94,7 @@ def run_hyperserve(model_dir: str, args) -> dict:
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    return {"weight_bytes": weight_bytes, "streamed_bytes": streamed_bytes, "decode_tps": decode_tps,
+    return {**setup, "weight_bytes": weight_bytes, "streamed_bytes": streamed_bytes, "decode_tps": decode_tps,
             "offline_seconds": elapsed, "offline_tps": args.num_requests * args.output_len / elapsed}
 
 
@@ -117,7 +127,10 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=40)
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=None, help="default: gpu_memory_utilization")
+    parser.add_argument("--quantization", default=None, help="fp8: float8 weights")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--attention-backend", default="auto", help="auto (Triton on CUDA) or torch")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
 
@@ -132,6 +145,8 @@ def main() -> None:
               **ours, **theirs, "args": vars(args)}
     print(f"GPU: {result['gpu']}   copy bandwidth {bandwidth / 1e9:.0f} GB/s   "
           f"weights {ours['weight_bytes'] / 1e9:.2f} GB ({ours['streamed_bytes'] / 1e9:.2f} GB read per token)")
+    print(f"engine: {ours['attention']}, CUDA graphs {'on' if ours['cuda_graphs'] else 'off'}, "
+          f"weights {args.quantization or 'bfloat16'}, {ours['kv_blocks']} KV blocks")
     print(f"{'measure':<42}{'value':>12}")
     print(f"{'(a) single-stream decode tok/s':<42}{ours['decode_tps']:>12.1f}")
     print(f"{'    bandwidth limit tok/s':<42}{limit_tps:>12.1f}")

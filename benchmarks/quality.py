@@ -38,7 +38,7 @@ def engine_options(config: str) -> dict:
     """`int4+compile+kv-int8` -> LLM keyword arguments."""
     options: dict = {}
     for part in config.split("+"):
-        if part in ("int4", "int8"):
+        if part in ("int4", "int8", "fp8"):
             options["quantization"] = part
         elif part == "compile":
             options["compile"] = True

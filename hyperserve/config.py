@@ -13,6 +13,8 @@ from typing import Any, get_args
 
 import torch
 
+from hyperserve.layers.attention import ATTENTION_BACKENDS
+
 
 @dataclass
 class ModelConfig:
@@ -22,8 +24,10 @@ class ModelConfig:
     load_format: str = "auto"  # auto: weights from the checkpoint; random: random weights from its config
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0
-    quantization: str | None = None  # int4 (groups of 32, bfloat16 activations) or int8 weights, at load (CPU)
+    quantization: str | None = None  # weights quantized at load: int4 or int8 (CPU), fp8 (per channel, any device)
     compile: bool = False  # torch.compile the decode step (fused elementwise ops, less Python per token)
+    attention_backend: str = "auto"  # auto: Triton paged decode on CUDA, portable SDPA otherwise | torch | triton
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -35,10 +39,12 @@ class ModelConfig:
         if self.load_format not in ("auto", "random"):
             raise ValueError(f"load_format must be 'auto' or 'random', got {self.load_format!r}")
         if self.quantization is not None:
-            if self.quantization not in ("int4", "int8"):
-                raise ValueError(f"quantization must be 'int4' or 'int8', got {self.quantization!r}")
-            if self.device != "cpu":
+            if self.quantization not in ("int4", "int8", "fp8"):
+                raise ValueError(f"quantization must be 'int4', 'int8' or 'fp8', got {self.quantization!r}")
+            if self.device != "cpu" and self.quantization != "fp8":
                 raise ValueError(f"quantization={self.quantization!r} runs on the CPU (PyTorch's CPU kernels)")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
 
@@ -52,8 +58,9 @@ class ModelConfig:
 @dataclass
 class CacheConfig:
     block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None  # explicit pool size; overrides kv_cache_memory_gb
-    kv_cache_memory_gb: float = 4.0  # memory budget for the KV pool when num_kv_blocks is None
+    num_kv_blocks: int | None = None  # explicit pool size; overrides the memory settings below
+    kv_cache_memory_gb: float | None = None  # the KV pool's budget; None: 4 GB on CPU, gpu_memory_utilization on CUDA
+    gpu_memory_utilization: float = 0.9  # CUDA: the share of GPU memory for weights, activations and the KV pool
     enable_prefix_caching: bool = True  # reuse the KV of prefixes seen before (--no-prefix-caching)
     disk_cache_dir: str | None = None  # a disk tier for evicted prefix blocks; None: memory only
     disk_cache_gb: float = 8.0  # the disk tier's budget
@@ -64,8 +71,10 @@ class CacheConfig:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_gb <= 0:
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
             raise ValueError(f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}")
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU check in one call, for a machine with CUDA and PyTorch already installed:
 #   bash scripts/gpu_checks.sh [OUTDIR]
-# 1. the CUDA-parametrised correctness tests (also the Triton kernels, natively);
-# 2. benchmarks/gpu.py (Llama-3-8B-shaped, random bf16 weights); its JSON goes to OUTDIR.
+# 1. the CUDA-parametrised correctness tests: the Triton kernels natively, the engine against
+#    transformers with Triton decode and CUDA graphs, fp8 weights;
+# 2. benchmarks/gpu.py (Llama-3-8B-shaped, random bf16 weights), then again with fp8 weights
+#    (without the transformers baseline, which the first run measured); JSON goes to OUTDIR.
 set -uo pipefail
 OUTDIR=${1:-bench-results}
 mkdir -p "$OUTDIR"
@@ -13,4 +15,7 @@ $PY -c 'import torch, transformers; print("torch", torch.__version__, "transform
 $PY -m pytest -q -p no:cacheprovider -m gpu tests/models tests/engine tests/layers 2>&1 | tee "$OUTDIR/gpu-tests.log"
 tests_rc=${PIPESTATUS[0]}
 $PY benchmarks/gpu.py --json "$OUTDIR/gpu.json" ${GPU_BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/gpu-bench.log"
-exit $(( tests_rc || PIPESTATUS[0] ))
+bench_rc=${PIPESTATUS[0]}
+$PY benchmarks/gpu.py --quantization fp8 --hf-requests 0 --json "$OUTDIR/gpu-fp8.json" ${GPU_BENCH_ARGS:-} 2>&1 \
+    | tee "$OUTDIR/gpu-bench-fp8.log"
+exit $(( tests_rc || bench_rc || PIPESTATUS[0] ))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -12,6 +13,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # Triton kernels run on the CPU through Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from hyperserve.models.registry import resolve_model
 
 SMOLLM2 = "smollm2-135m"
@@ -19,6 +23,8 @@ SMOLLM2 = "smollm2-135m"
 # Parametrise a test over these to run it on CUDA too; the CUDA case skips cleanly without a GPU.
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 CHAT_PROMPTS = [
     "What is the capital of France?",

@@ -20,16 +20,19 @@ from hyperserve.config import EngineConfig
 from hyperserve.engine.detokenizer import IncrementalDetokenizer
 from hyperserve.engine.disk_cache import DiskKVStore, DiskTier
 from hyperserve.engine.kv_cache_manager import KVCacheManager
+from hyperserve.engine.memory import cuda_kv_cache_budget
 from hyperserve.engine.model_runner import ModelRunner, StepResult
 from hyperserve.engine.request import Request, RequestStatus
 from hyperserve.engine.scheduler import Scheduler
 from hyperserve.engine.speculative import build_proposer, num_tokens_to_propose
-from hyperserve.layers.attention import attention_backend
+from hyperserve.layers.attention import AttentionBackend, attention_backend
 from hyperserve.models import loader
-from hyperserve.models.llama import LlamaForCausalLM
+from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
 from hyperserve.models.registry import resolve_model
 from hyperserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hyperserve.sampling_params import SamplingParams
+
+CPU_KV_CACHE_BYTES = 4 * 2**30  # the CPU's KV pool unless kv_cache_memory_gb says otherwise
 
 
 class ContextLengthError(ValueError):
@@ -51,17 +54,17 @@ class LLMEngine:
         self.hf_config = loader.load_config(source)
         self.tokenizer = loader.load_tokenizer(source)
         self.max_model_len = config.model.max_model_len or self.hf_config.max_position_embeddings
-        num_blocks = self._num_kv_blocks()
         model = loader.build_model(
             self.hf_config,
             None if config.model.load_format == "random" else source,
-            backend=attention_backend(config.model.device),
+            backend=self._attention_backend(self.hf_config),
             max_position=self.max_model_len,
             dtype=config.model.torch_dtype,
             device=config.model.device,
             seed=config.model.seed,
             quantization=config.model.quantization,
         )
+        num_blocks = self._num_kv_blocks(model)
         self.runner = ModelRunner(model, config, num_blocks)
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                        self._disk_tier())
@@ -299,14 +302,27 @@ class LLMEngine:
             )
         return text, ids
 
-    def _num_kv_blocks(self) -> int:
+    def _attention_backend(self, hf_config) -> AttentionBackend:
+        model = self.config.model
+        return attention_backend(model.device, model.attention_backend, self.config.cache.block_size,
+                                 head_dim_of(hf_config))
+
+    def _num_kv_blocks(self, model: LlamaForCausalLM) -> int:
+        """The pool's size: num_kv_blocks, or kv_cache_memory_gb, or on CUDA what
+        gpu_memory_utilization leaves after the weights and a measured step, or 4 GB on the CPU."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             num_blocks = cache.num_kv_blocks
         else:
+            if cache.kv_cache_memory_gb is not None:
+                budget = int(cache.kv_cache_memory_gb * 2**30)
+            elif self.config.model.device == "cuda":
+                budget = cuda_kv_cache_budget(model, self.config, self.max_model_len)
+            else:
+                budget = CPU_KV_CACHE_BYTES
             per_block = loader.kv_bytes_per_token(self.hf_config, self.config.model.torch_dtype,
                                                   cache.kv_cache_dtype) * cache.block_size
-            num_blocks = int(cache.kv_cache_memory_gb * 2**30) // per_block
+            num_blocks = budget // per_block
         if num_blocks * cache.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV pool ({num_blocks} blocks of {cache.block_size} tokens) cannot hold one "
@@ -338,7 +354,7 @@ class LLMEngine:
         return loader.build_model(
             config,
             None if self.config.model.load_format == "random" else source,
-            backend=attention_backend(self.config.model.device),
+            backend=self._attention_backend(config),
             max_position=self.max_model_len,
             dtype=self.config.model.torch_dtype,
             device=self.config.model.device,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from hyperserve.config import EngineConfig
+from hyperserve.engine.cuda_graphs import DecodeGraphs
 from hyperserve.engine.kv_cache_manager import KVCacheManager
 from hyperserve.engine.rejection_sampler import verify_greedy, verify_sampled
 from hyperserve.engine.request import Request
@@ -72,14 +73,23 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.kv_cache_dtype = config.cache.kv_cache_dtype
         self.num_blocks = num_blocks
+        self.padding_slot = num_blocks * self.block_size  # the first slot of one block past the pool's
         self.vocab_size = model.config.vocab_size
         self.kv_caches = self.allocate_kv_caches(model.config)
         self.shared_generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self._generators: dict[str, torch.Generator] = {}
         self._compiled_decode = None
+        self.decode_graphs = None
         if config.model.compile:
             self._compiled_decode = torch.compile(self._decode_logits, dynamic=False)
             self._compile_decode_graphs()
+        if self.device.type == "cuda" and not config.model.enforce_eager and model.attention_backend.ragged_decode:
+            max_len = config.model.max_model_len or model.config.max_position_embeddings
+            self.decode_graphs = DecodeGraphs(self._decode_logits, config.scheduler.max_num_seqs,
+                                              -(-max_len // self.block_size), self.block_size, self.padding_slot,
+                                              model.sliding_window, self.device)
+            with torch.inference_mode():
+                self.decode_graphs.capture()
 
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
                        ) -> torch.Tensor:
@@ -97,8 +107,9 @@ class ModelRunner:
         logger.info("decode step compiled in %.1f s", time.perf_counter() - started)
 
     def allocate_kv_caches(self, hf_config) -> list[KVCache]:
-        """One KVCache per layer of a model of this config."""
-        return [KVCache.allocate(self.num_blocks, self.block_size, hf_config.num_key_value_heads,
+        """One KVCache per layer of a model of this config: the pool's blocks and one more, which
+        padding rows of CUDA graph batches write into."""
+        return [KVCache.allocate(self.num_blocks + 1, self.block_size, hf_config.num_key_value_heads,
                                  head_dim_of(hf_config), self.dtype, self.kv_cache_dtype, self.device)
                 for _ in range(hf_config.num_hidden_layers)]
 
@@ -165,21 +176,30 @@ class ModelRunner:
         """Logits [sum of num_logits, V] of a flattened batch of chunks; the target model and its
         KV by default, a draft model (and its own KV, or a prefix of the target's layers) otherwise."""
         model = model or self.model
-        compiled = (self._compiled_decode is not None and model is self.model and kv_caches is None
-                    and all(len(c.token_ids) == c.num_logits == 1 for c in chunks))
-        batch = self._prepare(chunks, model.sliding_window, one_decode_group=compiled)
+        decode_only = (model is self.model and kv_caches is None
+                       and all(len(c.token_ids) == c.num_logits == 1 for c in chunks))
+        if decode_only and self.decode_graphs is not None and len(chunks) <= self.decode_graphs.max_batch:
+            return self.decode_graphs.run([c.token_ids[0] for c in chunks], [c.start for c in chunks],
+                                          [c.block_table for c in chunks])
+        compiled = decode_only and self._compiled_decode is not None
+        batch = self._prepare(chunks, model.sliding_window, model.attention_backend.ragged_decode,
+                              min_blocks=2 if compiled else 1)
         if compiled:
             group = batch.attn.decodes[0]  # batch size and context blocks vary; nothing else does
             for tensor, dims in ((batch.input_ids, [0]), (batch.positions, [0]), (batch.attn.slot_mapping, [0]),
-                                 (group.rows, [0]), (group.block_tables, [0, 1]), (group.mask, [0, 3])):
-                torch._dynamo.maybe_mark_dynamic(tensor, dims)
+                                 (group.context_lens, [0]), (group.block_tables, [0, 1]), (group.mask, [0, 3])):
+                if tensor is not None:
+                    torch._dynamo.maybe_mark_dynamic(tensor, dims)
             return self._compiled_decode(batch.input_ids, batch.positions, batch.attn)
         hidden = model(batch.input_ids, batch.positions, self.kv_caches if kv_caches is None else kv_caches,
                        batch.attn)
         return model.compute_logits(hidden[batch.logit_rows])
 
-    def _prepare(self, chunks: list[SeqChunk], sliding_window: int | None,
-                 one_decode_group: bool = False) -> ForwardBatch:
+    def _prepare(self, chunks: list[SeqChunk], sliding_window: int | None, ragged_decode: bool,
+                 min_blocks: int = 1) -> ForwardBatch:
+        """Flat inputs and attention metadata. Decodes form one group when the backend takes ragged
+        lengths, or when min_blocks > 1 (the compiled decode: one graph for any batch); otherwise
+        groups of similar lengths, each padded to its longest and masked."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[torch.Tensor] = []
@@ -205,14 +225,15 @@ class ModelRunner:
             row += num_new
 
         to = self.device
-        attn = AttentionMetadata(
-            slot_mapping=torch.cat(slot_mapping).to(to),
-            decodes=(
-                [self._decode_group(decode_rows, decode_tables, decode_lengths, sliding_window, min_blocks=2)]
-                if one_decode_group else
-                self._decode_groups(decode_rows, decode_tables, decode_lengths, sliding_window)),
-            prefills=prefills,
-        )
+        if not decode_rows:
+            decodes = []
+        elif ragged_decode or min_blocks > 1:
+            rows = None if len(decode_rows) == row else decode_rows
+            decodes = [self._decode_group(rows, decode_tables, decode_lengths, sliding_window, min_blocks,
+                                          with_mask=not ragged_decode)]
+        else:
+            decodes = self._decode_groups(decode_rows, decode_tables, decode_lengths, sliding_window)
+        attn = AttentionMetadata(torch.cat(slot_mapping).to(to), decodes, prefills, sliding_window)
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=to),
             positions=torch.tensor(positions, dtype=torch.long, device=to),
@@ -250,17 +271,21 @@ class ModelRunner:
         return [self._decode_group([rows[i] for i in g], [tables[i] for i in g], [lengths[i] for i in g],
                                    sliding_window) for g in groups]
 
-    def _decode_group(self, rows: list[int], tables: list[list[int]], lengths: list[int],
-                      sliding_window: int | None, min_blocks: int = 1) -> DecodeGroup:
+    def _decode_group(self, rows: list[int] | None, tables: list[list[int]], lengths: list[int],
+                      sliding_window: int | None, min_blocks: int = 1, with_mask: bool = True) -> DecodeGroup:
         max_blocks = max(min_blocks, *(len(t) for t in tables))
         padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-        lengths_t = torch.tensor(lengths).unsqueeze(1)  # [Bd, 1]
-        key_positions = torch.arange(max_blocks * self.block_size).unsqueeze(0)  # [1, L]
-        mask = key_positions < lengths_t
-        if sliding_window is not None:
-            mask &= key_positions >= lengths_t - sliding_window
+        lengths_t = torch.tensor(lengths)
+        mask = None
+        if with_mask:
+            key_positions = torch.arange(max_blocks * self.block_size).unsqueeze(0)  # [1, L]
+            mask = key_positions < lengths_t.unsqueeze(1)
+            if sliding_window is not None:
+                mask &= key_positions >= lengths_t.unsqueeze(1) - sliding_window
+            mask = mask[:, None, None, :].to(self.device)
         to = self.device
-        return DecodeGroup(torch.tensor(rows, device=to), padded.to(to), mask[:, None, None, :].to(to))
+        return DecodeGroup(None if rows is None else torch.tensor(rows, device=to), padded.to(to),
+                           lengths_t.to(to), mask)
 
     def sampling_batch(self, rows: list[tuple[Request, list[int]]]) -> SamplingBatch:
         """Sampling parameters of logits rows, each a request and the draft tokens before the row

@@ -12,6 +12,7 @@ forward: torch.compile turns writes into a view of an input into a copy of the w
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -121,11 +122,12 @@ class PrefillSpan:
 
 @dataclass(slots=True)
 class DecodeGroup:
-    """Sequences with exactly one new token and similar context lengths, attended as one batch."""
+    """Sequences with exactly one new token, attended as one batch."""
 
-    rows: torch.Tensor  # [Bd] their rows in the flat batch
+    rows: torch.Tensor | None  # [Bd] their rows in the flat batch; None: every row, in order
     block_tables: torch.Tensor  # [Bd, max_blocks] block tables, padded with block 0
-    mask: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] bool, True = attend
+    context_lens: torch.Tensor  # [Bd] tokens each new token attends to, itself included
+    mask: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] bool, True = attend (backends that pad)
 
 
 @dataclass(slots=True)
@@ -133,9 +135,14 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
+    sliding_window: int | None = None
 
 
 class AttentionBackend(Protocol):
+    # True: decodes of any context lengths attend in one call without a mask (DecodeGroup.mask
+    # stays None); False: the runner groups decodes by length and builds padded masks
+    ragged_decode: bool
+
     def __call__(
         self,
         q: torch.Tensor,  # [T, H, D]
@@ -162,9 +169,12 @@ def allowed_keys(
 class TorchPagedAttention:
     """Portable backend: gathers context KV by block and calls scaled_dot_product_attention.
 
-    Decodes run as one batched call (the G query heads sharing a KV head stand in for the query
-    length, so GQA needs no KV copy); each prefill chunk runs as its own call.
+    Decodes run as one batched call per group (the G query heads sharing a KV head stand in for
+    the query length, so GQA needs no KV copy); each prefill chunk runs as its own call, which on
+    CUDA dispatches to the flash or memory-efficient SDPA kernels.
     """
+
+    ragged_decode = False
 
     def __init__(self) -> None:
         self._workspace: dict[str, torch.Tensor] = {}
@@ -172,32 +182,72 @@ class TorchPagedAttention:
     def __call__(self, q, k, v, kv_cache: KVCache, meta, scale):
         kv_cache.write(meta.slot_mapping, k, v)
         out = torch.empty_like(q)
-        num_heads, num_kv_heads = q.shape[1], k.shape[1]
         for group in meta.decodes:
-            batch = group.block_tables.shape[0]
-            qd = q[group.rows].unflatten(1, (num_kv_heads, num_heads // num_kv_heads))  # [Bd, Hkv, G, D]
-            kd, vd = kv_cache.gather(group.block_tables.flatten(), q.dtype, self._workspace)
-            kd = kd.view(batch, -1, *kd.shape[1:]).transpose(1, 2)  # [Bd, Hkv, L, D]
-            vd = vd.view(batch, -1, *vd.shape[1:]).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale)
-            out[group.rows] = od.flatten(1, 2)
-        for span in meta.prefills:
-            qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            if span.context_blocks is None:
-                kp, vp = k[span.start : span.end], v[span.start : span.end]  # [n, Hkv, D]
+            if group.rows is None:
+                out = self.decode(q, kv_cache, group, meta.sliding_window, scale)
             else:
-                length = span.mask.shape[1]
-                kp, vp = kv_cache.gather(span.context_blocks, q.dtype, self._workspace)
-                kp, vp = kp[:length], vp[:length]  # [L, Hkv, D]
-            op = F.scaled_dot_product_attention(
-                qp, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None],
-                attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=True,
-            )
-            out[span.start : span.end] = op[0].transpose(0, 1)
+                out[group.rows] = self.decode(q[group.rows], kv_cache, group, meta.sliding_window, scale)
+        for span in meta.prefills:
+            out[span.start : span.end] = self.prefill(q, k, v, kv_cache, span, scale)
         return out
 
+    def decode(self, q: torch.Tensor, kv_cache: KVCache, group: DecodeGroup, sliding_window: int | None,
+               scale: float) -> torch.Tensor:
+        """q [Bd, H, D] of the group's sequences -> their attention output [Bd, H, D]."""
+        batch, num_heads = group.block_tables.shape[0], q.shape[1]
+        kd, vd = kv_cache.gather(group.block_tables.flatten(), q.dtype, self._workspace)
+        qd = q.unflatten(1, (kd.shape[1], num_heads // kd.shape[1]))  # [Bd, Hkv, G, D]
+        kd = kd.view(batch, -1, *kd.shape[1:]).transpose(1, 2)  # [Bd, Hkv, L, D]
+        vd = vd.view(batch, -1, *vd.shape[1:]).transpose(1, 2)
+        return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale).flatten(1, 2)
 
-def attention_backend(device: str) -> AttentionBackend:
-    """The attention backend for a device. The portable one serves CPU and CUDA alike for now;
-    device-specific kernels (Triton paged decode on CUDA) plug in here."""
-    return TorchPagedAttention()
+    def prefill(self, q, k, v, kv_cache: KVCache, span: PrefillSpan, scale: float) -> torch.Tensor:
+        """The span's rows of q attend to its context (or, with none, causally to each other)."""
+        qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if span.context_blocks is None:
+            kp, vp = k[span.start : span.end], v[span.start : span.end]  # [n, Hkv, D]
+        else:
+            length = span.mask.shape[1]
+            kp, vp = kv_cache.gather(span.context_blocks, q.dtype, self._workspace)
+            kp, vp = kp[:length], vp[:length]  # [L, Hkv, D]
+        op = F.scaled_dot_product_attention(
+            qp, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None],
+            attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=True,
+        )
+        return op[0].transpose(0, 1)
+
+
+class TritonPagedAttention(TorchPagedAttention):
+    """CUDA backend: decodes through the Triton paged kernel, reading K/V through the block tables
+    in place (no gather, no padding, ragged lengths in one launch); prefill chunks as in the
+    portable backend."""
+
+    ragged_decode = True
+
+    def decode(self, q, kv_cache, group, sliding_window, scale):
+        from hyperserve.layers.triton_attention import paged_decode_attention
+
+        return paged_decode_attention(q, kv_cache.key, kv_cache.value, group.block_tables, group.context_lens,
+                                      kv_cache.block_size, scale, sliding_window, kv_cache.key_scale,
+                                      kv_cache.value_scale)
+
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def attention_backend(device: str, name: str = "auto", block_size: int = 16, head_dim: int = 64
+                      ) -> AttentionBackend:
+    """The attention backend for a device: auto picks Triton's paged decode on CUDA when triton is
+    installed and the block and head sizes fit its tiles, the portable backend otherwise. "triton"
+    on the CPU runs the kernels in Triton's interpreter (TRITON_INTERPRET=1): for tests, not speed."""
+    if name == "torch":
+        return TorchPagedAttention()
+    # the kernel's tiles: blocks of at least 16 tokens (tl.dot's smallest side), a power of two
+    usable = (importlib.util.find_spec("triton") is not None and block_size >= 16
+              and block_size & (block_size - 1) == 0 and head_dim >= 16)
+    if name == "triton":
+        if not usable:
+            raise ValueError("attention_backend='triton' needs the triton package, a power-of-two block_size "
+                             f"of at least 16 and head_dim >= 16 (got block_size={block_size}, head_dim={head_dim})")
+        return TritonPagedAttention()
+    return TritonPagedAttention() if device == "cuda" and usable else TorchPagedAttention()

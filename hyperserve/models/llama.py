@@ -112,6 +112,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_position: int):
         super().__init__()
         self.config = config
+        self.attention_backend = backend
         self.model = LlamaModel(config, backend, max_position)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (

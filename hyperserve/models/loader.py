@@ -68,7 +68,8 @@ def build_model(
 ) -> LlamaForCausalLM:
     """Materialise the model and fill it from `source`, or randomly when `source` is None;
     then quantize its weights if asked."""
-    load_dtype = torch.float32 if quantization else dtype  # quantize from the checkpoint's own values
+    # int4/int8 quantize from the checkpoint's own values (exact for Q4_1); fp8 loses nothing to bfloat16
+    load_dtype = torch.float32 if quantization in ("int4", "int8") else dtype
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, max_position).to(load_dtype)
     model.to_empty(device=device)

@@ -9,9 +9,16 @@ from hyperserve import LLM
 from hyperserve.config import ModelConfig
 from hyperserve.engine.model_runner import SeqChunk
 from hyperserve.layers.attention import TorchPagedAttention
-from hyperserve.layers.quantization import KEEP_FLOAT_INT8, QUANTIZED_MAX_ROWS, Int4Linear, Int8Linear, quantize_model
+from hyperserve.layers.quantization import (
+    KEEP_FLOAT_INT8,
+    QUANTIZED_MAX_ROWS,
+    Fp8Linear,
+    Int4Linear,
+    Int8Linear,
+    quantize_model,
+)
 from hyperserve.models.loader import build_model
-from tests.conftest import tiny_config
+from tests.conftest import DEVICES, tiny_config
 
 TEXT = Path(__file__).parents[2] / "data" / "quality_text.txt"
 
@@ -55,6 +62,23 @@ def test_int8_linear_matches_float_within_quantization_error():
     got = Int8Linear(weight, bias)(x)
     assert (got - expected).norm() / expected.norm() < 0.02
     assert (Int8Linear(weight.flip(0), bias)(x) - expected).norm() / expected.norm() > 0.5  # a wrong weight shows
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_linear_matches_float_within_quantization_error(device):
+    """float8 e4m3 keeps 3 mantissa bits: about 3% relative error per weight and per activation."""
+    torch.manual_seed(0)
+    weight, bias = (torch.randn(96, 64) * 0.1).to(device), torch.randn(96).to(device)
+    x = torch.randn(2, 5, 64, device=device)
+    x[0, 0] *= 50  # an outlier token: with per-token scales it costs the others nothing
+    expected = F.linear(x, weight, bias)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16  # rowwise-scaled FP8 GEMMs output bfloat16 on CUDA
+    got = Fp8Linear(weight, bias)(x.to(dtype)).float()
+    assert got.shape == expected.shape
+    for row in range(1, 5):
+        assert (got[0, row] - expected[0, row]).norm() / expected[0, row].norm() < 0.06
+    assert (got - expected).norm() / expected.norm() < 0.06
+    assert (Fp8Linear(weight.flip(0), bias)(x.to(dtype)).float() - expected).norm() / expected.norm() > 0.5
 
 
 @pytest.mark.parametrize(("method", "tied"), [("int8", False), ("int4", False), ("int4", True)])
@@ -111,6 +135,7 @@ def text_and_float_perplexity():
     (dict(quantization="int4"), 64),  # prefill: the dense copies
     (dict(quantization="int4"), 1),  # one token at a time: the int4 and int8 kernels that decode
     (dict(quantization="int4", kv_cache_dtype="int8"), 64),
+    (dict(quantization="fp8"), 64),
 ])
 def test_smollm2_perplexity_is_within_3_percent_of_float32(options, chunk, text_and_float_perplexity):
     token_ids, float_ppl = text_and_float_perplexity

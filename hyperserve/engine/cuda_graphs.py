@@ -1,0 +1,98 @@
+"""CUDA graphs of the decode step: one per batch-size bucket, replayed over persistent inputs.
+
+At decode batch sizes a step is hundreds of small kernels (about ten per layer) whose launches
+from Python take longer than the GPU takes to read the weights. Capturing the whole step
+(embedding -> layers -> logits) once per bucket turns it into one replay.
+
+A graph reads fixed addresses, so its inputs live in persistent buffers sized for the largest
+bucket. A step copies its sequences into the first rows and pads the rest of its bucket with rows
+that attend to nothing (context length 0, which the Triton decode kernel answers with zeros) and
+write their K/V into a padding slot no sequence owns. The decode kernel's split count depends only
+on the batch shape, so a graph stays valid as contexts grow.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from hyperserve.layers.attention import AttentionMetadata, DecodeGroup
+
+logger = logging.getLogger("hyperserve.cuda_graphs")
+
+DecodeStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to max_batch (and max_batch itself)."""
+    small = [b for b in (1, 2, 4, 8) if b < max_batch]
+    return small + list(range(16, max_batch, 16)) + [max_batch]
+
+
+class DecodeGraphs:
+    def __init__(self, step: DecodeStep, max_batch: int, max_blocks: int, block_size: int, padding_slot: int,
+                 sliding_window: int | None, device: torch.device, use_cuda_graphs: bool = True) -> None:
+        """`step` computes logits [B, V] from decode inputs; without use_cuda_graphs (the CPU, in
+        tests) it runs eagerly over the same buffers and padding."""
+        self.step = step
+        self.buckets = batch_buckets(max_batch)
+        self.block_size = block_size
+        self.padding_slot = padding_slot
+        self.sliding_window = sliding_window
+        self.use_cuda_graphs = use_cuda_graphs
+        rows = self.buckets[-1]
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((rows,), padding_slot, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(rows, max_blocks, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(rows, dtype=torch.int32, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first so the smaller ones reuse its memory pool."""
+        started, pool = time.perf_counter(), None
+        for batch in reversed(self.buckets):
+            self._run_eager(batch)  # warm-up: Triton compiles, cuBLAS picks its kernels
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._logits[batch] = self._run_eager(batch)
+            pool = graph.pool()
+            self._graphs[batch] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s", len(self.buckets),
+                    self.max_batch, time.perf_counter() - started)
+
+    def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """Logits [B, V] of B decoding sequences: each one's new token, its position and block table."""
+        batch = len(token_ids)
+        bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
+        width = max(len(t) for t in block_tables)
+        bs = self.block_size
+        slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions)]
+        self.input_ids[:batch].copy_(torch.tensor(token_ids), non_blocking=True)
+        self.positions[:batch].copy_(torch.tensor(positions), non_blocking=True)
+        self.slot_mapping[:batch].copy_(torch.tensor(slots), non_blocking=True)
+        self.context_lens[:batch].copy_(torch.tensor(positions) + 1, non_blocking=True)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        self.block_tables[:batch, :width].copy_(tables, non_blocking=True)
+        self.slot_mapping[batch:bucket].fill_(self.padding_slot)  # padding rows: no context, harmless writes
+        self.context_lens[batch:bucket].zero_()
+        if not self.use_cuda_graphs:
+            return self._run_eager(bucket)[:batch]
+        self._graphs[bucket].replay()
+        return self._logits[bucket][:batch]
+
+    def _run_eager(self, batch: int) -> torch.Tensor:
+        group = DecodeGroup(None, self.block_tables[:batch], self.context_lens[:batch], None)
+        attn = AttentionMetadata(self.slot_mapping[:batch], [group], [], self.sliding_window)
+        return self.step(self.input_ids[:batch], self.positions[:batch], attn)

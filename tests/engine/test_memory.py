@@ -1,0 +1,39 @@
+"""KV pool sizing: the CPU's fixed default and CUDA's gpu_memory_utilization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyperserve import LLM
+from hyperserve.engine.memory import profile_step
+from hyperserve.models.loader import kv_bytes_per_token
+from tests.conftest import tiny_config
+
+
+def test_kv_cache_memory_gb_sizes_the_pool(save_hf_model):
+    _, path = save_hf_model(tiny_config("llama"))
+    per_block = kv_bytes_per_token(tiny_config("llama"), torch.float32) * 16
+    llm = LLM(model=path, dtype="float32", kv_cache_memory_gb=0.01)
+    assert llm.engine.kv_cache.pool.num_blocks == int(0.01 * 2**30) // per_block
+
+
+def test_profile_step_runs_the_largest_step(save_hf_model):
+    """The measured step is a real forward (here on the CPU): a prompt of max_num_batched_tokens,
+    logits for max_num_seqs rows, the sampler's sort."""
+    _, path = save_hf_model(tiny_config("mistral", sliding_window=8))
+    llm = LLM(model=path, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=100, max_num_seqs=3)
+    profile_step(llm.engine.runner.model, llm.engine.config, 100)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("utilization", [0.3, 0.6])
+def test_gpu_memory_utilization_bounds_what_the_engine_takes(utilization, save_hf_model):
+    _, path = save_hf_model(tiny_config("llama"))
+    total = torch.cuda.mem_get_info()[1]
+    llm = LLM(model=path, device="cuda", gpu_memory_utilization=utilization, max_model_len=256)
+    used = torch.cuda.memory_reserved()
+    assert used <= utilization * total  # weights, activations, the pool and the CUDA graphs
+    assert used >= (utilization - 0.05) * total  # and the pool took nearly all the rest
+    del llm
