@@ -160,10 +160,12 @@ class Fp8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         x_scale = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # [M, 1]
         codes = (rows.float() / x_scale).to(torch.float8_e4m3fn)
-        y = torch._scaled_mm(codes, self._weight_t, scale_a=x_scale, scale_b=self._scale, out_dtype=x.dtype)
+        # CUDA's row-wise scaled GEMM writes bfloat16 only; the CPU's writes any float type
+        out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+        y = torch._scaled_mm(codes, self._weight_t, scale_a=x_scale, scale_b=self._scale, out_dtype=out_dtype)
         if self._bias is not None:
             y = y + self._bias.to(y.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
 def weight_bytes(model: nn.Module) -> int:
