@@ -79,10 +79,11 @@ class DecodeGraphs:
         width = max(len(t) for t in block_tables)
         bs = self.block_size
         slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions)]
+        positions_t = torch.tensor(positions)
         self.input_ids[:batch].copy_(torch.tensor(token_ids), non_blocking=True)
-        self.positions[:batch].copy_(torch.tensor(positions), non_blocking=True)
+        self.positions[:batch].copy_(positions_t, non_blocking=True)
         self.slot_mapping[:batch].copy_(torch.tensor(slots), non_blocking=True)
-        self.context_lens[:batch].copy_(torch.tensor(positions) + 1, non_blocking=True)
+        self.context_lens[:batch].copy_(positions_t + 1, non_blocking=True)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
         self.block_tables[:batch, :width].copy_(tables, non_blocking=True)
         self.slot_mapping[batch:bucket].fill_(self.padding_slot)  # padding rows: no context, harmless writes

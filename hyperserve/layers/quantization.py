@@ -154,7 +154,8 @@ class Fp8Linear(nn.Module):
         self._scale = scale[None, :].contiguous()  # [1, out]
         self._bias = None if bias is None else bias.detach()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.num_bytes = weight.numel() + 4 * weight.shape[0] + (0 if bias is None else 4 * bias.numel())
+        bias_bytes = 0 if bias is None else bias.numel() * bias.element_size()
+        self.num_bytes = weight.numel() + 4 * weight.shape[0] + bias_bytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -177,8 +178,9 @@ def weight_bytes(model: nn.Module) -> int:
 
 def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> tuple[int, int]:
     """Replace the model's projections in place, then cast what stays float to `dtype`; returns
-    weight bytes before and after. The model must hold float32 weights (a bfloat16 round trip
-    would lose the exactness of int4 on Q4_1 checkpoints). With int4 the LM head is int8; a tied
+    weight bytes before and after. For int4 and int8 the model must hold float32 weights (a
+    bfloat16 round trip would lose the exactness of int4 on Q4_1 checkpoints); fp8 takes any
+    float dtype, since e4m3 keeps fewer mantissa bits than bfloat16. With int4 the LM head is int8; a tied
     head gets its own copy of the embedding."""
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {METHODS}, got {method!r}")
