@@ -32,8 +32,8 @@ from tqdm import tqdm  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hyperserve.common.embedder import Embedder  # noqa: E402
 from hyperserve.gateway.cache_store import CacheEntry, SQLiteStore  # noqa: E402
-from hyperserve.gateway.embedder import Embedder  # noqa: E402
 from hyperserve.gateway.response_cache import ResponseCache  # noqa: E402
 from tests.gateway.conftest import STUB, wait_http  # noqa: E402
 from tests.server.conftest import free_port  # noqa: E402

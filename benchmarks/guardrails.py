@@ -32,7 +32,7 @@ from tqdm import tqdm  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hyperserve.gateway.embedder import Embedder  # noqa: E402
+from hyperserve.common.embedder import Embedder  # noqa: E402
 from hyperserve.security.config import SecurityConfig, hash_key  # noqa: E402
 from hyperserve.security.injection import PATTERNS, InjectionDetector, keyword_baseline  # noqa: E402
 from hyperserve.security.middleware import Governor, Guard  # noqa: E402

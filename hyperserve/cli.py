@@ -123,28 +123,34 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from hyperserve.config import EngineConfig, engine_kwargs_from_args
     from hyperserve.engine.engine import LLMEngine
-    from hyperserve.server.app import ServerSettings, build_app
+    from hyperserve.server.app import build_app
+    from hyperserve.server.settings import ServerSettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = EngineConfig.from_kwargs(**engine_kwargs_from_args(args))  # bad flags fail before binding
     settings = ServerSettings(model_name=args.served_model_name or args.model, max_queue=args.max_queue,
-                              max_body_bytes=args.max_body_bytes)
-    failed: list[Exception] = []
+                              max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
+                              max_pin_ttl_s=args.max_pin_ttl_s)
+    failed: list[str] = []
 
-    def stop(error: Exception) -> None:  # a server that cannot load its model exits, so supervisors see it
-        failed.append(error)
+    def stop(reason: str) -> None:
+        """The model did not load, or the engine stopped for good: exit non-zero once running
+        requests have had their errors, so a supervisor starts a fresh process."""
+        failed.append(reason)
         server.should_exit = True
 
     governor = _governor(args)
     cached = args.semantic_cache or args.response_cache
-    app = build_app(lambda: LLMEngine(config), settings, on_load_error=stop, governor=None if cached else governor)
+    app = build_app(lambda: LLMEngine(config), settings, governor=None if cached else governor,
+                    on_load_error=lambda error: stop(f"the model failed to load: {error}"),
+                    on_engine_dead=lambda error: stop(f"the engine stopped: {type(error).__name__}: {error}"))
     if cached:
         app = _cached_front(app, settings, args, governor)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=args.shutdown_grace_s))
     server.run()
     if failed:
-        sys.exit(f"error: the model failed to load: {failed[0]}")
+        sys.exit(f"error: {failed[0]}")
 
 
 def _cached_front(engine_app, settings, args: argparse.Namespace, governor):
@@ -207,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     serve.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    serve.add_argument("--default-max-tokens", type=int, default=2048,
+                       help="the most tokens a chat request that sets no max_tokens generates")
+    serve.add_argument("--max-pin-ttl-s", type=float, default=3600.0, help="the longest ttl of a /v1/cache pin")
     serve.add_argument("--shutdown-grace-s", type=float, default=30.0,
                        help="on SIGTERM, how long running requests may take to finish")
     cache = serve.add_argument_group("response cache (the gateway's, in front of this engine)")

@@ -65,6 +65,7 @@ class CacheConfig:
     disk_cache_dir: str | None = None  # a disk tier for evicted prefix blocks; None: memory only
     disk_cache_gb: float = 8.0  # the disk tier's budget
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8 or fp8: quantized with a scale per token and head
+    max_pinned_fraction: float = 0.5  # the share of the KV pool that /v1/cache pins may hold
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -75,6 +76,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not 0 <= self.max_pinned_fraction <= 1:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
             raise ValueError(f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}")
 

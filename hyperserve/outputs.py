@@ -34,7 +34,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     logprobs: list[TokenLogprobs] | None = None
 
@@ -53,3 +53,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+    error: str | None = None  # set when the engine failed while running the request

@@ -29,8 +29,11 @@ class SamplingParams:
     logprobs: int | None = None  # top-N log-probabilities per generated token (the sampled one too)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, as OpenAI's
 
-    MAX_LOGPROBS = 20
+    MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+    MAX_SEED = 2**63  # seeds are in [0, MAX_SEED): a torch generator takes them (plus the sample index)
+    MAX_LOGIT_BIAS = 100.0  # OpenAI's range, [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +58,13 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
+        if self.seed is not None and not 0 <= self.seed < self.MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or positive, got {self.top_k}")
+        for token_id, bias in self.logit_bias.items():
+            if not -self.MAX_LOGIT_BIAS <= bias <= self.MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
 
     @property
     def is_greedy(self) -> bool:

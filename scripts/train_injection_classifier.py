@@ -14,7 +14,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hyperserve.gateway.embedder import Embedder  # noqa: E402
+from hyperserve.common.embedder import Embedder  # noqa: E402
 from hyperserve.security.injection import WEIGHTS  # noqa: E402
 
 

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from hyperserve.common.sse import parse_sse_chunk
+
 # Common English words: one token each in the usual BPE vocabularies (SmolLM2, Llama 3, Qwen2).
 _WORDS = (
     "the of and to in is was that for it with as his on be at by had are but from or have an they which "
@@ -90,9 +92,9 @@ async def send(client: httpx.AsyncClient, args: argparse.Namespace, spec: Reques
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
             async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                data = parse_sse_chunk(line)
+                if data is None:
                     continue
-                data = json.loads(line[6:])
                 if data.get("usage"):
                     result.prompt_tokens = data["usage"]["prompt_tokens"]
                     result.output_tokens = data["usage"]["completion_tokens"]
@@ -110,7 +112,7 @@ async def send(client: httpx.AsyncClient, args: argparse.Namespace, spec: Reques
                     result.itls.append(now - last)
                 last = now
                 chunks += 1
-    except (httpx.HTTPError, json.JSONDecodeError) as error:
+    except (httpx.HTTPError, ValueError) as error:
         result.error = f"{type(error).__name__}: {error}"
         return result
     result.e2e = time.perf_counter() - start

@@ -5,6 +5,11 @@
 With speculative decoding on, "propose" drafts tokens for the decoding requests and the next
 step's forward pass verifies them beside everything else.
 
+A step that fails after scheduling fails only the requests it ran: they finish with
+finish_reason "error", their KV blocks go back to the pool, and every other request goes on.
+Failures the engine cannot outlive (device errors, out of memory, or several steps failing in a
+row) raise EngineDeadError instead.
+
 Each call to `step` runs one forward pass over every scheduled token and returns a RequestOutput
 for each request that made visible progress. A request with n > 1 runs as n sequences that share
 its id as `parent_id`; its RequestOutput carries all n completions.
@@ -12,9 +17,12 @@ its id as `parent_id`; its RequestOutput carries all n completions.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+import torch
 
 from hyperserve.config import EngineConfig
 from hyperserve.engine.detokenizer import IncrementalDetokenizer
@@ -23,7 +31,7 @@ from hyperserve.engine.kv_cache_manager import KVCacheManager
 from hyperserve.engine.memory import cuda_kv_cache_budget
 from hyperserve.engine.model_runner import ModelRunner, StepResult
 from hyperserve.engine.request import Request, RequestStatus
-from hyperserve.engine.scheduler import Scheduler
+from hyperserve.engine.scheduler import Scheduler, SchedulerOutput
 from hyperserve.engine.speculative import build_proposer, num_tokens_to_propose
 from hyperserve.layers.attention import AttentionBackend, attention_backend
 from hyperserve.models import loader
@@ -33,10 +41,26 @@ from hyperserve.outputs import CompletionOutput, Logprob, RequestMetrics, Reques
 from hyperserve.sampling_params import SamplingParams
 
 CPU_KV_CACHE_BYTES = 4 * 2**30  # the CPU's KV pool unless kv_cache_memory_gb says otherwise
+MAX_FAILED_STEPS = 3  # steps failing in a row after which the engine is taken to be broken
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_LOGIT_BIAS_ENTRIES = 16, 4096, 64, 1024
+
+logger = logging.getLogger("hyperserve.engine")
 
 
 class ContextLengthError(ValueError):
     """The prompt (or prompt plus requested output) does not fit the model's context."""
+
+
+class PinLimitError(ValueError):
+    """A prefix pin would take more of the KV pool than pins may hold (`max_pinned_fraction`)."""
+
+    def __init__(self, message: str, retryable: bool) -> None:
+        super().__init__(message)
+        self.retryable = retryable  # it would fit once other pins expire or are released
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on (a device error, out of memory, repeated failures): restart it."""
 
 
 @dataclass
@@ -54,6 +78,7 @@ class LLMEngine:
         self.hf_config = loader.load_config(source)
         self.tokenizer = loader.load_tokenizer(source)
         self.max_model_len = config.model.max_model_len or self.hf_config.max_position_embeddings
+        self.source = source
         model = loader.build_model(
             self.hf_config,
             None if config.model.load_format == "random" else source,
@@ -67,7 +92,7 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks(model)
         self.runner = ModelRunner(model, config, num_blocks)
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                       self._disk_tier())
+                                       self._disk_tier(), config.cache.max_pinned_fraction)
         if self.kv_cache.lower_tier is not None:
             self.kv_cache.pool.on_evict = self.kv_cache.lower_tier.spill
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
@@ -75,7 +100,8 @@ class LLMEngine:
         draft = self._load_draft(spec.draft_model) if spec.speculative_method == "draft" else None
         self.proposer = build_proposer(spec, self.runner, self.kv_cache, draft) if spec.speculative_method else None
         self._groups: dict[str, _Group] = {}
-        self.eos_token_id = self._eos_token_id()
+        self.eos_token_ids = loader.load_eos_token_ids(source, self.hf_config, self.tokenizer)
+        self._num_failed_steps = 0
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> LLMEngine:
@@ -87,6 +113,20 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        try:
+            outputs = self._run(out)
+        except Exception as error:
+            self._num_failed_steps += 1
+            if _is_fatal(error) or self._num_failed_steps >= MAX_FAILED_STEPS:
+                raise EngineDeadError(f"the engine cannot continue: {type(error).__name__}: {error}") from error
+            logger.exception("a step failed; failing its %d request(s)", len(out.requests))
+            outputs = self._fail({_group_id(r) for r in out.requests}, f"{type(error).__name__}: {error}")
+        else:
+            self._num_failed_steps = 0
+        self.runner.release(self.scheduler.take_finished_ids())
+        return outputs
+
+    def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
         now = time.time()
         for request in out.requests:
             if request.metrics.first_scheduled_time is None:
@@ -96,7 +136,7 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(out, result.token_ids_by_request())
         self._process_outputs(updated, result, num_before)
         self._propose()
-        return [self._group_output(pid) for pid in dict.fromkeys(_group_id(r) for r in updated)]
+        return self._emit(dict.fromkeys(_group_id(r) for r in updated))
 
     # ---- the streaming interface ---------------------------------------------------------
 
@@ -113,6 +153,7 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self.process_prompt(prompt)
+        self.check_params(params)
         arrival_time = time.time() if arrival_time is None else arrival_time
         samples = []
         for index in range(params.n):
@@ -122,7 +163,7 @@ class LLMEngine:
                 prompt_token_ids=prompt_ids,
                 sampling_params=params,
                 arrival_time=arrival_time,
-                eos_token_id=self.eos_token_id,
+                eos_token_ids=self.eos_token_ids,
                 priority=priority,
                 parent_id=request_id,
                 index=index,
@@ -164,6 +205,13 @@ class LLMEngine:
             raise ValueError("pinning needs prefix caching, which is disabled")
         if request_id in self.kv_cache.pins:
             raise ValueError(f"pin id {request_id!r} is already in use")
+        num_blocks = len(self.process_prompt(prompt)[1]) // self.kv_cache.block_size
+        cap = self.kv_cache.max_pinned_blocks
+        if num_blocks > cap - self.kv_cache.num_pinned_blocks:
+            raise PinLimitError(
+                f"pinning this prefix needs {num_blocks} KV blocks; pins may hold {cap} of the pool's "
+                f"{self.kv_cache.pool.num_blocks} (max_pinned_fraction) and {self.kv_cache.num_pinned_blocks} are "
+                "held", retryable=num_blocks <= cap)
         self.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0))
         self._groups[request_id].samples[0].pin_until = time.time() + ttl_s
 
@@ -179,7 +227,24 @@ class LLMEngine:
             if not request.is_finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
                 request.metrics.finished_time = time.time()
-        return self._group_output(request_id)
+        self.runner.release(self.scheduler.take_finished_ids())
+        return self._emit([request_id])[0]
+
+    def _fail(self, group_ids: set[str], error: str) -> list[RequestOutput]:
+        """Finish every sample of these requests with finish_reason "error", freeing their blocks."""
+        outputs = []
+        for group_id in group_ids:
+            group = self._groups.pop(group_id)
+            for request in group.samples:
+                if not request.is_finished:
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+                request.metrics.finished_time = time.time()
+            first = group.samples[0]
+            completions = [CompletionOutput(r.index, "", list(r.output_token_ids), r.finish_reason)
+                           for r in group.samples]
+            outputs.append(RequestOutput(group_id, group.prompt, first.prompt_token_ids, completions, True,
+                                         first.metrics, error=error))
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -260,11 +325,18 @@ class LLMEngine:
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
 
+    def _emit(self, group_ids) -> list[RequestOutput]:
+        """The requests' outputs; finished ones are forgotten only once every output is built,
+        so a failure while building leaves each request for `_fail` to finish."""
+        outputs = [self._group_output(group_id) for group_id in group_ids]
+        for output in outputs:
+            if output.finished:
+                del self._groups[output.request_id]
+        return outputs
+
     def _group_output(self, group_id: str) -> RequestOutput:
         group = self._groups[group_id]
         finished = all(r.is_finished for r in group.samples)
-        if finished:
-            del self._groups[group_id]
         first = group.samples[0]
         completions = [
             CompletionOutput(
@@ -281,6 +353,21 @@ class LLMEngine:
         if len(group.samples) > 1:  # the group's first token and last finish
             metrics = _merge_metrics([r.metrics for r in group.samples])
         return RequestOutput(group_id, group.prompt, first.prompt_token_ids, completions, finished, metrics)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check without the model: token ids in its vocabulary, and
+        sizes bounded so that no request costs the engine more than its own tokens."""
+        vocab = self.hf_config.vocab_size
+        if len(params.stop) > MAX_STOP_STRINGS or sum(len(s) for s in params.stop) > MAX_STOP_CHARS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all")
+        if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
+        if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
+            if bad:
+                raise ValueError(f"{name}: token ids must be integers in [0, {vocab}), got {bad[0]!r}")
 
     def process_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """Tokenize and validate a prompt without touching engine state (safe from any thread)."""
@@ -335,8 +422,11 @@ class LLMEngine:
         cache = self.config.cache
         if cache.disk_cache_dir is None or not cache.enable_prefix_caching:
             return None
-        namespace = (f"{Path(self.config.model.model).name}-{self.config.model.torch_dtype}-kv{cache.kv_cache_dtype}"
-                     f"-bs{cache.block_size}")
+        model = self.config.model
+        identity = loader.model_identity(
+            self.source, self.hf_config, model.load_format, model.seed if model.load_format == "random" else None,
+            model.torch_dtype, model.quantization, cache.kv_cache_dtype, cache.block_size)
+        namespace = f"{Path(model.model).name}-{identity[:32]}"
         store = DiskKVStore(cache.disk_cache_dir, namespace, int(cache.disk_cache_gb * 2**30))
         return DiskTier(store, self.runner.read_block, self.runner.write_block)
 
@@ -362,11 +452,15 @@ class LLMEngine:
             quantization=self.config.model.quantization,
         )
 
-    def _eos_token_id(self) -> int | None:
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            return self.tokenizer.eos_token_id
-        eos = getattr(self.hf_config, "eos_token_id", None)
-        return eos[0] if isinstance(eos, list) else eos
+
+
+def _is_fatal(error: Exception) -> bool:
+    """Errors after which the device or the process is not to be trusted with more work."""
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        marker in text for marker in ("CUDA error", "CUBLAS_STATUS", "cuDNN error", "device-side assert"))
 
 
 def _group_id(request: Request) -> str:

@@ -1,13 +1,17 @@
 """KVCacheManager: each request's block table, grown lazily from the BlockPool, and prefix reuse.
 
 With prefix caching on, a request's full blocks are identified by a hash chain: block i's hash
-covers its tokens and, through block i-1's hash, every token before it. A new (or resumed) request
+is a SHA-256 over block i-1's hash and its own tokens, so it covers every token before it, and no
+request can craft tokens whose blocks collide with another's (Python's `hash` is 64 bits and not
+built to resist that). A new (or resumed) request
 takes every cached block of its longest cached prefix and computes only the rest; blocks it fills
 are registered once their KV is written.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,9 +22,10 @@ from hyperserve.engine.request import Request
 class PrefixTier(Protocol):
     """A lower tier of the prefix cache (the disk): holds blocks by hash, fills pool blocks."""
 
-    def __contains__(self, block_hash: int) -> bool: ...
+    def __contains__(self, block_hash: bytes) -> bool: ...
 
-    def load_into(self, block_hash: int, block_id: int) -> None: ...
+    def load_into(self, block_hash: bytes, block_id: int) -> bool:
+        """Fill the pool block with the stored KV; False (a miss) if it cannot be read."""
 
 
 @dataclass(slots=True)
@@ -33,15 +38,15 @@ class Pin:
 
 
 class KVCacheManager:
-    def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, lower_tier: PrefixTier | None = None
-    ) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 lower_tier: PrefixTier | None = None, max_pinned_fraction: float = 0.5) -> None:
         self.block_size = block_size
+        self.max_pinned_blocks = int(num_blocks * max_pinned_fraction)  # pins never starve running requests
         self.lower_tier = lower_tier
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._block_tables: dict[str, list[int]] = {}
-        self._block_hashes: dict[str, list[int]] = {}  # request id -> hashes of its full blocks
+        self._block_hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its full blocks
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks registered
         self.pins: dict[str, Pin] = {}
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
@@ -54,6 +59,10 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(pin.block_ids) for pin in self.pins.values())
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -76,7 +85,7 @@ class KVCacheManager:
             blocks.append(block_id)
         return blocks, num_promoted
 
-    def _promote(self, block_hash: int, protect: list[int]) -> int | None:
+    def _promote(self, block_hash: bytes, protect: list[int]) -> int | None:
         """Bring a block back from the lower tier into the pool as an idle cached block, holding
         `protect` (the prefix found so far) so that making room cannot evict it."""
         if self.lower_tier is None or block_hash not in self.lower_tier:
@@ -86,10 +95,11 @@ class KVCacheManager:
         for block_id in protect:
             self.pool.touch(block_id)
         (block_id,) = self.pool.allocate(1)
-        self.lower_tier.load_into(block_hash, block_id)
-        self.pool.cache(block_id, block_hash)
+        loaded = self.lower_tier.load_into(block_hash, block_id)
+        if loaded:
+            self.pool.cache(block_id, block_hash)
         self.pool.free([block_id] + protect[::-1])
-        return block_id
+        return block_id if loaded else None
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_tokens
@@ -137,9 +147,12 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._block_tables[request_id]
 
-    def pin(self, request: Request, expires_at: float) -> Pin:
-        """Keep the request's registered full blocks cached (not evictable) until `expires_at`."""
+    def pin(self, request: Request, expires_at: float) -> Pin | None:
+        """Keep the request's registered full blocks cached (not evictable) until `expires_at`;
+        None, pinning nothing, if that would take pins past `max_pinned_blocks`."""
         num_blocks = self._num_registered.get(request.request_id, 0)
+        if num_blocks > self.max_pinned_blocks - self.num_pinned_blocks:
+            return None
         block_ids = self._block_tables.get(request.request_id, [])[:num_blocks]
         for block_id in block_ids:
             self.pool.touch(block_id)
@@ -164,12 +177,12 @@ class KVCacheManager:
         if table:
             self.pool.free(table[::-1])  # tail first: prefix blocks stay cached the longest
 
-    def _hashes(self, request: Request) -> list[int]:
+    def _hashes(self, request: Request) -> list[bytes]:
         """The hash chain over the request's full blocks, extended as tokens arrive."""
         hashes = self._block_hashes.setdefault(request.request_id, [])
         tokens, size = request.all_token_ids, self.block_size
         while (len(hashes) + 1) * size <= len(tokens):
             start = len(hashes) * size
-            parent = hashes[-1] if hashes else 0
-            hashes.append(hash((parent, tuple(tokens[start : start + size]))))
+            parent = hashes[-1] if hashes else b""
+            hashes.append(hashlib.sha256(parent + array("q", tokens[start : start + size]).tobytes()).digest())
         return hashes

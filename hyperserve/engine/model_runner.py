@@ -122,11 +122,14 @@ class ModelRunner:
         for layer, cache in enumerate(self.kv_caches):
             cache.write_block(block_id, {name: t[layer] for name, t in tensors.items()})
 
+    def release(self, request_ids: list[str]) -> None:
+        """Forget finished requests' per-request state (their seeded generators)."""
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv_cache: KVCacheManager) -> StepResult:
         """Run the scheduled tokens (drafts included) and decide each sampled request's new tokens."""
-        for request_id in out.finished_ids:
-            self._generators.pop(request_id, None)
         chunks, rows, sampled = [], [], []
         for request, num_new in zip(out.requests, out.num_new_tokens):
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
@@ -305,10 +308,18 @@ class ModelRunner:
                     counts[i] = torch.bincount(output, minlength=self.vocab_size)
                 prompt_mask[i, r.prompt_token_ids] = True
             counts, prompt_mask = counts.to(to), prompt_mask.to(to)
+        logit_bias = None
+        if any(p.logit_bias for p in params):
+            logit_bias = torch.zeros(len(requests), self.vocab_size)
+            for i, p in enumerate(params):
+                if p.logit_bias:
+                    logit_bias[i, list(p.logit_bias)] = torch.tensor(list(p.logit_bias.values()))
+            logit_bias = logit_bias.to(to)
         requested_logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingBatch(
             temperature=floats([p.temperature for p in params]),
-            top_k=torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], device=to),
+            top_k=torch.tensor([min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params],
+                               device=to),
             top_p=floats([p.top_p for p in params]),
             min_p=floats([p.min_p for p in params]),
             presence_penalty=floats([p.presence_penalty for p in params]) if any_penalties else None,
@@ -316,6 +327,7 @@ class ModelRunner:
             repetition_penalty=floats([p.repetition_penalty for p in params]) if any_penalties else None,
             output_token_counts=counts,
             prompt_token_mask=prompt_mask,
+            logit_bias=logit_bias,
             generators=[self._generator(r) for r in requests],
             num_logprobs=max(requested_logprobs) if requested_logprobs else None,
             all_greedy=all(p.is_greedy for p in params),

@@ -28,6 +28,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the engine failed while running it; its client gets an error
 
     @property
     def is_finished(self) -> bool:
@@ -40,7 +41,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
-    eos_token_id: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()  # every token that ends generation (Llama 3 has several)
     priority: int = 0  # lower runs first
     parent_id: str | None = None  # set for the samples of an n > 1 request
     index: int = 0  # which of the parent's n samples
@@ -93,7 +94,7 @@ class Request:
     def is_stop_token(self, token_id: int) -> bool:
         """EOS (unless ignored) or one of the request's stop_token_ids: ends it, never shown as text."""
         params = self.sampling_params
-        return token_id in params.stop_token_ids or (token_id == self.eos_token_id and not params.ignore_eos)
+        return token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -2,7 +2,8 @@
 
 Order of operations, per row:
   1. log-probabilities of the raw logits (reported logprobs, as vLLM and OpenAI report them)
-  2. penalties: repetition (prompt and output tokens), then frequency and presence (output tokens)
+  2. logit_bias (OpenAI's: added to the logits), then penalties: repetition (prompt and output
+     tokens), frequency and presence (output tokens)
   3. greedy rows (temperature 0) take the argmax here
   4. temperature
   5. min_p, then top_k, then top_p filtering
@@ -30,6 +31,7 @@ class SamplingBatch:
     repetition_penalty: torch.Tensor | None
     output_token_counts: torch.Tensor | None  # [B, V] int
     prompt_token_mask: torch.Tensor | None  # [B, V] bool
+    logit_bias: torch.Tensor | None  # [B, V] float; None when no row has a bias
     generators: list[torch.Generator | None]  # per row; None: the engine's shared generator
     num_logprobs: int | None  # top-N to return (0: the sampled token's only); None: no logprobs
     all_greedy: bool
@@ -61,6 +63,8 @@ def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Te
     """Steps 2-5: the greedy token of each row [B] and the distribution sampled from [B, V]
     (None when every row is greedy; rows with temperature 0 hold garbage)."""
     logits = logits.float()
+    if batch.logit_bias is not None:
+        logits = logits + batch.logit_bias
     if batch.repetition_penalty is not None:
         logits = apply_penalties(logits, batch)
     greedy = logits.argmax(dim=-1)

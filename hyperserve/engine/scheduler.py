@@ -27,7 +27,6 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)  # finished since the last step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -57,13 +56,17 @@ class Scheduler:
         self._order[request.request_id] = (request.priority, next(self._counter))
         self._insert(self.waiting, request)
 
+    def take_finished_ids(self) -> list[str]:
+        """Ids of the requests finished since the last call, for per-request state elsewhere."""
+        finished, self._finished_ids = self._finished_ids, []
+        return finished
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         self.kv_cache.expire_pins(time.time())
-        out = SchedulerOutput(finished_ids=self._finished_ids)
-        self._finished_ids = []
+        out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
         # Running requests first, most important first; the least important yields its blocks.

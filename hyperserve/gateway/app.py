@@ -27,16 +27,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from hyperserve.common.body_limit import BodyLimit
+from hyperserve.common.errors import APIError, install_error_handlers
+from hyperserve.common.request_log import RequestLog
+from hyperserve.common.sse import DONE, parse_sse_data, sse_event
 from hyperserve.gateway.backends import Backend, build_backend, wait_ready
 from hyperserve.gateway.cache_store import RedisStore, SQLiteStore
 from hyperserve.gateway.config import GatewayConfig
 from hyperserve.gateway.response_cache import CacheKey, ResponseCache, cache_key, is_deterministic
 from hyperserve.gateway.router import Route, Router
-from hyperserve.gateway.streaming import StreamAccumulator, replay, sse
-from hyperserve.gateway.telemetry import GatewayMetrics, RequestLog
-from hyperserve.security.middleware import Governor
-from hyperserve.server.app import BodyLimit, add_security, install_error_handlers
-from hyperserve.server.openai_api import APIError
+from hyperserve.gateway.streaming import StreamAccumulator, replay
+from hyperserve.gateway.telemetry import GatewayMetrics
+from hyperserve.security.middleware import Governor, add_security
 
 logger = logging.getLogger("hyperserve.gateway")
 
@@ -54,7 +56,7 @@ def build_cache(config: GatewayConfig) -> ResponseCache | None:
         store = SQLiteStore(":memory:" if c.store == "memory" else c.path, c.max_entries)
     embedder = None
     if c.semantic.enabled:
-        from hyperserve.gateway.embedder import shared_embedder
+        from hyperserve.common.embedder import shared_embedder
 
         embedder = shared_embedder()
     index_dir = Path(c.path).with_suffix(".index") if c.store == "sqlite" else None  # Redis replicas replay
@@ -246,12 +248,14 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
         status = 200
         try:
             async for line in lines:
-                if not line.startswith("data:"):
+                data = parse_sse_data(line)
+                if data is None:
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                if data == DONE:
                     break
                 chunk = json.loads(data)
+                if not isinstance(chunk, dict):
+                    raise ValueError(f"the backend sent a non-object event: {data[:100]}")
                 if "error" in chunk:
                     status = 502
                 else:
@@ -260,13 +264,13 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
                         timings["ttft"] = time.perf_counter() - started
                 if chunk.get("usage") and not chunk.get("choices") and not include_usage:
                     continue  # we asked for usage; the client did not
-                yield sse(data)
+                yield sse_event(data)
         except (TimeoutError, aiohttp.ClientError, ValueError) as error:
             status = 502
-            yield sse(APIError(502, f"the backend stream broke: {error}", type_="bad_gateway").body())
+            yield sse_event(APIError(502, f"the backend stream broke: {error}", type_="bad_gateway").body())
         finally:
             await lines.aclose()  # releases the connection (and the backend's outstanding count) now
-        yield sse("[DONE]")
+        yield sse_event("[DONE]")
         answer = folded.response()
         if key is not None and status == 200 and answer is not None:
             remember(key, answer, vector)
@@ -308,7 +312,7 @@ async def _json_body(request: Request, chat: bool) -> dict[str, Any]:
     """The parsed body, checked just enough to route and cache it; the backend validates the rest."""
     try:
         body = json.loads(await request.body())
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:
         raise APIError(400, f"the request body is not valid JSON: {error}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")

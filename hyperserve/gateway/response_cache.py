@@ -21,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from hyperserve.common.embedder import Embedder
+from hyperserve.common.messages import message_text
 from hyperserve.gateway.cache_store import CacheEntry, CacheStore
-from hyperserve.gateway.embedder import Embedder
 from hyperserve.gateway.vector_index import VectorIndex
 
 logger = logging.getLogger("hyperserve.gateway")
@@ -50,10 +51,13 @@ def _hash(value: Any) -> str:
 
 
 def _content(message: dict[str, Any]) -> str:
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: the text ones, in order
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return " ".join(str(content or "").split())  # whitespace runs do not make a different question
+    """The message's text with whitespace runs folded (they do not make a different question);
+    content that is not all text keys by its exact JSON, so it never matches a text-only message."""
+    try:
+        text = message_text(message.get("content"))
+    except ValueError:
+        return json.dumps(message.get("content"), sort_keys=True)
+    return " ".join(text.split())
 
 
 def is_deterministic(body: dict[str, Any]) -> bool:

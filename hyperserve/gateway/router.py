@@ -23,10 +23,10 @@ from typing import Any
 
 import aiohttp
 
+from hyperserve.common.errors import APIError
 from hyperserve.gateway.backends import Backend
 from hyperserve.gateway.config import RouteConfig
 from hyperserve.gateway.telemetry import GatewayMetrics
-from hyperserve.server.openai_api import APIError
 
 
 @dataclass

@@ -4,13 +4,10 @@ streamed miss can be cached)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
-
-def sse(data: dict[str, Any] | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+from hyperserve.common.sse import DONE, sse_event
 
 
 def replay(body: dict[str, Any], chat: bool, include_usage: bool) -> Iterator[str]:
@@ -19,19 +16,19 @@ def replay(body: dict[str, Any], chat: bool, include_usage: bool) -> Iterator[st
             "created": body.get("created"), "model": body.get("model")}
     choices = body.get("choices") or []
     if chat:
-        yield sse({**base, "choices": [{"index": c.get("index", 0), "delta": {"role": "assistant", "content": ""},
+        yield sse_event({**base, "choices": [{"index": c.get("index", 0), "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None} for c in choices]})
-        yield sse({**base, "choices": [{"index": c.get("index", 0),
+        yield sse_event({**base, "choices": [{"index": c.get("index", 0),
                                         "delta": {"content": (c.get("message") or {}).get("content") or ""},
                                         "logprobs": c.get("logprobs"), "finish_reason": c.get("finish_reason")}
                                        for c in choices]})
     else:
-        yield sse({**base, "choices": [{"index": c.get("index", 0), "text": c.get("text", ""),
+        yield sse_event({**base, "choices": [{"index": c.get("index", 0), "text": c.get("text", ""),
                                         "logprobs": c.get("logprobs"), "finish_reason": c.get("finish_reason")}
                                        for c in choices]})
     if include_usage and body.get("usage") is not None:
-        yield sse({**base, "choices": [], "usage": body["usage"]})
-    yield sse("[DONE]")
+        yield sse_event({**base, "choices": [], "usage": body["usage"]})
+    yield sse_event(DONE)
 
 
 class StreamAccumulator:

@@ -7,6 +7,8 @@ stays near the size of the weights.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from hyperserve.layers.attention import AttentionBackend
 from hyperserve.layers.quantization import quantize_model
@@ -54,6 +56,48 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:
     if not has_files:
         return None
     return AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+
+
+_GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def load_eos_token_ids(source: ModelSource | None, config: PretrainedConfig,
+                       tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
+    """Every token id that ends generation: the tokenizer's EOS, the config's and the generation
+    config's (a list in Llama 3: end of text, end of turn, end of message), and a GGUF's EOS, EOT
+    and EOM ids."""
+    found: list[int | list[int] | None] = [getattr(config, "eos_token_id", None)]
+    if tokenizer is not None:
+        found.append(tokenizer.eos_token_id)
+    if source is not None and source.gguf_file:
+        from gguf import GGUFReader
+
+        fields = GGUFReader(source.path).fields
+        found += [int(fields[key].contents()) for key in _GGUF_EOS_KEYS if key in fields]
+    elif source is not None and (source.directory / "generation_config.json").exists():
+        found.append(GenerationConfig.from_pretrained(source.directory).eos_token_id)
+    ids = set()
+    for value in found:
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    return frozenset(i for i in ids if 0 <= i < config.vocab_size)
+
+
+def model_identity(source: ModelSource | None, config: PretrainedConfig, *settings: object) -> str:
+    """A SHA-256 over what decides a model's KV: its config, its weight files (name, size, and the
+    first and last MiB of each, which change with any re-quantization or fine-tune without
+    reading gigabytes) and the settings given (dtypes, quantization, block size, seed)."""
+    digest = hashlib.sha256(config.to_json_string(use_diff=False).encode())
+    digest.update(json.dumps([str(s) for s in settings]).encode())
+    files = [] if source is None else (
+        [source.path] if source.gguf_file else sorted(source.directory.glob("*.safetensors")))
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as file:
+            digest.update(file.read(2**20))
+            file.seek(max(0, size - 2**20))
+            digest.update(file.read(2**20))
+    return digest.hexdigest()
 
 
 def build_model(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hyperserve.gateway.embedder import Embedder
+from hyperserve.common.embedder import Embedder
 
 WEIGHTS = Path(__file__).with_name("injection_classifier.npz")
 

@@ -17,15 +17,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hyperserve.gateway.telemetry import RequestLog
+from hyperserve.common.errors import APIError
+from hyperserve.common.messages import message_text
+from hyperserve.common.request_log import RequestLog
+from hyperserve.common.sse import DONE, parse_sse_data, sse_event
 from hyperserve.security.config import Guardrails, KeyEntry, Limits, SecurityConfig, hash_key
 from hyperserve.security.limits import InProcessLimiter, RateLimited, RedisLimiter
 from hyperserve.security.pii import Finding, Redactor, StreamRedactor, find_pii
-from hyperserve.server.openai_api import APIError
 
 logger = logging.getLogger("hyperserve.security")
 
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+# Requests that make the engine work: completions, and prefix pins, which hold KV like a request.
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/cache")
 OPEN_PATHS = ("/health",)
 DEFAULT_MAX_TOKENS = 256  # the estimate for a request that sets no max_tokens
 
@@ -70,7 +73,7 @@ class Governor:
         uses_injection = any(g.injection != "off" for g in self._all_guardrails())
         self.injection = None
         if uses_injection:
-            from hyperserve.gateway.embedder import shared_embedder
+            from hyperserve.common.embedder import shared_embedder
             from hyperserve.security.injection import InjectionDetector
 
             self.injection = InjectionDetector(embedder or shared_embedder())
@@ -164,6 +167,12 @@ class Governor:
                                code="content_blocked", param="messages" if chat else "prompt")
 
 
+def add_security(app, governor: Governor | None) -> None:
+    """API keys, limits and guardrails in front of an app (the server's or the gateway's)."""
+    if governor is not None:
+        app.add_middleware(SecurityMiddleware, governor=governor)
+
+
 class SecurityMiddleware:
     def __init__(self, app, governor: Governor) -> None:
         self.app, self.governor = app, governor
@@ -202,18 +211,19 @@ class SecurityMiddleware:
         raw = await _read_body(receive)
         try:
             body = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             body = None
         if not isinstance(body, dict):  # malformed: the app gives the proper 400
             return await self.app(scope, _replay(raw, receive), send)
-        chat = scope["path"] == "/v1/chat/completions"
+        pin = scope["path"] == "/v1/cache"
+        chat = scope["path"] == "/v1/chat/completions" or (pin and "messages" in body)
         prompt_tokens = governor.check_request(key, body, chat)
         guard = Guard(key, governor.guardrails(key, body.get("model")))
         record: dict[str, Any] = {"key": key.name if key else None, "path": scope["path"], "model": body.get("model")}
         if governor.config.audit_prompts:
             record["prompt"] = _texts(body, chat)
         n = body.get("n") if isinstance(body.get("n"), int) else 1
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
+        max_tokens = 1 if pin else body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
         estimate = prompt_tokens + (max_tokens if isinstance(max_tokens, int) else DEFAULT_MAX_TOKENS) * n
         try:
             await governor.guard_request(guard, body, chat)
@@ -289,7 +299,7 @@ class _ResponseRelay:
     def _filter_json(self, raw: bytes) -> bytes:
         try:
             answer = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             return raw
         self.usage = answer.get("usage")
         for choice in answer.get("choices") or []:
@@ -300,12 +310,14 @@ class _ResponseRelay:
         return json.dumps(answer).encode()
 
     def _event(self, event: bytes) -> bytes:
-        text = event.decode(errors="replace").strip()
-        if not text.startswith("data:") or text[5:].strip() == "[DONE]":
+        data = parse_sse_data(event.decode(errors="replace").strip())
+        if data is None or data == DONE:
             return event + b"\n\n"
         try:
-            chunk = json.loads(text[5:])
+            chunk = json.loads(data)
         except ValueError:
+            return event + b"\n\n"
+        if not isinstance(chunk, dict):
             return event + b"\n\n"
         if chunk.get("usage"):
             self.usage = chunk["usage"]
@@ -322,7 +334,7 @@ class _ResponseRelay:
                 piece += redactor.flush()
             if name in holder or piece:
                 holder[name] = piece
-        return f"data: {json.dumps(chunk)}\n\n".encode()
+        return sse_event(chunk).encode()
 
 
 def _texts(body: dict[str, Any], chat: bool) -> list[str]:
@@ -358,10 +370,7 @@ def _latest_input(body: dict[str, Any], chat: bool) -> str:
         return " ".join(_texts(body, chat))
     for message in reversed(body.get("messages") or []):
         if isinstance(message, dict) and message.get("role") in ("user", "tool"):
-            content = message.get("content")
-            if isinstance(content, list):
-                content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-            return content if isinstance(content, str) else ""
+            return message_text(message.get("content"), strict=False, separator=" ")
     return ""
 
 

@@ -1,7 +1,11 @@
 """The HTTP server: FastAPI routes, SSE and WebSocket transports, errors, health and metrics.
 
 The model loads in the background after the socket opens, so /health answers 503 until it is
-ready. Every error leaves as an OpenAI-style body; nothing a client sends produces a 500.
+ready. Every error leaves as an OpenAI-style body; nothing a client sends produces a 500. If the
+engine stops for good (a device error, out of memory), /health turns 503 at once, every waiting
+and running request fails with 503, and `on_engine_dead` is called: `hyperserve serve` then
+exits non-zero so that its supervisor (systemd, Kubernetes, Ray) starts a fresh process, since a
+process whose device or memory failed is not to be trusted with a restarted engine.
 """
 
 from __future__ import annotations
@@ -15,28 +19,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hyperserve.common.body_limit import BodyLimit
+from hyperserve.common.errors import APIError, install_error_handlers, unavailable, validation_body
+from hyperserve.common.sse import DONE, sse_event
 from hyperserve.engine.engine import LLMEngine
-from hyperserve.security.middleware import Governor
+from hyperserve.security.middleware import Governor, add_security
 from hyperserve.server.async_engine import AsyncEngine
 from hyperserve.server.metrics import ServerMetrics
-from hyperserve.server.openai_api import APIError, Job, OpenAIServing
+from hyperserve.server.openai_api import Job, OpenAIServing
 from hyperserve.server.protocol import CacheRequest, ChatCompletionRequest, CompletionRequest, now
+from hyperserve.server.settings import ServerSettings
 
 logger = logging.getLogger("hyperserve.server")
-
-
-@dataclass
-class ServerSettings:
-    model_name: str
-    max_queue: int = 256  # waiting requests beyond which new ones get 429
-    max_body_bytes: int = 4 * 2**20
-    disconnect_poll_s: float = 0.25
 
 
 @dataclass
@@ -53,6 +51,7 @@ def build_app(
     settings: ServerSettings,
     on_load_error: Callable[[Exception], None] | None = None,
     governor: Governor | None = None,
+    on_engine_dead: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
     state = _State()
     metrics = ServerMetrics(settings.model_name)
@@ -66,8 +65,8 @@ def build_app(
             if on_load_error is not None:
                 on_load_error(error)
             return
-        state.async_engine = AsyncEngine(engine, on_step=metrics.observe_step)
-        state.serving = OpenAIServing(state.async_engine, settings.model_name, settings.max_queue)
+        state.async_engine = AsyncEngine(engine, on_step=metrics.observe_step, on_dead=on_engine_dead)
+        state.serving = OpenAIServing(state.async_engine, settings)
         logger.info("model %s ready", settings.model_name)
 
     @contextlib.asynccontextmanager
@@ -85,11 +84,12 @@ def build_app(
 
     def serving() -> OpenAIServing:
         if state.shutting_down:
-            raise APIError(503, "the server is shutting down", type_="service_unavailable",
-                           headers={"Retry-After": "5"})
+            raise unavailable("the server is shutting down")
         if state.serving is None:
-            message = f"the model failed to load: {state.load_error}" if state.load_error else "the model is loading"
-            raise APIError(503, message, type_="service_unavailable", headers={"Retry-After": "5"})
+            raise unavailable(f"the model failed to load: {state.load_error}" if state.load_error
+                              else "the model is loading")
+        if state.async_engine.dead is not None:
+            raise unavailable(f"the engine stopped and the server is restarting: {state.async_engine.dead}", 10)
         return state.serving
 
     install_error_handlers(app)
@@ -98,6 +98,8 @@ def build_app(
     async def health() -> Response:
         if state.serving is None or state.shutting_down:
             return JSONResponse({"status": state.load_error or "loading"}, status_code=503)
+        if state.async_engine.dead is not None:
+            return JSONResponse({"status": f"engine stopped: {state.async_engine.dead}"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -113,12 +115,12 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         s = serving()
-        return await _respond(s, s.prepare_completion(body), body.stream, request, settings)
+        return await _respond(s, await s.prepare_completion(body), body.stream, request, settings)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         s = serving()
-        return await _respond(s, s.prepare_chat(body), body.stream, request, settings)
+        return await _respond(s, await s.prepare_chat(body), body.stream, request, settings)
 
     @app.post("/v1/cache")
     async def pin_cache(body: CacheRequest) -> dict[str, Any]:
@@ -137,31 +139,6 @@ def build_app(
     return app
 
 
-def add_security(app: FastAPI, governor: Governor | None) -> None:
-    """API keys, limits and guardrails (hyperserve.security), inside the body-size limit."""
-    if governor is not None:
-        from hyperserve.security.middleware import SecurityMiddleware
-
-        app.add_middleware(SecurityMiddleware, governor=governor)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Every error leaves as an OpenAI-style body (shared by the server and the gateway)."""
-
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        return JSONResponse(_validation_body(error.errors()), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        body = APIError(error.status_code, str(error.detail)).body()
-        return JSONResponse(body, status_code=error.status_code)
-
-
 async def _respond(s: OpenAIServing, job: Job, stream: bool, request: Request, settings: ServerSettings) -> Response:
     s.start(job)
     if stream:
@@ -178,13 +155,16 @@ async def _respond(s: OpenAIServing, job: Job, stream: bool, request: Request, s
 
 async def _sse(s: OpenAIServing, job: Job) -> AsyncIterator[str]:
     """Server-sent events as OpenAI sends them. A client that disconnects cancels this
-    generator, which aborts the request in the engine (AsyncEngine.generate's finally)."""
+    generator, which aborts the request in the engine (Job.close in OpenAIServing.run)."""
     try:
         async for chunk in s.stream_chunks(job):
-            yield f"data: {json.dumps(chunk)}\n\n"
-    except Exception as error:  # mid-stream failures become an error event, never a broken stream
-        yield f"data: {json.dumps(APIError(500, str(error), type_='server_error').body())}\n\n"
-    yield "data: [DONE]\n\n"
+            yield sse_event(chunk)
+    except APIError as error:  # mid-stream failures become an error event, never a broken stream
+        yield sse_event(error.body())
+    except Exception as error:
+        logger.exception("stream %s failed", job.id)
+        yield sse_event(APIError(500, f"internal error: {type(error).__name__}", type_="server_error").body())
+    yield sse_event(DONE)
 
 
 async def _unless_disconnected(work, request: Request, poll_s: float):
@@ -216,7 +196,9 @@ def _server_timing(job: Job) -> str:
 
 async def _serve_websocket(ws: WebSocket, serving: Callable[[], OpenAIServing]) -> None:
     """JSON messages in: {"type": "chat.completions" | "completions", "request_id", "body"} or
-    {"type": "cancel", "request_id"}. Out: {"type": "chunk" | "done" | "cancelled" | "error", ...}."""
+    {"type": "cancel", "request_id"}. Out: {"type": "chunk" | "done" | "cancelled" | "error", ...}.
+    A frame that is not a JSON object, or lacks what its type needs, gets an error event; the
+    socket stays open."""
     await ws.accept()
     tasks: dict[str, asyncio.Task] = {}
     jobs: dict[str, Job] = {}
@@ -225,6 +207,9 @@ async def _serve_websocket(ws: WebSocket, serving: Callable[[], OpenAIServing]) 
     async def send(message: dict[str, Any]) -> None:
         async with send_lock:
             await ws.send_json(message)
+
+    async def error(request_id: str | None, error: APIError) -> None:
+        await send({"type": "error", "request_id": request_id, "status": error.status, **error.body()})
 
     async def run(request_id: str, job: Job, s: OpenAIServing) -> None:
         try:
@@ -235,39 +220,59 @@ async def _serve_websocket(ws: WebSocket, serving: Callable[[], OpenAIServing]) 
             with contextlib.suppress(Exception):
                 await send({"type": "cancelled", "request_id": request_id})
             raise
+        except APIError as failure:
+            with contextlib.suppress(Exception):
+                await error(request_id, failure)
         finally:
             tasks.pop(request_id, None)
             jobs.pop(request_id).close()
 
+    async def handle(message: dict[str, Any], request_id: str) -> None:
+        kind = message.get("type")
+        if kind == "cancel":
+            task = tasks.get(request_id)
+            if task is not None:
+                task.cancel()
+            return
+        body = message.get("body")
+        if not isinstance(body, dict):
+            raise APIError(400, "body must be a JSON object (the request, as for the HTTP endpoint)", param="body")
+        s = serving()
+        if kind == "chat.completions":
+            job = await s.prepare_chat(ChatCompletionRequest.model_validate(body))
+        elif kind == "completions":
+            job = await s.prepare_completion(CompletionRequest.model_validate(body))
+        else:
+            raise APIError(400, f"unknown message type {kind!r}; expected chat.completions, completions or cancel",
+                           param="type")
+        if request_id in tasks:
+            raise APIError(400, f"request_id {request_id!r} is already running", param="request_id")
+        s.start(job)
+        jobs[request_id] = job
+        tasks[request_id] = asyncio.create_task(run(request_id, job, s))
+
     try:
         while True:
-            message = await ws.receive_json()
-            request_id = str(message.get("request_id") or f"ws-{len(tasks)}-{now()}")
+            text = await ws.receive_text()
+            request_id = None
             try:
-                kind = message.get("type")
-                if kind == "cancel":
-                    task = tasks.get(request_id)
-                    if task is not None:
-                        task.cancel()
-                    continue
-                s = serving()
-                if kind == "chat.completions":
-                    job = s.prepare_chat(ChatCompletionRequest.model_validate(message.get("body") or {}))
-                elif kind == "completions":
-                    job = s.prepare_completion(CompletionRequest.model_validate(message.get("body") or {}))
-                else:
-                    raise APIError(400, f"unknown message type {kind!r}; expected chat.completions, "
-                                        "completions or cancel", param="type")
-                if request_id in tasks:
-                    raise APIError(400, f"request_id {request_id!r} is already running", param="request_id")
-                s.start(job)
-                jobs[request_id] = job
-                tasks[request_id] = asyncio.create_task(run(request_id, job, s))
-            except ValidationError as error:
-                await send({"type": "error", "request_id": request_id, **_validation_body(error.errors())})
-            except APIError as error:
-                await send({"type": "error", "request_id": request_id, "status": error.status, **error.body()})
-    except (WebSocketDisconnect, json.JSONDecodeError, RuntimeError):
+                try:
+                    message = json.loads(text)
+                except ValueError as bad:
+                    raise APIError(400, f"a message must be a JSON object: {bad}") from None
+                if not isinstance(message, dict):
+                    raise APIError(400, f"a message must be a JSON object, not {type(message).__name__}")
+                request_id = message.get("request_id")
+                if request_id is not None and not isinstance(request_id, str | int):
+                    raise APIError(400, "request_id must be a string", param="request_id")
+                request_id = str(request_id) if request_id is not None else f"ws-{len(tasks)}-{now()}"
+                await handle(message, request_id)
+            except ValidationError as invalid:
+                await send({"type": "error", "request_id": request_id, "status": 400,
+                            **validation_body(invalid.errors())})
+            except APIError as refusal:
+                await error(request_id, refusal)
+    except (WebSocketDisconnect, RuntimeError):
         pass
     finally:
         for job in list(jobs.values()):
@@ -275,53 +280,3 @@ async def _serve_websocket(ws: WebSocket, serving: Callable[[], OpenAIServing]) 
         for task in list(tasks.values()):
             task.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
-
-
-def _validation_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}").body()
-    location = [str(part) for part in first.get("loc", []) if part != "body"]
-    param = location[0] if location else None  # the top-level field, as OpenAI names it
-    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', []) if p != 'body') or 'body'}: {e.get('msg')}"
-                        for e in errors)
-    return APIError(400, message, param=param).body()
-
-
-class BodyLimit:
-    """Reject request bodies over `max_bytes` with 413, whether or not Content-Length is sent."""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers", [])).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._reject(send)
-        received = 0
-
-        async def limited_receive():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _TooLarge()
-            return message
-
-        try:
-            await self.app(scope, limited_receive, send)
-        except _TooLarge:
-            await self._reject(send)
-
-    async def _reject(self, send) -> None:
-        body = json.dumps(APIError(413, f"request body exceeds {self.max_bytes} bytes").body()).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(Exception):
-    pass

@@ -4,20 +4,31 @@ The event loop never waits on a forward pass and the engine never waits on a cli
 put commands (add, abort) on a thread-safe queue that the engine thread drains between steps,
 and each step's outputs are handed back to the event loop with `call_soon_threadsafe`, into one
 asyncio.Queue per request. A slow client only lets its own queue grow.
+
+Every stream ends: with its last output, with RequestFailedError when the engine failed while
+running that request (the others go on), or with EngineDeadError for all of them at once when
+the engine thread cannot go on; after that, `submit` refuses at once and `on_dead` is called.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hyperserve.engine.engine import LLMEngine
+from hyperserve.engine.engine import EngineDeadError, LLMEngine
 from hyperserve.outputs import RequestOutput
 from hyperserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("hyperserve.async_engine")
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request; other requests were not affected."""
 
 
 @dataclass(slots=True)
@@ -41,10 +52,16 @@ class _Unpin:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None):
+    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
+                 on_dead: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self.on_step = on_step  # called on the engine thread after each step (metrics)
+        self.on_dead = on_dead  # called on the engine thread once, when it stops for good
+        self.dead: str | None = None  # why the engine stopped; None while it runs
         self._commands: queue.Queue[_Add | _Abort | _Unpin | None] = queue.Queue()
+        # Both threads touch these: the event loop registers streams and counts adds, the
+        # engine thread delivers, unregisters and uncounts.
+        self._lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._pending = 0  # adds queued but not yet in the engine
         self._thread = threading.Thread(target=self._run, name="hyperserve-engine", daemon=True)
@@ -55,17 +72,24 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return self.engine.num_waiting + self._pending
 
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
     def submit(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
         pin_ttl_s: float | None = None,
     ) -> RequestStream:
         """Queue a request now (so admission control counts it at once); stream it from the result.
         With `pin_ttl_s`, the request pins its prompt's KV instead (see LLMEngine.pin_prefix)."""
-        if self._stopped:
-            raise RuntimeError("the engine is shutting down")
         outputs: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-        self._pending += 1
+        with self._lock:
+            if self.dead is not None:
+                raise EngineDeadError(self.dead)
+            if self._stopped:
+                raise RuntimeError("the engine is shutting down")
+            self._streams[request_id] = (asyncio.get_running_loop(), outputs)
+            self._pending += 1
         self._commands.put(_Add(request_id, prompt_ids, params, priority, time.time(), pin_ttl_s))
         return RequestStream(self, request_id, outputs)
 
@@ -82,6 +106,12 @@ class AsyncEngine:
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as error:  # nothing may end this thread silently
+            self._die(error)
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             block = not engine.has_unfinished_requests()
@@ -94,22 +124,30 @@ class AsyncEngine:
                     block = False
             except queue.Empty:
                 pass
-            outputs = engine.step()
-            if self.on_step is not None:
-                self.on_step(engine, outputs)
-            for output in outputs:
-                self._deliver(output.request_id, output)
+            self._emit(engine.step())
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        if self.on_step is not None:
+            try:
+                self.on_step(self.engine, outputs)
+            except Exception:  # metrics must never cost a request its answer
+                logger.exception("the step hook failed")
+        for output in outputs:
+            self._deliver(output.request_id, RequestFailedError(output.error) if output.error else output)
 
     def _apply(self, command: _Add | _Abort | _Unpin) -> None:
         if isinstance(command, _Abort):
-            self.engine.abort_request(command.request_id)
+            output = self.engine.abort_request(command.request_id)
+            if output is not None:
+                self._emit([output])  # the stream is gone already; this settles metrics
             return
         if isinstance(command, _Unpin):
             self.engine.unpin_prefix(command.pin_id)
             return
-        self._pending -= 1
-        if command.request_id not in self._streams:
-            return  # the client left before the engine saw the request
+        with self._lock:
+            self._pending -= 1
+            if command.request_id not in self._streams:
+                return  # the client left before the engine saw the request
         try:
             if command.pin_ttl_s is not None:
                 self.engine.pin_prefix(command.request_id, command.prompt_ids, command.pin_ttl_s)
@@ -117,19 +155,36 @@ class AsyncEngine:
                 self.engine.add_request(
                     command.request_id, command.prompt_ids, command.params, command.priority, command.arrival_time
                 )
-        except ValueError as error:
+        except Exception as error:  # ValueError: the client's mistake; anything else fails this request only
+            if not isinstance(error, ValueError):
+                logger.exception("adding request %s failed", command.request_id)
+                error = RequestFailedError(f"{type(error).__name__}: {error}")
             self._deliver(command.request_id, error)
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
         last = isinstance(item, Exception) or item.finished
         # The last item unregisters the stream here, so a stream nobody reads cannot leak.
-        target = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+        with self._lock:
+            target = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
         if target is not None:
             loop, outputs = target
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
+    def _die(self, error: BaseException) -> None:
+        """The engine thread is ending for good: every stream gets EngineDeadError, now and later."""
+        logger.critical("the engine stopped: %s: %s", type(error).__name__, error, exc_info=error)
+        with self._lock:
+            self.dead = f"{type(error).__name__}: {error}"
+            streams, self._streams = list(self._streams.values()), {}
+        for loop, outputs in streams:
+            loop.call_soon_threadsafe(outputs.put_nowait, EngineDeadError(self.dead))
+        if self.on_dead is not None:
+            self.on_dead(error)
+
     def _close(self, request_id: str) -> None:
-        if self._streams.pop(request_id, None) is not None:
+        with self._lock:
+            registered = self._streams.pop(request_id, None) is not None
+        if registered:
             self._commands.put(_Abort(request_id))
 
 

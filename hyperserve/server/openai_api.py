@@ -1,8 +1,9 @@
 """OpenAI completions and chat completions on top of AsyncEngine, independent of transport.
 
 `OpenAIServing.prepare_*` validates a request and turns it into engine inputs (raising APIError
-for anything a client got wrong); `stream_chunks` yields the chunk objects both SSE and the
-WebSocket send; `collect` builds the non-streaming response.
+for anything a client got wrong), tokenizing off the event loop; `stream_chunks` yields the chunk
+objects both SSE and the WebSocket send; `collect` builds the non-streaming response. Engine
+failures leave as APIError too: 500 for a request the engine failed, 503 once the engine is dead.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from hyperserve.engine.engine import ContextLengthError
+from hyperserve.common.errors import APIError, unavailable
+from hyperserve.engine.engine import ContextLengthError, EngineDeadError, PinLimitError
 from hyperserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from hyperserve.sampling_params import SamplingParams
-from hyperserve.server.async_engine import AsyncEngine, RequestStream
+from hyperserve.server.async_engine import AsyncEngine, RequestFailedError, RequestStream
 from hyperserve.server.protocol import (
     CacheRequest,
     ChatCompletionRequest,
@@ -24,17 +26,7 @@ from hyperserve.server.protocol import (
     new_id,
     now,
 )
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+from hyperserve.server.settings import ServerSettings
 
 
 @dataclass
@@ -59,26 +51,33 @@ class Job:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, max_queue: int) -> None:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
         self.engine = engine
-        self.model_name = model_name
-        self.max_queue = max_queue
+        self.settings = settings
+        self.model_name = settings.model_name
         self.max_model_len = engine.engine.max_model_len
+        self.max_sequences = settings.max_fanout_factor * engine.engine.config.scheduler.max_num_seqs
 
     # ---- requests -> jobs --------------------------------------------------------------------
 
-    def prepare_completion(self, request: CompletionRequest) -> Job:
+    async def prepare_completion(self, request: CompletionRequest) -> Job:
         self._check_model(request.model)
-        prompts = [self._prompt_ids(p, "prompt") for p in request.prompts()]
+        texts = request.prompts()
+        self._check_fanout(len(texts), request.n)
+        prompts = await asyncio.to_thread(lambda: [self._prompt_ids(p, "prompt") for p in texts])
         params = self._params(request, request.max_tokens if request.max_tokens is not None else 16,
                               request.logprobs, prompts)
         return Job("completion", new_id("cmpl"), self.model_name, prompts, params, request.priority,
                    bool(request.stream_options and request.stream_options.include_usage))
 
-    def prepare_chat(self, request: ChatCompletionRequest) -> Job:
+    async def prepare_chat(self, request: ChatCompletionRequest) -> Job:
         self._check_model(request.model)
-        prompts = [self._prompt_ids(self._chat_ids(request.messages, add_generation_prompt=True), "messages")]
+        self._check_fanout(1, request.n)
+        ids = await asyncio.to_thread(self._chat_ids, request.messages, True)
+        prompts = [self._prompt_ids(ids, "messages")]
         max_tokens = request.max_completion_tokens or request.max_tokens
+        if max_tokens is None:  # bounded, so a forgotten max_tokens cannot hold a slot for the whole context
+            max_tokens = min(self.settings.default_max_tokens, self.max_model_len - len(ids))
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self._params(request, max_tokens, logprobs, prompts)
         return Job("chat", new_id("chatcmpl"), self.model_name, prompts, params, request.priority,
@@ -86,27 +85,35 @@ class OpenAIServing:
                    chat_logprobs=request.logprobs)
 
     async def pin(self, request: CacheRequest) -> dict[str, Any]:
-        """Compute and pin a prefix's KV; the answer says how many tokens later requests skip."""
+        """Compute and pin a prefix's KV; the answer says how many tokens later requests skip.
+        Pins are admitted like completions (the same queue limit) and hold at most the engine's
+        `max_pinned_fraction` of the KV pool, each for at most `max_pin_ttl_s`."""
         self._check_model(request.model)
+        if request.ttl > self.settings.max_pin_ttl_s:
+            raise APIError(400, f"ttl={request.ttl:g} s exceeds this server's maximum of "
+                                f"{self.settings.max_pin_ttl_s:g} s (--max-pin-ttl-s)", param="ttl")
         if request.messages is not None:
             # No generation prompt: the rendered messages are a prefix of later conversations.
-            prompt: str | list[int] = self._chat_ids(request.messages, add_generation_prompt=False)
+            prompt: str | list[int] = await asyncio.to_thread(self._chat_ids, request.messages, False)
             param = "messages"
         else:
             prompt, param = request.prompt, "prompt"
-        ids = self._prompt_ids(prompt, param)
+        ids = await asyncio.to_thread(self._prompt_ids, prompt, param)
+        self._admit()
         pin_id = new_id("cache")
-        stream = self.engine.submit(pin_id, ids, SamplingParams(max_tokens=1), pin_ttl_s=request.ttl)
+        stream = self._submit(pin_id, ids, SamplingParams(max_tokens=1), pin_ttl_s=request.ttl)
         try:
             async for _ in stream:
                 pass
-        except ValueError as error:
-            raise APIError(400, str(error)) from error
+        except PinLimitError as error:
+            raise _pin_refused(str(error), error.retryable) from error
+        except Exception as error:
+            raise _api_error(error) from error
         finally:
             stream.close()
         pin = self.engine.engine.kv_cache.pins.get(pin_id)
-        if pin is None:
-            raise APIError(503, "the prefix could not be pinned", type_="service_unavailable")
+        if pin is None:  # other pins took the room while this prefix was computed
+            raise _pin_refused("pins hold as much of the KV pool as they may (max_pinned_fraction)", True)
         return {"id": pin_id, "object": "cache", "model": self.model_name, "prompt_tokens": len(ids),
                 "cached_tokens": pin.num_tokens, "expires_at": int(pin.expires_at)}
 
@@ -115,6 +122,12 @@ class OpenAIServing:
             return self.engine.engine.apply_chat_template([m.for_template() for m in messages], add_generation_prompt)
         except ValueError as error:  # no template, unsupported content, roles the template rejects
             raise APIError(400, str(error), param="messages") from error
+
+    def _check_fanout(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.max_sequences:
+            raise APIError(400, f"{num_prompts} prompt(s) x n={n} would run {num_prompts * n} sequences; one request "
+                                f"may run at most {self.max_sequences} (2 x max_num_seqs)",
+                           param="n" if n > 1 else "prompt", code="request_too_large")
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -141,18 +154,35 @@ class OpenAIServing:
                 param="max_tokens", code="context_length_exceeded",
             )
         try:
-            return request.sampling_params(max_tokens, logprobs)
+            params = request.sampling_params(max_tokens, logprobs)
+            self.engine.engine.check_params(params)
         except ValueError as error:
             raise APIError(400, str(error)) from error
+        return params
 
     def start(self, job: Job) -> None:
         """Admit the job and queue its requests, with no await in between (no admission races)."""
-        if self.engine.num_waiting >= self.max_queue:
+        self._admit()
+        job.finals = [None] * len(job.prompts)
+        job.streams = []
+        try:
+            for i, prompt in enumerate(job.prompts):
+                job.streams.append(self._submit(f"{job.id}-{i}", prompt, job.params, job.priority))
+        except APIError:
+            job.close()
+            raise
+
+    def _admit(self) -> None:
+        if self.engine.num_waiting >= self.settings.max_queue:
             raise APIError(429, f"the server is overloaded ({self.engine.num_waiting} requests waiting); "
                                 "retry later", type_="rate_limit_error", headers={"Retry-After": "1"})
-        job.finals = [None] * len(job.prompts)
-        job.streams = [self.engine.submit(f"{job.id}-{i}", prompt, job.params, job.priority)
-                       for i, prompt in enumerate(job.prompts)]
+
+    def _submit(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0,
+                pin_ttl_s: float | None = None) -> RequestStream:
+        try:
+            return self.engine.submit(request_id, prompt, params, priority, pin_ttl_s)
+        except (EngineDeadError, RuntimeError) as error:
+            raise _api_error(error) from error
 
     # ---- running jobs ------------------------------------------------------------------------
 
@@ -173,7 +203,7 @@ class OpenAIServing:
             while remaining:
                 index, item = await merged.get()
                 if isinstance(item, Exception):
-                    raise item
+                    raise _api_error(item) from item
                 if item.finished:
                     job.finals[index] = item
                     remaining -= 1
@@ -277,3 +307,25 @@ class OpenAIServing:
     def _top(entries: TokenLogprobs, num: int) -> list:
         """Entries hold the top-N and the sampled token (which may rank below N)."""
         return sorted(entries.values(), key=lambda e: e.rank)[:num]
+
+
+def _api_error(error: Exception) -> APIError:
+    """What an engine-side failure tells the client."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, EngineDeadError):
+        return unavailable(f"the engine stopped and the server is restarting: {error}", retry_after_s=10)
+    if isinstance(error, ValueError):
+        return APIError(400, str(error))
+    if isinstance(error, RequestFailedError):
+        return APIError(500, f"the engine failed while running this request: {error}", type_="server_error")
+    if isinstance(error, RuntimeError):  # the engine is shutting down
+        return unavailable(str(error))
+    return APIError(500, f"internal error: {type(error).__name__}: {error}", type_="server_error")
+
+
+def _pin_refused(reason: str, retryable: bool) -> APIError:
+    if retryable:
+        return APIError(429, f"cannot pin now: {reason}; retry once pins expire or are deleted",
+                        type_="rate_limit_error", code="pin_limit", headers={"Retry-After": "5"})
+    return APIError(400, f"cannot pin: {reason}", param="prompt", code="pin_limit")

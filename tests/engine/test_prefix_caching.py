@@ -146,3 +146,16 @@ def test_disk_tier_serves_evicted_prefixes_across_a_restart(tmp_path, system_pro
     out = restarted.generate([prompt], params, use_tqdm=False)[0]
     assert out.metrics.num_disk_cached_tokens >= full - BLOCK
     assert out.outputs[0].token_ids == expected
+
+    # A corrupt file is a miss: the block is recomputed, the answer is unchanged, nothing raises.
+    files = sorted(restarted.engine.kv_cache.lower_tier.store.directory.glob("*.safetensors"))
+    for path in files:
+        path.write_bytes(path.read_bytes()[:100])
+    again = LLM(**options)
+    out = again.generate([prompt], params, use_tqdm=False)[0]
+    assert out.metrics.num_disk_cached_tokens == 0 and out.outputs[0].token_ids == expected
+    assert again.engine.kv_cache.lower_tier.store.num_corrupt >= 1
+
+    # Another model (here: another KV dtype) never reads these blocks: its namespace differs.
+    other = LLM(**options, kv_cache_dtype="int8")
+    assert other.engine.kv_cache.lower_tier.store.directory != again.engine.kv_cache.lower_tier.store.directory

@@ -16,7 +16,7 @@ def make_scheduler(num_blocks=100, block_size=4, max_num_seqs=8, budget=32, max_
 
 def make_request(request_id: str, num_prompt: int, priority: int = 0, max_tokens: int = 100) -> Request:
     return Request(request_id, list(range(num_prompt)), SamplingParams(max_tokens=max_tokens), 0.0,
-                   eos_token_id=None, priority=priority)
+                   priority=priority)
 
 
 def run_step(scheduler: Scheduler, token: int = 7):

@@ -1,6 +1,7 @@
 """A minimal OpenAI-compatible backend for gateway tests and benchmarks: it answers instantly with
 "<name> says: <last user message>", one token per word, each with a controllable log-probability.
-POST /control changes its behaviour (fail with a status, delay, logprob); GET /stats counts requests.
+POST /control changes its behaviour (fail with a status, delay, per-token delay of streams, logprob);
+GET /stats counts requests.
 
     python tests/gateway/stub_backend.py --port 9001 --name a
 """
@@ -20,7 +21,7 @@ from starlette.routing import Route
 
 
 def build_stub(name: str) -> Starlette:
-    state = {"fail_status": None, "delay_s": 0.0, "logprob": -0.1, "count": 0}
+    state = {"fail_status": None, "delay_s": 0.0, "token_delay_s": 0.0, "logprob": -0.1, "count": 0}
 
     def answer_text(body: dict, chat: bool) -> str:
         if chat:
@@ -57,6 +58,7 @@ def build_stub(name: str) -> Starlette:
                     chunk = {**base, "object": "chat.completion.chunk" if chat else "text_completion",
                              "choices": [choice]}
                     yield f"data: {json.dumps(chunk)}\n\n"
+                    await asyncio.sleep(state["token_delay_s"])
                 if (body.get("stream_options") or {}).get("include_usage"):
                     yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
                 yield "data: [DONE]\n\n"

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
+from hyperserve.common.embedder import Embedder
 from hyperserve.gateway.cache_store import RedisStore, SQLiteStore
-from hyperserve.gateway.embedder import Embedder
 from hyperserve.gateway.response_cache import ResponseCache, cache_key
 
 QUESTION = "What's the capital of France?"

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from hyperserve.gateway.embedder import Embedder
+from hyperserve.common.embedder import Embedder
 from hyperserve.security.injection import InjectionDetector, keyword_baseline
 
 DATA = Path(__file__).parents[2] / "data" / "prompt_injection.jsonl"

@@ -1,6 +1,6 @@
 import json
 
-from hyperserve.gateway.telemetry import RequestLog
+from hyperserve.common.request_log import RequestLog
 
 
 def test_request_log_creates_its_directory_and_writes_json_lines(tmp_path):

@@ -1,0 +1,30 @@
+"""Server-sent events as OpenAI streams them: `data: <json>` events, ended by `data: [DONE]`."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+DONE = "[DONE]"
+
+
+def sse_event(data: dict[str, Any] | str) -> str:
+    """One event: a JSON object, or a raw string such as DONE."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def parse_sse_data(line: str) -> str | None:
+    """The payload of a `data:` line (DONE included); None for any other line (comments, blanks)."""
+    if not line.startswith("data:"):
+        return None
+    return line[5:].strip()
+
+
+def parse_sse_chunk(line: str) -> dict[str, Any] | None:
+    """The JSON object of a `data:` line; None for DONE, other lines and non-object payloads.
+    Raises ValueError for a payload that is not JSON."""
+    data = parse_sse_data(line)
+    if data is None or data == DONE:
+        return None
+    chunk = json.loads(data)
+    return chunk if isinstance(chunk, dict) else None
