@@ -39,6 +39,7 @@ class Outcome:
     started: float
     kind: str  # normal | cancel | hostile
     status: int | None = None  # None: the connection failed
+    case: str | None = None  # the hostile request sent
     ttft: float | None = None
     completed: bool = False
 
@@ -53,7 +54,8 @@ def rss_bytes(pid: int) -> int:
 async def one_request(client: httpx.AsyncClient, kind: str, rng: random.Random) -> Outcome:
     outcome = Outcome(time.perf_counter(), kind)
     if kind == "hostile":
-        path, body = CASES[rng.choice(sorted(CASES))]
+        outcome.case = rng.choice(sorted(CASES))
+        path, body = CASES[outcome.case]
         raw = body if isinstance(body, bytes) else str(body).encode()
         kwargs = {"json": body} if isinstance(body, dict | list) else {
             "content": raw, "headers": {"content-type": "application/json"}}
@@ -172,11 +174,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration-s", type=float, default=600)
     parser.add_argument("--overload", type=float, default=2.0, help="arrival rate as a multiple of capacity")
-    parser.add_argument("--capacity-concurrency", type=int, default=8)
+    parser.add_argument("--capacity-concurrency", type=int, default=16, help="at least the server's --max-num-seqs")
     parser.add_argument("--capacity-s", type=float, default=60)
     parser.add_argument("--max-in-flight", type=int, default=256, help="client-side bound on open requests")
     parser.add_argument("--port", type=int, default=8799)
-    parser.add_argument("--server-args", default="--max-num-seqs 16 --max-queue 32")
+    # The limits tests/reliability's hostile table assumes (context 2048, bodies up to 200 kB).
+    parser.add_argument("--server-args", default="--max-num-seqs 16 --max-queue 32 --max-model-len 2048 "
+                                                 "--max-body-bytes 200000")
     parser.add_argument("--out-dir", default="bench-results")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -234,6 +238,10 @@ def main() -> None:
     print("\n| measure | value |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")
+    odd = sorted({f"{o.kind}: {o.case or ''} -> {o.status}" for o in outcomes
+                  if (o.kind == "hostile" and not (o.status and 400 <= o.status < 500)) or o.status is None})
+    if odd:
+        print("\nunexpected answers:\n" + "\n".join(odd))
     path = os.path.join(args.out_dir, "soak.png")
     plot(outcomes, rss, 30.0, path)
     print(f"\nplot: {path}")

@@ -12,13 +12,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
-from hyperserve.engine.speculative import Acceptance
 from hyperserve.outputs import RequestMetrics, TokenLogprobs
 from hyperserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from hyperserve.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -33,6 +32,42 @@ class RequestStatus(enum.Enum):
     @property
     def is_finished(self) -> bool:
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """A request's acceptance rate per proposed token, with old steps decaying (prior: 0.7)."""
+
+    accepted: float = 1.4
+    trials: float = 2.0
+    steps_without: int = 0  # decode steps since it last speculated
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        # Tokens after the first rejection were never tried: a rejection is one trial.
+        trials = num_accepted + (num_accepted < num_drafts)
+        self.accepted = 0.9 * self.accepted + num_accepted
+        self.trials = 0.9 * self.trials + trials
+
+    @property
+    def rate(self) -> float:
+        return min(self.accepted / self.trials, 0.99)
+
+
+@dataclass
+class SpecDecodeStats:
+    num_drafts: int = 0  # verification steps of a request with at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification step: accepted drafts plus the one the target adds."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
 
 
 @dataclass(eq=False)

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 from hyperserve.config import SchedulerConfig
 from hyperserve.engine.kv_cache_manager import KVCacheManager
-from hyperserve.engine.request import Request, RequestStatus
-from hyperserve.engine.speculative import SpecDecodeStats
+from hyperserve.engine.request import Request, RequestStatus, SpecDecodeStats
 
 
 @dataclass(slots=True)

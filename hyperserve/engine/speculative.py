@@ -23,13 +23,13 @@ import numpy as np
 import torch
 
 from hyperserve.config import SpeculativeConfig
+from hyperserve.engine.model_runner import ModelRunner, SeqChunk
 from hyperserve.engine.rejection_sampler import draw
+from hyperserve.engine.request import Acceptance, Request
 from hyperserve.engine.sampler import sampling_probs
 
 if TYPE_CHECKING:
     from hyperserve.engine.kv_cache_manager import KVCacheManager
-    from hyperserve.engine.model_runner import ModelRunner
-    from hyperserve.engine.request import Request
     from hyperserve.layers.attention import KVCache
     from hyperserve.models.llama import LlamaForCausalLM
 
@@ -44,41 +44,6 @@ PROBE_EVERY = 16  # a request that stopped speculating proposes one token this o
 class Proposal:
     token_ids: list[int]
     probs: torch.Tensor | None  # [k, V] the draft's distributions; None: deterministic proposals
-
-
-@dataclass(slots=True)
-class Acceptance:
-    """A request's acceptance rate per proposed token, with old steps decaying (prior: 0.7)."""
-
-    accepted: float = 1.4
-    trials: float = 2.0
-    steps_without: int = 0  # decode steps since it last speculated
-
-    def observe(self, num_drafts: int, num_accepted: int) -> None:
-        # Tokens after the first rejection were never tried: a rejection is one trial.
-        trials = num_accepted + (num_accepted < num_drafts)
-        self.accepted = 0.9 * self.accepted + num_accepted
-        self.trials = 0.9 * self.trials + trials
-
-    @property
-    def rate(self) -> float:
-        return min(self.accepted / self.trials, 0.99)
-
-
-@dataclass
-class SpecDecodeStats:
-    num_drafts: int = 0  # verification steps of a request with at least one draft token
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per verification step: accepted drafts plus the one the target adds."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 def num_tokens_to_propose(acceptance: Acceptance, max_tokens: int, draft_cost: float) -> int:
@@ -139,8 +104,6 @@ class ModelProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Proposal]:
-        from hyperserve.engine.model_runner import SeqChunk
-
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         chunks = []

@@ -125,8 +125,9 @@ class OpenAIServing:
 
     def _check_fanout(self, num_prompts: int, n: int) -> None:
         if num_prompts * n > self.max_sequences:
+            factor = self.settings.max_fanout_factor
             raise APIError(400, f"{num_prompts} prompt(s) x n={n} would run {num_prompts * n} sequences; one request "
-                                f"may run at most {self.max_sequences} (2 x max_num_seqs)",
+                                f"may run at most {self.max_sequences} ({factor} x max_num_seqs)",
                            param="n" if n > 1 else "prompt", code="request_too_large")
 
     def _check_model(self, model: str | None) -> None:

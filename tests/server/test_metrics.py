@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from hyperserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from hyperserve.server.metrics import ServerMetrics
+
+
+def output(request_id: str, finish_reason: str | None) -> RequestOutput:
+    return RequestOutput(request_id, None, [1, 2], [CompletionOutput(0, "x", [3], finish_reason)],
+                         finish_reason is not None, RequestMetrics(arrival_time=0.0))
+
+
+def fake_engine():
+    pool = SimpleNamespace(num_evictions=0)
+    kv = SimpleNamespace(usage=0.0, num_queried_tokens=0, num_hit_tokens=0, pool=pool, lower_tier=None)
+    spec = SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, acceptance_rate=0.0,
+                           mean_accepted_length=0.0)
+    return SimpleNamespace(num_running=0, num_waiting=0, kv_cache=kv, scheduler=SimpleNamespace(spec_stats=spec))
+
+
+def test_finished_and_aborted_requests_leave_no_per_request_state():
+    metrics, engine = ServerMetrics("m"), fake_engine()
+    metrics.observe_step(engine, [output("a", None), output("b", None)])
+    assert set(metrics._last_token_time) == {"a", "b"}
+    metrics.observe_step(engine, [output("a", "stop")])
+    metrics.observe_step(engine, [output("b", "abort")])  # AsyncEngine reports aborts through the same hook
+    assert metrics._last_token_time == {}
+    assert metrics.request_success.labels("m", "abort")._value.get() == 1
