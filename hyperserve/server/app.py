@@ -57,15 +57,15 @@ def build_app(
     metrics = ServerMetrics(settings.model_name)
 
     async def load() -> None:
+        state.async_engine = AsyncEngine(load_engine, on_step=metrics.observe_step, on_dead=on_engine_dead)
         try:
-            engine = await asyncio.to_thread(load_engine)
+            await asyncio.wrap_future(state.async_engine.ready)
         except Exception as error:
             logger.exception("model failed to load")
             state.load_error = f"{type(error).__name__}: {error}"
             if on_load_error is not None:
                 on_load_error(error)
             return
-        state.async_engine = AsyncEngine(engine, on_step=metrics.observe_step, on_dead=on_engine_dead)
         state.serving = OpenAIServing(state.async_engine, settings)
         logger.info("model %s ready", settings.model_name)
 

@@ -93,7 +93,7 @@ def test_killed_backend_is_bypassed_and_readmitted(stubs, tmp_path):
         assert all(r.status_code == 200 for r in answers)  # nothing lost: each completed on b
         assert {r.json()["model"] for r in answers} == {"b"}
         assert httpx.get(f"{gateway.url}/health").json()["backends"]["a"] == "down"
-        Stub("a", a.port).start()  # back on the same port
+        stubs[0] = Stub("a", a.port).start()  # back on the same port (the fixture stops it)
         time.sleep(0.6)  # the cooldown
         answers = [gateway.chat(f"r{i}", temperature=1) for i in range(4)]
         assert "a" in {r.json()["model"] for r in answers}
