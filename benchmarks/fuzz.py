@@ -18,7 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -31,17 +30,7 @@ def start_gateway(port: int, backend_url: str, directory: str) -> subprocess.Pop
     config.write_text(yaml.safe_dump({"backends": [{"name": "engine", "url": backend_url}],
                                       "routes": [{"model": "smollm2-135m", "backends": ["engine"]}],
                                       "cache": {"store": "memory"}}))
-    process = subprocess.Popen([sys.executable, "-m", "hyperserve.cli", "gateway", "--config", str(config),
-                                "--port", str(port), "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("gateway did not start")
+    return start_server(port, ["--config", str(config), "--quiet"], command="gateway")
 
 
 def fuzz(url: str, max_examples: int, seed: int, schema_url: str | None = None) -> dict:

@@ -20,8 +20,9 @@ import httpx
 from hyperserve.bench.run import add_bench_args, run_from_args
 
 
-def start_server(port: int, extra: list[str]) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, "-m", "hyperserve.cli", "serve", "--port", str(port), *extra],
+def start_server(port: int, extra: list[str], command: str = "serve") -> subprocess.Popen:
+    """`hyperserve serve` (or `gateway`) on loopback, once its /health answers 200."""
+    process = subprocess.Popen([sys.executable, "-m", "hyperserve.cli", command, "--port", str(port), *extra],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
     for _ in range(600):
@@ -32,7 +33,7 @@ def start_server(port: int, extra: list[str]) -> subprocess.Popen:
             pass
         time.sleep(0.2)
     process.kill()
-    raise RuntimeError("server did not start")
+    raise RuntimeError(f"hyperserve {command} did not start")
 
 
 def main() -> None:
