@@ -31,3 +31,15 @@ def test_classifier_beats_the_keyword_baseline_on_held_out_families(held_out):
     baseline = [keyword_baseline(t) for t in texts]
     assert _f1(ours, labels) > _f1(baseline, labels) + 0.1
     assert _f1(ours, labels) >= 0.85
+
+
+def test_the_embedder_computes_single_threaded_without_limiting_other_threads():
+    """Its own OpenMP pool beside the engine's would stop OpenMP spin-waiting (see Embedder)."""
+    import torch
+
+    from hyperserve.common.embedder import shared_embedder
+
+    embedder = shared_embedder()
+    before = torch.get_num_threads()
+    assert embedder._worker.submit(torch.get_num_threads).result() == 1
+    assert torch.get_num_threads() == before

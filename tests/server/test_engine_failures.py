@@ -98,3 +98,29 @@ def test_a_dead_engine_fails_every_request_fast_and_says_so(engine, error):
         engine.runner.execute = execute
     finally:
         client.__exit__(None, None, None)
+
+
+def test_the_engine_is_built_and_stepped_on_one_thread(engine):
+    """GNU OpenMP stops spin-waiting once its per-thread pools outnumber the cores: building the
+    model on one thread and stepping it on another doubled the time per token (BENCHMARKS.md)."""
+    threads = []
+
+    def load():
+        threads.append(threading.current_thread().name)
+        return engine
+
+    execute = engine.runner.execute
+
+    def recorded(out, kv_cache):
+        threads.append(threading.current_thread().name)
+        return execute(out, kv_cache)
+
+    engine.runner.execute = recorded
+    app = build_app(load, ServerSettings(model_name="tiny"))
+    with TestClient(app) as client:
+        deadline = time.time() + 30
+        while client.get("/health").status_code != 200:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert client.post("/v1/completions", json=BODY).status_code == 200
+    assert set(threads) == {"hyperserve-engine"}
