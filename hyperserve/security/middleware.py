@@ -126,15 +126,15 @@ class Governor:
         if isinstance(messages, list) and len(messages) > limits.max_messages:
             raise APIError(400, f"{len(messages)} messages exceed the limit of {limits.max_messages} (max_messages)",
                            param="messages", code="request_too_large")
-        n = body.get("n") or 1
-        if isinstance(n, int) and n > limits.max_n:
+        n = _count(body.get("n")) or 1
+        if n > limits.max_n:
             raise APIError(400, f"n={n} exceeds the limit of {limits.max_n} (max_n)", param="n",
                            code="request_too_large")
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-        if limits.max_tokens and isinstance(max_tokens, int) and max_tokens > limits.max_tokens:
+        max_tokens = _max_tokens(body)
+        if limits.max_tokens and max_tokens is not None and max_tokens > limits.max_tokens:
             raise APIError(400, f"max_tokens={max_tokens} exceeds the limit of {limits.max_tokens} (max_tokens)",
                            param="max_tokens", code="request_too_large")
-        prompt_tokens = estimate_tokens(" ".join(_texts(body, chat)))
+        prompt_tokens = estimate_tokens(" ".join(_texts(body, chat))) + _num_prompt_token_ids(body, chat)
         if limits.max_prompt_tokens and prompt_tokens > limits.max_prompt_tokens:
             raise APIError(400, f"the prompt has about {prompt_tokens} tokens, over the limit of "
                                 f"{limits.max_prompt_tokens} (max_prompt_tokens)",
@@ -222,9 +222,9 @@ class SecurityMiddleware:
         record: dict[str, Any] = {"key": key.name if key else None, "path": scope["path"], "model": body.get("model")}
         if governor.config.audit_prompts:
             record["prompt"] = _texts(body, chat)
-        n = body.get("n") if isinstance(body.get("n"), int) else 1
-        max_tokens = 1 if pin else body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
-        estimate = prompt_tokens + (max_tokens if isinstance(max_tokens, int) else DEFAULT_MAX_TOKENS) * n
+        n = _count(body.get("n")) or 1
+        max_tokens = 1 if pin else _max_tokens(body) or DEFAULT_MAX_TOKENS
+        estimate = prompt_tokens + max_tokens * n
         try:
             await governor.guard_request(guard, body, chat)
             grant = await governor.limiter.acquire(key.name if key else "anonymous", governor.limits(key), estimate)
@@ -335,6 +335,32 @@ class _ResponseRelay:
             if name in holder or piece:
                 holder[name] = piece
         return sse_event(chunk).encode()
+
+
+def _count(value: Any) -> int | None:
+    """A count as the server will read it: pydantic's lax mode takes 128, 128.0 and "128" alike,
+    so a limit that only looked at ints could be stepped around with a string."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip())
+    return None
+
+
+def _max_tokens(body: dict[str, Any]) -> int | None:
+    return _count(body.get("max_completion_tokens")) or _count(body.get("max_tokens"))
+
+
+def _num_prompt_token_ids(body: dict[str, Any], chat: bool) -> int:
+    """Prompt tokens sent as ids (a list of ints, or of lists of ints), which `_texts` cannot see."""
+    prompt = None if chat else body.get("prompt")
+    if not isinstance(prompt, list):
+        return 0
+    return sum(1 if isinstance(p, int) else len(p) if isinstance(p, list) else 0 for p in prompt)
 
 
 def _texts(body: dict[str, Any], chat: bool) -> list[str]:

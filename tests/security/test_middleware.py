@@ -89,7 +89,14 @@ def test_rejections_happen_before_any_model_work(secured):
     assert_error(chat(url, "other-model"), 403, "model_not_allowed", "may not use model 'm'")
     assert_error(chat(url, "admin", n=3), 400, "request_too_large", "max_n")
     assert_error(chat(url, "admin", max_tokens=500), 400, "request_too_large", "max_tokens")
+    # the server reads "3", 3.0 and "500" as numbers too, so the limits must
+    assert_error(chat(url, "admin", n="3"), 400, "request_too_large", "max_n")
+    assert_error(chat(url, "admin", n=3.0), 400, "request_too_large", "max_n")
+    assert_error(chat(url, "admin", max_tokens="500"), 400, "request_too_large", "max_tokens")
     assert_error(chat(url, "admin", "word " * 100), 400, "request_too_large", "max_prompt_tokens")
+    ids = {"model": "m", "prompt": list(range(1000, 1100))}  # 100 prompt tokens sent as ids
+    assert_error(httpx.post(f"{url}/v1/completions", json=ids, headers={"Authorization": "Bearer admin-secret"}),
+                 400, "request_too_large", "max_prompt_tokens")
     many = {"model": "m", "messages": [{"role": "user", "content": "x"}] * 5}
     assert_error(httpx.post(f"{url}/v1/chat/completions", json=many, headers={"Authorization": "Bearer admin-secret"}),
                  400, "request_too_large", "max_messages")
