@@ -94,6 +94,22 @@ def _session(base_url: str, api_key: str | None, uds: str | None = None) -> aioh
                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0))
 
 
+_SECRET_FLAGS = ("--api-key",)
+
+
+def _redacted(command: list[str]) -> list[str]:
+    """The command line with the values of secret flags (`--api-key K`, `--api-key=K`) hidden."""
+    shown = []
+    for i, part in enumerate(command):
+        if i and command[i - 1] in _SECRET_FLAGS:
+            shown.append("***")
+        elif part.startswith(tuple(f"{flag}=" for flag in _SECRET_FLAGS)):
+            shown.append(part.split("=", 1)[0] + "=***")
+        else:
+            shown.append(part)
+    return shown
+
+
 def build_backend(config: BackendConfig, breaker: BreakerConfig, uds: str | None = None) -> Backend:
     """A URL backend is ready at once; a `local` one is launched here and awaited by `wait_ready`."""
     process = None
@@ -102,7 +118,7 @@ def build_backend(config: BackendConfig, breaker: BreakerConfig, uds: str | None
         url = f"http://127.0.0.1:{port}"
         command = [sys.executable, "-m", "hyperserve.cli", "serve", "--port", str(port),
                    "--model", config.local.model, *config.local.args]
-        logger.info("backend %s: starting %s", config.name, " ".join(command))
+        logger.info("backend %s: starting %s", config.name, " ".join(_redacted(command)))
         process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     else:
         url = config.url
