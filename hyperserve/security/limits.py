@@ -5,6 +5,8 @@ A request reserves 1 request and its estimated tokens (prompt + max_tokens) at a
 limits at once or none; when it ends, the estimate is replaced by the tokens it really used (the
 token bucket may go into debt, which later requests wait out). Held in process by default, or in
 Redis (one Lua script per step, so replicas sharing a key can never admit more than the limit).
+In Redis a running request holds a lease that expires after LEASE_S, so the slots of a replica
+that crashed come back by themselves.
 """
 
 from __future__ import annotations
@@ -12,9 +14,14 @@ from __future__ import annotations
 import math
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from hyperserve.security.config import Limits
+
+# How long a request's concurrency slot lives in Redis without being released: longer than any
+# request should run, short enough that a crashed replica's slots return within minutes.
+LEASE_S = 900
 
 
 @dataclass
@@ -24,6 +31,7 @@ class Grant:
     estimated_tokens: int
     period: int  # the budget period charged, corrected on release even after a rollover
     headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* for the response
+    lease: str = ""  # Redis: this request's concurrency slot
 
 
 class RateLimited(Exception):
@@ -126,14 +134,15 @@ class InProcessLimiter:
                 s.budget_used += correction
 
 
-# KEYS: requests bucket, tokens bucket, running counter, budget counter (of the current period).
-# ARGV: rpm, tpm, concurrency, budget, need, period_s. 0 means unlimited.
+# KEYS: requests bucket, tokens bucket, running leases (a sorted set: lease id -> expiry), budget
+# counter (of the current period). ARGV: rpm, tpm, concurrency, budget, need, period_s, lease id,
+# lease seconds. 0 means unlimited.
 # Returns {status, requests_left, tokens_left, retry_after_ms, budget_used}; status 0 = granted,
 # 1..4 = refused by requests, tokens, concurrency, budget.
 _ACQUIRE = """
 local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local rpm, tpm, conc, budget = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local need, period = tonumber(ARGV[5]), tonumber(ARGV[6])
+local need, period, lease, lease_s = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])
 local function level(key, cap)
   if cap == 0 then return 1e18 end
   local v = redis.call('HMGET', key, 'level', 'updated')
@@ -141,7 +150,8 @@ local function level(key, cap)
   return math.min(cap, l + (now - u) * cap / 60)
 end
 local req, tok = level(KEYS[1], rpm), level(KEYS[2], tpm)
-local running = tonumber(redis.call('GET', KEYS[3]) or '0')
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)  -- leases of requests whose replica died
+local running = redis.call('ZCARD', KEYS[3])
 local used = tonumber(redis.call('GET', KEYS[4]) or '0')
 if rpm > 0 and req < 1 then return {1, tostring(req), tostring(tok), math.ceil((1 - req) * 60000 / rpm), used} end
 if tpm > 0 and tok < need then return {2, tostring(req), tostring(tok), math.ceil((need - tok) * 60000 / tpm), used} end
@@ -151,16 +161,16 @@ if budget > 0 and used + need > budget then
 end
 if rpm > 0 then redis.call('HSET', KEYS[1], 'level', req - 1, 'updated', now); redis.call('EXPIRE', KEYS[1], 120) end
 if tpm > 0 then redis.call('HSET', KEYS[2], 'level', tok - need, 'updated', now); redis.call('EXPIRE', KEYS[2], 120) end
-redis.call('INCR', KEYS[3]); redis.call('EXPIRE', KEYS[3], 3600)
+redis.call('ZADD', KEYS[3], now + lease_s, lease); redis.call('EXPIRE', KEYS[3], lease_s + 60)
 redis.call('INCRBY', KEYS[4], need); redis.call('EXPIRE', KEYS[4], math.ceil(period) + 60)
 return {0, tostring(req - 1), tostring(tok - need), 0, used + need}
 """
 
-# KEYS as above; ARGV: tpm, correction (used - estimated).
+# KEYS as above; ARGV: tpm, correction (used - estimated), lease id.
 _RELEASE = """
 local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local tpm, correction = tonumber(ARGV[1]), tonumber(ARGV[2])
-if tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then redis.call('DECR', KEYS[3]) end
+redis.call('ZREM', KEYS[3], ARGV[3])
 if tpm > 0 then
   local v = redis.call('HMGET', KEYS[2], 'level', 'updated')
   local l, u = tonumber(v[1]) or tpm, tonumber(v[2]) or now
@@ -174,11 +184,12 @@ return 0
 class RedisLimiter:
     """The same limits, shared by every replica that points at the same Redis."""
 
-    def __init__(self, url: str, prefix: str) -> None:
+    def __init__(self, url: str, prefix: str, lease_s: float = LEASE_S) -> None:
         import redis.asyncio
 
         self.redis = redis.asyncio.Redis.from_url(url)
         self.prefix = prefix
+        self.lease_s = lease_s
         self._acquire = self.redis.register_script(_ACQUIRE)
         self._release = self.redis.register_script(_RELEASE)
 
@@ -189,9 +200,10 @@ class RedisLimiter:
         tpm = limits.tokens_per_minute or 0
         need = min(estimated_tokens, tpm) if tpm else estimated_tokens
         period = int(time.time() // limits.budget_period_s)
+        lease = uuid.uuid4().hex
         status, requests, tokens, retry_ms, used = await self._acquire(keys=self._keys(key, period), args=[
             limits.requests_per_minute or 0, tpm, limits.concurrent_requests or 0, limits.token_budget or 0, need,
-            limits.budget_period_s])
+            limits.budget_period_s, lease, self.lease_s])
         headers = _headers(limits, float(requests), float(tokens))
         if status:
             reason = {1: f"{limits.requests_per_minute} requests per minute",
@@ -200,8 +212,8 @@ class RedisLimiter:
             message = (f"rate limit reached: {reason}" if reason else
                        f"token budget exhausted: {int(used)} of {limits.token_budget} tokens used this period")
             raise RateLimited(message, int(retry_ms) / 1000, headers)
-        return Grant(key, limits, need, period, headers)
+        return Grant(key, limits, need, period, headers, lease)
 
     async def release(self, grant: Grant, used_tokens: int) -> None:
-        await self._release(keys=self._keys(grant.key, grant.period), args=[grant.limits.tokens_per_minute or 0,
-                                                         used_tokens - grant.estimated_tokens])
+        await self._release(keys=self._keys(grant.key, grant.period), args=[
+            grant.limits.tokens_per_minute or 0, used_tokens - grant.estimated_tokens, grant.lease])

@@ -66,3 +66,27 @@ def test_redis_limits_are_shared_by_replicas(redis_url):
         assert await replicas[1].acquire("c", concurrency, 1)
 
     asyncio.run(scenario())
+
+
+def test_a_crashed_replicas_concurrency_slots_come_back(redis_url):
+    """A replica that dies never releases; its leases expire and others admit again (and a live
+    replica's acquires do not keep them alive)."""
+    prefix = f"test-leases-{id(object())}:"
+    concurrency = Limits(concurrent_requests=2)
+
+    async def scenario():
+        crashed = RedisLimiter(redis_url, prefix, lease_s=1.0)
+        await crashed.acquire("c", concurrency, 1)
+        await crashed.acquire("c", concurrency, 1)  # ... and the replica dies holding both
+        survivor = RedisLimiter(redis_url, prefix, lease_s=1.0)
+        with pytest.raises(RateLimited, match="2 concurrent requests"):
+            await survivor.acquire("c", concurrency, 1)
+        await asyncio.sleep(1.2)
+        first = await survivor.acquire("c", concurrency, 1)
+        await survivor.acquire("c", concurrency, 1)
+        with pytest.raises(RateLimited):
+            await survivor.acquire("c", concurrency, 1)
+        await survivor.release(first, 1)
+        assert await survivor.acquire("c", concurrency, 1)
+
+    asyncio.run(scenario())
