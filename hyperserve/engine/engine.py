@@ -453,7 +453,6 @@ class LLMEngine:
         )
 
 
-
 def _is_fatal(error: Exception) -> bool:
     """Errors after which the device or the process is not to be trusted with more work."""
     if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
