@@ -9,6 +9,7 @@ streamed too), its usage settles the token accounting, and one audit line is wri
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -155,16 +156,22 @@ class Governor:
                                         f"(classifier probability {verdict.probability:.2f})",
                                    code="content_blocked", param="messages" if chat else "prompt")
         if g.pii_request != "off":
-            kinds: list[str] = []
-            for holder, field_name in _text_fields(body, chat):
-                findings = find_pii(holder[field_name])
-                kinds += [f.kind for f in findings]
-                if findings and g.pii_request == "redact":
-                    holder[field_name] = guard.redactor.redact(holder[field_name], findings)
-            guard.verdicts["pii_request"] = sorted(set(kinds))
+            kinds = await asyncio.to_thread(_scan_pii, guard, body, chat)  # up to the body limit: off the loop
+            guard.verdicts["pii_request"] = kinds
             if kinds and g.pii_request == "block":
-                raise APIError(400, f"the request was blocked: it contains {', '.join(sorted(set(kinds)))}",
+                raise APIError(400, f"the request was blocked: it contains {', '.join(kinds)}",
                                code="content_blocked", param="messages" if chat else "prompt")
+
+
+def _scan_pii(guard: Guard, body: dict[str, Any], chat: bool) -> list[str]:
+    """The kinds of PII in the request's texts, redacting them in place if the guardrail says so."""
+    kinds: set[str] = set()
+    for holder, field_name in _text_fields(body, chat):
+        findings = find_pii(holder[field_name])
+        kinds.update(f.kind for f in findings)
+        if findings and guard.guardrails.pii_request == "redact":
+            holder[field_name] = guard.redactor.redact(holder[field_name], findings)
+    return sorted(kinds)
 
 
 def add_security(app, governor: Governor | None) -> None:

@@ -43,3 +43,14 @@ def test_streamed_redaction_never_emits_a_secret_split_across_chunks(seed):
     joined = "".join(emitted)
     assert not any(secret in joined for secret in SECRETS.values())
     assert joined == Redactor().redact(text)  # the same as redacting the whole text at once
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("text", [
+    "a." * 2_000_000,  # quadratic for the e-mail pattern under backtracking
+    "1::" + "a" * 40 + "g",  # exponential for the IPv6 pattern under backtracking (hours at 40)
+    "x@y.co " * 200_000,  # 200,000 findings: merged, not compared pairwise
+])
+def test_hostile_texts_are_scanned_in_linear_time(text):
+    findings = find_pii(text)
+    assert all(a.end <= b.start for a, b in zip(findings, findings[1:]))
