@@ -270,7 +270,7 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
             yield sse_event(APIError(502, f"the backend stream broke: {error}", type_="bad_gateway").body())
         finally:
             await lines.aclose()  # releases the connection (and the backend's outstanding count) now
-        yield sse_event("[DONE]")
+        yield sse_event(DONE)
         answer = folded.response()
         if key is not None and status == 200 and answer is not None:
             remember(key, answer, vector)
