@@ -1,22 +1,26 @@
-"""HyperServe against llama.cpp on the CPU, same GGUF (SmolLM2-135M-Instruct Q4_1), one run:
-single-stream decode tokens/s (128 tokens), prefill tokens/s of a 512-token prompt, and output
-throughput of 16 concurrent requests (200-token prompts, 128 output tokens).
+"""HyperServe against llama.cpp on this CPU, same GGUF (SmolLM2-135M-Instruct Q4_1), one run.
 
-Ours: float32 and our best configuration (int4 weights, compiled decode step); decode and prefill
-through the engine, the 16 requests through `hyperserve serve` and `hyperserve bench` (as
-llama.cpp's figure is its server's). llama.cpp runs
-through llama-cpp-python, installed for this benchmark only (`pip install llama-cpp-python`); its
-Python API serves one sequence at a time, so its 16 requests run one after another.
+llama.cpp runs as its users run it: `llama-bench` (tg128, pp512) and `llama-server -np 16 -c 8192`,
+built with native CPU flags from the llama-cpp-python sdist by `scripts/build_llama_cpp.sh`.
+HyperServe runs its engine offline (decode and prefill, as llama-bench measures them) and
+`hyperserve serve` with each configuration's flags. Both servers get the same `hyperserve bench`
+load: 1 stream (ITL and TTFT) and 16 streams (output tokens/s), prompts of ~200 tokens, 128 output
+tokens. Start-up is the time from launch to /health answering; RSS is the server's resident memory
+after the load (peak in brackets).
 
-    python benchmarks/cpu_vs_llamacpp.py [--configs float32 int4+compile]  (see benchmarks/quality.py)
+    bash scripts/build_llama_cpp.sh          # once, ~6 minutes on 2 cores
+    python benchmarks/cpu_vs_llamacpp.py [--configs default default+compile float32]
+
+Configurations as in benchmarks/quality.py, plus `default`: no flags at all (what `make serve` runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
-import random
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,79 +30,130 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import httpx  # noqa: E402
+
 from benchmarks.quality import engine_options, server_args, speed  # noqa: E402
-from benchmarks.serving import start_server  # noqa: E402
 from hyperserve import LLM  # noqa: E402
 from hyperserve.bench.run import add_bench_args, run_from_args  # noqa: E402
+from hyperserve.layers.quantization import cpu_flags  # noqa: E402
 from hyperserve.models.registry import resolve_model  # noqa: E402
 from tests.server.conftest import free_port  # noqa: E402
 
+FLAGS_SHOWN = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
-def ours(config: str) -> dict:
-    result = speed(LLM(kv_cache_memory_gb=1, max_num_batched_tokens=512, **engine_options(config)))
-    port = free_port()
-    server = start_server(port, ["--kv-cache-memory-gb", "1", *server_args(config)])
+
+def cpu_header(threads: int) -> str:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "unknown CPU")
+    flags = " ".join(f for f in FLAGS_SHOWN if f in cpu_flags())
+    return f"{model}, {os.cpu_count()} cores, {threads} threads; flags: {flags}; {datetime.date.today()}"
+
+
+def llama_bench(bin_dir: Path, gguf: Path, threads: int) -> dict:
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "512",
+                          "-n", "128", "-r", "3", "-o", "json"], capture_output=True, text=True, check=True).stdout
+    runs = json.loads(out)
+    return {"decode_tok_s": next(r["avg_ts"] for r in runs if r["n_gen"] == 128),
+            "prefill_tok_s": next(r["avg_ts"] for r in runs if r["n_prompt"] == 512)}
+
+
+def _memory_mb(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM) of a process, in MB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+def _bench(port: int, concurrency: int, num_requests: int) -> dict:
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    return run_from_args(parser.parse_args([
+        "--base-url", f"http://127.0.0.1:{port}", "--concurrency", str(concurrency), "--num-requests",
+        str(num_requests), "--input-tokens", "200", "--output-tokens", "128"]))
+
+
+def serve_and_load(command: list[str], port: int) -> dict:
+    """Start a server, time it to /health, put both loads on it, read its memory, stop it."""
+    started = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        parser = argparse.ArgumentParser()
-        add_bench_args(parser)
-        args = parser.parse_args(["--base-url", f"http://127.0.0.1:{port}", "--concurrency", "16",
-                                  "--num-requests", "32", "--input-tokens", "200", "--output-tokens", "128"])
-        result["server16_output_tok_s"] = run_from_args(args)["output_token_throughput"]
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{command[0]} exited with {process.returncode}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - started > 900:
+                raise RuntimeError(f"{command[0]} did not start in 900 s")
+            time.sleep(0.2)
+        startup = time.perf_counter() - started
+        _bench(port, 1, 2)  # warm-up
+        one = _bench(port, 1, 8)
+        sixteen = _bench(port, 16, 32)
+        rss, peak = _memory_mb(process.pid)
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        process.terminate()
+        process.wait(timeout=60)
+    return {"startup_s": startup, "itl_p50_ms": one["itl_p50_ms"], "ttft_p50_ms": one["ttft_p50_ms"],
+            "server16_output_tok_s": sixteen["output_token_throughput"], "rss_mb": rss, "peak_rss_mb": peak}
+
+
+def llama_cpp(gguf: Path, threads: int) -> dict:
+    bin_dir = Path(subprocess.run(["bash", str(ROOT / "scripts" / "build_llama_cpp.sh")], capture_output=True,
+                                  text=True, check=True).stdout.strip())
+    port = free_port()
+    result = llama_bench(bin_dir, gguf, threads)
+    result.update(serve_and_load([str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(threads),
+                                  "-np", "16", "-c", "8192", "--host", "127.0.0.1", "--port", str(port)], port))
     return result
 
 
-def llama_cpp(gguf: str) -> dict:
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=gguf, n_ctx=2048, n_batch=512, n_threads=os.cpu_count(), verbose=False)
-    rng = random.Random(0)
-
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(100, 20000) for _ in range(n)]
-
-    def generate(tokens: list[int], n: int) -> tuple[float, float]:
-        """(prefill seconds, decode seconds for n - 1 tokens after the first)."""
-        llm.reset()
-        start = time.perf_counter()
-        produced, first = 0, None
-        for _ in llm.generate(tokens, top_k=1, temp=0.0, reset=True):
-            produced += 1
-            if first is None:
-                first = time.perf_counter()
-            if produced == n:
-                break
-        return first - start, time.perf_counter() - first
-
-    generate(prompt(16), 4)  # warm up
-    _, decode_s = generate(prompt(32), 128)
-    prefill_s, _ = generate(prompt(512), 1)
-    start = time.perf_counter()
-    for _ in range(16):
-        generate(prompt(200), 128)
-    return {"decode_tok_s": 127 / decode_s, "prefill_tok_s": 512 / prefill_s,
-            "server16_output_tok_s": 16 * 128 / (time.perf_counter() - start)}
+def hyperserve(config: str) -> dict:
+    options = {} if config == "default" else engine_options(config.removeprefix("default+"))
+    result = speed(LLM(**options))
+    port = free_port()
+    flags = [] if config == "default" else server_args(config.removeprefix("default+"))
+    result.update(serve_and_load([sys.executable, "-m", "hyperserve.cli", "serve", "--port", str(port), *flags], port))
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="+", default=["float32", "int4+compile"])
+    parser.add_argument("--configs", nargs="+", default=["default", "default+compile", "float32"])
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_vs_llamacpp.json"))
     args = parser.parse_args()
     source = resolve_model("smollm2-135m")
-    results = {"llama.cpp": llama_cpp(str(source.directory / source.gguf_file))}
-    for name in args.configs:
-        results[f"hyperserve {name}"] = ours(name)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    header = cpu_header(args.threads)
+    results = {"llama.cpp": llama_cpp(source.path, args.threads)}
+    for config in args.configs:
+        results[f"hyperserve {config}"] = hyperserve(config)
+    Path(args.out).write_text(json.dumps({"machine": header, "results": results}, indent=2))
     base = results["llama.cpp"]
-    print(f"\nSmolLM2-135M-Instruct Q4_1 GGUF, {os.cpu_count()} CPU threads\n")
-    print("| system | decode tok/s | prefill tok/s (512) | 16 concurrent, output tok/s |\n|---|---|---|---|")
+    print(f"\nSmolLM2-135M-Instruct Q4_1 GGUF. {header}\n")
+    columns = [("decode tok/s", "decode_tok_s", 1, "{:.1f}"),
+               ("prefill tok/s (512)", "prefill_tok_s", 1, "{:.0f}"),
+               ("1 stream ITL p50 ms", "itl_p50_ms", -1, "{:.1f}"),
+               ("1 stream TTFT p50 ms", "ttft_p50_ms", -1, "{:.0f}"),
+               ("16 streams output tok/s", "server16_output_tok_s", 1, "{:.1f}"),
+               ("start-up s", "startup_s", 0, "{:.1f}"),
+               ("server RSS MB (peak)", "rss_mb", 0, "{:.0f}")]
+    print("| system | " + " | ".join(c[0] for c in columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
     for name, r in results.items():
-        print(f"| {name} | {r['decode_tok_s']:.1f} ({r['decode_tok_s'] / base['decode_tok_s']:.2f}x) | "
-              f"{r['prefill_tok_s']:.0f} ({r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x) | "
-              f"{r['server16_output_tok_s']:.1f} ({r['server16_output_tok_s'] / base['server16_output_tok_s']:.2f}x) |")
+        cells = []
+        for _, key, better, fmt in columns:
+            cell = fmt.format(r[key])
+            if key == "rss_mb":
+                cell += f" ({r['peak_rss_mb']:.0f})"
+                if name != "llama.cpp":
+                    cell += f", {r[key] / base[key]:.1f}x llama.cpp's"
+            elif name != "llama.cpp" and better:  # ours over theirs, where above 1 is better for us
+                ratio = r[key] / base[key] if better > 0 else base[key] / r[key]
+                cell += f" ({ratio:.2f}x)"
+            cells.append(cell)
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,9 @@ def engine_options(config: str) -> dict:
             options["compile"] = True
         elif part.startswith("kv-"):
             options["kv_cache_dtype"] = part[3:]
-        elif part != "float32":
+        elif part == "float32":
+            options["quantization"] = None  # float32 weights even where a GGUF would default to int4
+        else:
             raise ValueError(f"unknown configuration part {part!r} in {config!r}")
     return options
 
@@ -53,7 +55,7 @@ def server_args(config: str) -> list[str]:
     """The same configuration as `hyperserve serve` flags."""
     args = []
     for key, value in engine_options(config).items():
-        args += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+        args += [f"--{key.replace('_', '-')}"] + ([] if value is True else ["none" if value is None else str(value)])
     return args
 
 

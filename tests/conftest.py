@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
 import time
 
@@ -19,6 +22,9 @@ if not torch.cuda.is_available():  # Triton kernels run on the CPU through Trito
 from hyperserve.models.registry import resolve_model
 
 SMOLLM2 = "smollm2-135m"
+# SmolLM2's GGUF runs in int4 by default, whose numerics shift with the batch's shape (the int4
+# kernel for a few rows, dense copies for more); runs compared token for token use float32.
+FLOAT32 = {"quantization": None}
 
 # Parametrise a test over these to run it on CUDA too; the CUDA case skips cleanly without a GPU.
 DEVICES = ["cpu", pytest.param("cuda", marks=[
@@ -36,6 +42,39 @@ CHAT_PROMPTS = [
     "What is 17 times 23?",
     "Translate 'good morning' into Spanish and French.",
 ]
+
+
+# Every API key the tests send. No log line of the suite may hold one: in-process records and the
+# logs of every server, gateway and backend the tests start (all under the session's temp folder).
+TEST_API_KEYS = re.compile(r"s3cret|hs-\d{3}|\b[a-z]+-secret\b|sk-(?:alice|bob|eve|carol|dave)\b")
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_api_key_in_any_log(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    os.environ["PYTEST_TMP"] = str(logs)  # where started servers write their logs
+    records = _Records()
+    hyperserve_logger = logging.getLogger("hyperserve")
+    level = hyperserve_logger.level
+    logging.getLogger().addHandler(records)
+    hyperserve_logger.setLevel(logging.DEBUG)
+    yield
+    logging.getLogger().removeHandler(records)
+    hyperserve_logger.setLevel(level)
+    files = [f for f in tmp_path_factory.getbasetemp().rglob("*") if f.suffix in (".log", ".jsonl") and f.is_file()]
+    lines = [(f.name, line) for f in files for line in f.read_text(errors="replace").splitlines()]
+    leaks = [(where, line) for where, line in [("in-process", line) for line in records.lines] + lines
+             if TEST_API_KEYS.search(line)]
+    assert not leaks, f"API keys in logs: {leaks[:5]}"
 
 
 @pytest.fixture(scope="session")
@@ -102,29 +141,54 @@ def save_hf_model(tmp_path):
     return save
 
 
+class RedisProcess:
+    """A real redis-server on a free port; `pause()` freezes it (SIGSTOP: connections hang, as with
+    an overloaded Redis), `stop()` kills it (connections are refused)."""
+
+    def __init__(self, directory) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.skip("redis-server is not installed (make test installs it)")
+        from tests.server.conftest import free_port
+
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process = subprocess.Popen([binary, "--port", str(self.port), "--save", "", "--appendonly", "no",
+                                         "--dir", str(directory)], stdout=subprocess.DEVNULL)
+        import redis
+
+        client = redis.Redis(port=self.port)
+        deadline = time.time() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.time() > deadline:
+                    self.stop()
+                    raise
+                time.sleep(0.05)
+
+    def pause(self) -> None:
+        self.process.send_signal(signal.SIGSTOP)
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGCONT)
+        self.process.kill()
+        self.process.wait()
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
-    """A real redis-server on a free port, for the shared cache and shared limits."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (make test installs it)")
-    from tests.server.conftest import free_port
+    """A redis-server shared by the tests of the shared cache and shared limits."""
+    server = RedisProcess(tmp_path_factory.mktemp("redis"))
+    yield server.url
+    server.stop()
 
-    port = free_port()
-    process = subprocess.Popen([binary, "--port", str(port), "--save", "", "--appendonly", "no",
-                                "--dir", str(tmp_path_factory.mktemp("redis"))], stdout=subprocess.DEVNULL)
-    import redis
 
-    client = redis.Redis(port=port)
-    deadline = time.time() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.time() > deadline:
-                raise
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    process.terminate()
-    process.wait()
+@pytest.fixture
+def own_redis(tmp_path):
+    """A redis-server of one test's own, which the test may pause or stop."""
+    server = RedisProcess(tmp_path)
+    yield server
+    server.stop()

@@ -2,12 +2,17 @@
 
 Plain Python over integer block ids, so the scheduler and its tests never touch tensors.
 
-A block is free when its reference count is zero. Free blocks wait in LRU order (least recently
-freed first) and are handed out from the front. A full block may carry a hash of its tokens and
+A block is free when its reference count is zero. A full block may carry a hash of its tokens and
 everything before them; a freed block keeps its hash, so a later request with the same prefix can
-take it back from the free queue instead of recomputing it. Handing a hashed block out for new
-data is its eviction from the cache. Only full blocks are hashed, and full blocks are never
-written again, so a shared block is never written while shared.
+take it back instead of recomputing it. Handing a hashed block out for new data is its eviction
+from the cache. Only full blocks are hashed, and full blocks are never written again, so a shared
+block is never written while shared.
+
+Free blocks are handed out in this order, so that the pool's memory grows with what it holds:
+1. blocks used before that hold nothing worth keeping;
+2. blocks never used, lowest id first: the KV tensors are allocated untouched (see
+   `KVCache.allocate`), so the process's memory grows only as these are first written;
+3. cached blocks, least recently freed first: evicting from the prefix cache comes last.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
+        self._free_uncached: OrderedDict[int, None] = OrderedDict()
+        self._num_fresh = num_blocks  # blocks num_blocks - _num_fresh ... num_blocks - 1 were never used
+        self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU first
         self._ref_counts = [0] * num_blocks
         self._hash_of: dict[int, Hashable] = {}  # block id -> its prefix hash
         self._block_of: dict[Hashable, int] = {}  # prefix hash -> block id
@@ -31,7 +38,12 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free_uncached) + self._num_fresh + len(self._free_cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks ever handed out: the part of the pool whose memory has been touched."""
+        return self.num_blocks - self._num_fresh
 
     @property
     def num_cached_blocks(self) -> int:
@@ -40,21 +52,27 @@ class BlockPool:
     @property
     def usage(self) -> float:
         """Fraction of blocks referenced by running requests, 0.0 to 1.0 (cached free ones excluded)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def allocate(self, num_blocks: int) -> list[int]:
-        if num_blocks > len(self._free):
-            raise RuntimeError(f"asked for {num_blocks} KV blocks, {len(self._free)} free")
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"asked for {num_blocks} KV blocks, {self.num_free_blocks} free")
         block_ids = []
         for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
-            self._evict(block_id)
+            if self._free_uncached:
+                block_id, _ = self._free_uncached.popitem(last=False)
+            elif self._num_fresh:
+                block_id = self.num_blocks - self._num_fresh
+                self._num_fresh -= 1
+            else:
+                block_id, _ = self._free_cached.popitem(last=False)
+                self._evict(block_id)
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
         return block_ids
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference to each block, in order; unreferenced ones join the LRU tail.
+        """Drop one reference to each block, in order; unreferenced cached ones join the LRU tail.
 
         Callers pass a sequence's blocks last-first, so its prefix blocks, the likeliest to be
         shared again, are evicted last."""
@@ -63,7 +81,8 @@ class BlockPool:
                 raise RuntimeError(f"KV block {block_id} freed twice")
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                self._free[block_id] = None
+                queue = self._free_cached if block_id in self._hash_of else self._free_uncached
+                queue[block_id] = None
 
     def is_idle(self, block_id: int) -> bool:
         return self._ref_counts[block_id] == 0
@@ -74,7 +93,8 @@ class BlockPool:
     def touch(self, block_id: int) -> None:
         """Take one more reference to a cached block (taking it off the free queue if idle)."""
         if self._ref_counts[block_id] == 0:
-            del self._free[block_id]
+            self._free_cached.pop(block_id, None)
+            self._free_uncached.pop(block_id, None)
         self._ref_counts[block_id] += 1
 
     def cache(self, block_id: int, block_hash: Hashable) -> None:
@@ -82,10 +102,14 @@ class BlockPool:
         if block_hash not in self._block_of and block_id not in self._hash_of:
             self._block_of[block_hash] = block_id
             self._hash_of[block_id] = block_hash
+            if self._free_uncached.pop(block_id, False) is None:  # an idle block: now a cached one
+                self._free_cached[block_id] = None
 
     def reset_cache(self) -> None:
         self._hash_of.clear()
         self._block_of.clear()
+        self._free_uncached.update(self._free_cached)
+        self._free_cached.clear()
 
     def _evict(self, block_id: int) -> None:
         block_hash = self._hash_of.pop(block_id, None)

@@ -13,15 +13,26 @@ forward: torch.compile turns writes into a view of an input into a copy of the w
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 # kv_cache_dtype -> (storage dtype, largest stored magnitude): quantized K/V keep one scale per
 # token and head, so an outlier token costs precision only in its own row
 KV_QUANTIZED = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeros that take no memory until written, on the CPU: calloc maps large buffers as zero
+    pages, which the OS backs only when first touched (torch.zeros writes every page at once)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 @dataclass
@@ -40,11 +51,10 @@ class KVCache:
                  kv_cache_dtype: str, device: torch.device | str) -> KVCache:
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         if kv_cache_dtype == "auto":
-            return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
-                       block_size)
+            return cls(_zeros(shape, dtype, device), _zeros(shape, dtype, device), block_size)
         stored = KV_QUANTIZED[kv_cache_dtype][0]
-        return cls(*(torch.zeros(shape, dtype=stored, device=device) for _ in range(2)), block_size,
-                   *(torch.zeros(shape[:2], dtype=torch.float32, device=device) for _ in range(2)))
+        return cls(*(_zeros(shape, stored, device) for _ in range(2)), block_size,
+                   *(_zeros(shape[:2], torch.float32, device) for _ in range(2)))
 
     @property
     def quantized(self) -> bool:

@@ -7,11 +7,13 @@ stays near the size of the weights.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +24,9 @@ from hyperserve.layers.attention import AttentionBackend
 from hyperserve.layers.quantization import quantize_model
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
 from hyperserve.models.registry import SUPPORTED_ARCHITECTURES, ModelSource
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 _GGUF_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -37,6 +42,26 @@ _GGUF_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+
+
+_FOUR_BIT_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"})
+
+
+@functools.lru_cache(maxsize=2)
+def gguf_reader(path: Path) -> GGUFReader:
+    """One parse of a GGUF per process (seconds for a large vocabulary): the tensors are memory-mapped,
+    and the quantization default, the EOS ids and the weights all read the same file."""
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def gguf_weight_bits(path: Path) -> int | None:
+    """4 when most of a GGUF's transformer-block weights are in a 4-bit type (as in Q4_0, Q4_1 and
+    Q4_K_M files, whose few 6-bit tensors do not count), else None."""
+    types = [t.tensor_type.name for t in gguf_reader(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    four_bit = sum(name in _FOUR_BIT_GGUF_TYPES for name in types)
+    return 4 if types and four_bit * 2 > len(types) else None
 
 
 def load_config(source: ModelSource) -> PretrainedConfig:
@@ -70,9 +95,7 @@ def load_eos_token_ids(source: ModelSource | None, config: PretrainedConfig,
     if tokenizer is not None:
         found.append(tokenizer.eos_token_id)
     if source is not None and source.gguf_file:
-        from gguf import GGUFReader
-
-        fields = GGUFReader(source.path).fields
+        fields = gguf_reader(source.path).fields
         found += [int(fields[key].contents()) for key in _GGUF_EOS_KEYS if key in fields]
     elif source is not None and (source.directory / "generation_config.json").exists():
         found.append(GenerationConfig.from_pretrained(source.directory).eos_token_id)
@@ -153,10 +176,9 @@ def _safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _gguf_tensors(path: Path, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
+    reader = gguf_reader(path)
     permuted = config.model_type in ("llama", "mistral")  # llama.cpp permutes Q/K rows for these
     for tensor in tqdm(reader.tensors, desc="Loading weights", unit="tensor", leave=False):
         name = _hf_name(tensor.name)

@@ -15,6 +15,28 @@ def test_blocks_are_reused_after_free():
     assert sorted(pool.allocate(4)) == [0, 1, 2, 3]
 
 
+def test_blocks_are_handed_out_so_that_memory_grows_with_use():
+    """Used blocks holding nothing first, then never-used blocks lowest first, then cached ones."""
+    pool = BlockPool(6)
+    assert pool.allocate(2) == [0, 1] and pool.num_used_blocks == 2
+    pool.cache(1, b"prefix")
+    pool.free([1, 0])
+    assert pool.allocate(1) == [0]  # used and uncached: no new memory, nothing evicted
+    assert pool.allocate(4) == [2, 3, 4, 5]  # never used, before evicting the cached block
+    assert pool.num_evictions == 0 and pool.num_used_blocks == 6
+    assert pool.allocate(1) == [1] and pool.num_evictions == 1  # the pool is full: evict
+    assert pool.num_free_blocks == 0
+
+
+def test_reset_cache_makes_cached_blocks_plain_free_blocks():
+    pool = BlockPool(3)
+    pool.allocate(3)
+    pool.cache(2, b"h")
+    pool.free([2])
+    pool.reset_cache()
+    assert pool.lookup(b"h") is None and pool.allocate(1) == [2] and pool.num_evictions == 0
+
+
 def test_double_free_is_an_error():
     pool = BlockPool(2)
     blocks = pool.allocate(1)

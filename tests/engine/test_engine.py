@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hyperserve import LLM, SamplingParams
+from tests.conftest import FLOAT32
 
 pytestmark = pytest.mark.slow
 
@@ -14,7 +15,8 @@ NUM_BLOCKS = 30
 @pytest.fixture(scope="module")
 def llm():
     # 30 blocks of 16 tokens: a few requests at once overflow it, so preemption happens.
-    return LLM(num_kv_blocks=NUM_BLOCKS, block_size=16, max_model_len=480, max_num_batched_tokens=48)
+    return LLM(num_kv_blocks=NUM_BLOCKS, block_size=16, max_model_len=480, max_num_batched_tokens=48,
+               **FLOAT32)
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
 from hyperserve import LLM
 from hyperserve.engine.memory import profile_step
+from hyperserve.layers.attention import KVCache
 from hyperserve.models.loader import kv_bytes_per_token
 from tests.conftest import tiny_config
 
@@ -16,6 +20,20 @@ def test_kv_cache_memory_gb_sizes_the_pool(save_hf_model):
     per_block = kv_bytes_per_token(tiny_config("llama"), torch.float32) * 16
     llm = LLM(model=path, dtype="float32", kv_cache_memory_gb=0.01)
     assert llm.engine.kv_cache.pool.num_blocks == int(0.01 * 2**30) // per_block
+
+
+def _rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the process's RSS from /proc")
+def test_the_cpu_kv_pool_takes_memory_only_as_blocks_are_written():
+    before = _rss_bytes()
+    cache = KVCache.allocate(4096, 16, 8, 128, torch.float32, "auto", "cpu")  # 2 x 256 MiB
+    assert _rss_bytes() - before < 64 * 2**20
+    assert cache.key.abs().sum() == 0 and cache.value.abs().sum() == 0  # reads as zeros all the same
+    cache.write(torch.arange(16 * 64), torch.ones(16 * 64, 8, 128), torch.ones(16 * 64, 8, 128))
+    assert 7 * 2**20 < _rss_bytes() - before < 64 * 2**20 + 8 * 2**20  # 64 blocks: 2 x 4 MiB
 
 
 def test_profile_step_runs_the_largest_step(save_hf_model):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hyperserve import LLM, SamplingParams
+from tests.conftest import FLOAT32
 
 pytestmark = pytest.mark.slow
 
@@ -13,12 +14,12 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def cached_llm():
-    return LLM(num_kv_blocks=200, block_size=BLOCK, max_model_len=1024)
+    return LLM(num_kv_blocks=200, block_size=BLOCK, max_model_len=1024, **FLOAT32)
 
 
 @pytest.fixture(scope="module")
 def uncached_llm():
-    return LLM(num_kv_blocks=200, block_size=BLOCK, max_model_len=1024, enable_prefix_caching=False)
+    return LLM(num_kv_blocks=200, block_size=BLOCK, max_model_len=1024, **FLOAT32, enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +61,8 @@ def test_second_chat_turn_reuses_the_first_turn_prompt_and_answer(cached_llm):
 
 def test_under_pressure_cached_blocks_are_evicted_and_outputs_still_match(system_prompt, smollm2_tokenizer):
     # 40 blocks: each request needs ~10, so caching everything is impossible.
-    small = LLM(num_kv_blocks=40, block_size=BLOCK, max_model_len=600)
-    reference = LLM(num_kv_blocks=40, block_size=BLOCK, max_model_len=600, enable_prefix_caching=False)
+    small = LLM(num_kv_blocks=40, block_size=BLOCK, max_model_len=600, **FLOAT32)
+    reference = LLM(num_kv_blocks=40, block_size=BLOCK, max_model_len=600, **FLOAT32, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     prompts = [p for length in (40, 90, 130) for p in prompts_sharing(system_prompt, length, smollm2_tokenizer)]
     expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
@@ -96,7 +97,7 @@ def _pressure(llm: LLM, seed: int) -> None:
 
 @pytest.mark.parametrize("pinned", [True, False])
 def test_pinned_document_survives_pressure_until_its_ttl(system_prompt, smollm2_tokenizer, pinned):
-    llm = LLM(num_kv_blocks=40, block_size=BLOCK, max_model_len=600)
+    llm = LLM(num_kv_blocks=40, block_size=BLOCK, max_model_len=600, **FLOAT32)
     question = smollm2_tokenizer(" Question: what is rule one?").input_ids
     if pinned:
         pin_id, num_pinned = llm.pin_prefix(system_prompt, ttl_s=3600)
@@ -130,10 +131,10 @@ def test_disk_tier_serves_evicted_prefixes_across_a_restart(tmp_path, system_pro
     question = smollm2_tokenizer(" Question: which rule applies?").input_ids
     prompt = system_prompt + question
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    reference = LLM(num_kv_blocks=40, block_size=BLOCK, max_model_len=600, enable_prefix_caching=False)
+    reference = LLM(num_kv_blocks=40, block_size=BLOCK, max_model_len=600, **FLOAT32, enable_prefix_caching=False)
     expected = reference.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
 
-    options = dict(num_kv_blocks=40, block_size=BLOCK, max_model_len=600, disk_cache_dir=str(tmp_path))
+    options = dict(num_kv_blocks=40, block_size=BLOCK, max_model_len=600, disk_cache_dir=str(tmp_path), **FLOAT32)
     llm = LLM(**options)
     llm.generate([system_prompt], SamplingParams(max_tokens=1), use_tqdm=False)
     _pressure(llm, seed=3)  # evicts the document's blocks: they spill to disk

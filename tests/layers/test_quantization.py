@@ -17,8 +17,8 @@ from hyperserve.layers.quantization import (
     Int8Linear,
     quantize_model,
 )
-from hyperserve.models.loader import build_model
-from tests.conftest import DEVICES, tiny_config
+from hyperserve.models.loader import build_model, gguf_weight_bits
+from tests.conftest import DEVICES, FLOAT32, tiny_config
 
 TEXT = Path(__file__).parents[2] / "data" / "quality_text.txt"
 
@@ -105,6 +105,17 @@ def test_invalid_quantization_is_rejected(bad):
         ModelConfig(**bad)
 
 
+def test_a_4_bit_gguf_runs_in_int4_by_default_on_the_cpu(smollm2_source, save_hf_model):
+    assert gguf_weight_bits(smollm2_source.path) == 4  # SmolLM2's Q4_1
+    assert ModelConfig().quantization == "int4"  # the default model
+    assert ModelConfig(quantization="none").quantization is None
+    assert ModelConfig(quantization=None).quantization is None
+    assert ModelConfig(load_format="random").quantization is None  # no checkpoint to follow
+    assert ModelConfig(device="cuda").quantization is None
+    _, path = save_hf_model(tiny_config("llama"))
+    assert ModelConfig(model=path).quantization is None  # safetensors: as stored
+
+
 def test_int4_runs_in_bfloat16_unless_told_otherwise():
     assert ModelConfig(quantization="int4").torch_dtype == torch.bfloat16
     assert ModelConfig(quantization="int8").torch_dtype == torch.float32
@@ -124,7 +135,7 @@ def _perplexity(llm: LLM, token_ids: list[int], chunk: int = 64) -> float:
 
 @pytest.fixture(scope="module")
 def text_and_float_perplexity():
-    reference = LLM(kv_cache_memory_gb=0.25, max_model_len=1024)
+    reference = LLM(kv_cache_memory_gb=0.25, max_model_len=1024, **FLOAT32)
     token_ids = reference.tokenizer(TEXT.read_text()).input_ids[:512]
     return token_ids, _perplexity(reference, token_ids)
 

@@ -9,6 +9,7 @@ from hyperserve import LLM, SamplingParams
 from hyperserve.layers.attention import TorchPagedAttention
 from hyperserve.models.loader import build_model, load_config
 from hyperserve.models.registry import resolve_model
+from tests.conftest import FLOAT32
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +26,7 @@ def test_gguf_weights_equal_transformers_dequantization(smollm2_source, hf_smoll
 
 
 def test_smollm2_greedy_matches_transformers(hf_smollm2, chat_prompt_ids):
-    llm = LLM(num_kv_blocks=512, max_model_len=2048)
+    llm = LLM(num_kv_blocks=512, max_model_len=2048, **FLOAT32)
     params = SamplingParams(temperature=0, max_tokens=64)
     outputs = llm.generate(chat_prompt_ids, params, use_tqdm=False)  # all 8 in one batch
     for prompt, output in zip(chat_prompt_ids, outputs):

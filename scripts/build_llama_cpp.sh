@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-bench and llama-server from the llama-cpp-python sdist on PyPI (the one
+# registry every machine here reaches), for benchmarks/cpu_vs_llamacpp.py. Native CPU flags, as a
+# llama.cpp user would build it. Idempotent: prints the bin directory, building only when needed.
+#
+#   bash scripts/build_llama_cpp.sh [VERSION]      (default 0.3.36; binaries under build/llama.cpp/)
+set -euo pipefail
+VERSION="${1:-0.3.36}"
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+DEST="$ROOT/build/llama.cpp/$VERSION"
+BIN="$DEST/build/bin"
+PIP="${PIP:-$ROOT/.venv/bin/pip}"
+if [[ -x "$BIN/llama-bench" && -x "$BIN/llama-server" ]]; then
+    echo "$BIN"; exit 0
+fi
+mkdir -p "$DEST"
+"$PIP" download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$DEST" >&2
+tar -xzf "$DEST/llama_cpp_python-$VERSION.tar.gz" -C "$DEST" --strip-components=3 \
+    "llama_cpp_python-$VERSION/vendor/llama.cpp"
+echo "building llama.cpp $VERSION (llama-bench, llama-server) with native CPU flags ..." >&2
+cmake -S "$DEST" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON >&2
+cmake --build "$DEST/build" -j "$(nproc)" --target llama-bench llama-server >&2
+echo "$BIN"
