@@ -49,7 +49,7 @@ def build_cache(config: GatewayConfig) -> ResponseCache | None:
         return None
     if c.store == "redis":
         try:
-            store = RedisStore(c.redis_url, c.redis_prefix, c.max_entries)
+            store = RedisStore(c.redis_url, c.redis_prefix, c.max_entries, c.timeout_s)
         except Exception as error:
             raise ValueError(f"cache.redis_url: cannot reach {c.redis_url}: {error}") from error
     else:
@@ -60,7 +60,7 @@ def build_cache(config: GatewayConfig) -> ResponseCache | None:
 
         embedder = shared_embedder()
     index_dir = Path(c.path).with_suffix(".index") if c.store == "sqlite" else None  # Redis replicas replay
-    return ResponseCache(store, c.ttl_s, embedder, c.semantic.threshold, index_dir)
+    return ResponseCache(store, c.ttl_s, embedder, c.semantic.threshold, index_dir, c.timeout_s)
 
 
 @dataclass
@@ -193,12 +193,12 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
         vector = None
         mode = request.headers.get("x-hyperserve-cache", "").lower()
         if state.cache is not None and mode != "off" and (mode == "on" or is_deterministic(body)):
-            key = cache_key(kind, name, body)
+            key = cache_key(kind, name, body, getattr(request.state, "cache_scope", None))  # set by security
             t = time.perf_counter()
             try:
                 hit, vector = await state.cache.lookup(key)
-            except Exception:  # an unreachable cache store degrades to a miss, never to an error
-                logger.exception("response cache: lookup failed")
+            except Exception as error:  # an unreachable or slow store degrades to a miss, never to an error
+                logger.warning("response cache: lookup failed, serving a miss: %s: %s", type(error).__name__, error)
                 hit, vector = None, None
             timings["cache_lookup"] = time.perf_counter() - t
             metrics.cache_lookup.labels(f"hit-{hit.kind}" if hit else "miss").observe(timings["cache_lookup"])
@@ -279,8 +279,8 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
     async def insert(key: CacheKey, body: dict[str, Any], vector: Any) -> None:
         try:
             await state.cache.insert(key, body, vector)
-        except Exception:  # a cache that cannot store (Redis down, disk full) must not fail requests
-            logger.exception("response cache: insert failed")
+        except Exception as error:  # a cache that cannot store (Redis down, disk full) must not fail requests
+            logger.warning("response cache: insert failed: %s: %s", type(error).__name__, error)
 
     def remember(key: CacheKey, body: dict[str, Any], vector: Any) -> None:
         task = asyncio.create_task(insert(key, body, vector))

@@ -155,10 +155,11 @@ class RedisStore:
     sorted set of ids by last use, `next` the id counter, and `log` a stream of (id, namespace,
     embedding) that every replica reads to keep its vector index in step."""
 
-    def __init__(self, url: str, prefix: str, max_entries: int) -> None:
+    def __init__(self, url: str, prefix: str, max_entries: int, timeout_s: float = 0.5) -> None:
         import redis
 
-        self.redis = redis.Redis.from_url(url)
+        # a Redis that stops answering costs a request timeout_s, then an error (a cache miss)
+        self.redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.redis.ping()  # an unreachable Redis fails at start, not on the first request
         self.prefix, self.max_entries = prefix, max_entries
 

@@ -105,6 +105,7 @@ class CacheConfig(_Section):
     redis_prefix: str = "hyperserve:cache:"
     ttl_s: float = Field(default=86400.0, gt=0)
     max_entries: int = Field(default=100_000, ge=1)
+    timeout_s: float = Field(default=0.5, gt=0, description="a store call slower than this is a miss")
 
 
 class LogConfig(_Section):

@@ -53,6 +53,13 @@ class KeyEntry(_Section):
     models: list[str] | None = Field(default=None, description="models the key may use; all when unset")
     limits: Limits | None = None
     guardrails: Guardrails | None = None
+    cache_scope: str | None = Field(default=None, min_length=1, description=(
+        "the gateway's response-cache namespace: keys with the same scope share cached answers; "
+        "unset: the key's own name, so no other key ever receives its answers"))
+
+    @property
+    def scope(self) -> str:
+        return self.cache_scope or f"key:{self.name}"
 
 
 class RequestLimits(_Section):
@@ -74,6 +81,9 @@ class SecurityConfig(_Section):
     protect_metrics: bool = False
     redis_url: str | None = Field(default=None, description="share limits between replicas through Redis")
     redis_prefix: str = "hyperserve:limits:"
+    redis_timeout_s: float = Field(default=0.5, gt=0, description="a limiter call slower than this counts as down")
+    redis_unavailable: Literal["open", "closed"] = Field(
+        default="open", description="Redis down: admit without limits (open) or refuse with 503 (closed)")
     audit_log: str | None = Field(default=None, description="JSON-lines audit log path")
     audit_prompts: bool = Field(default=False, description="also write prompts to the audit log")
 

@@ -6,18 +6,26 @@ limits at once or none; when it ends, the estimate is replaced by the tokens it 
 token bucket may go into debt, which later requests wait out). Held in process by default, or in
 Redis (one Lua script per step, so replicas sharing a key can never admit more than the limit).
 In Redis a running request holds a lease that expires after LEASE_S, so the slots of a replica
-that crashed come back by themselves.
+that crashed come back by themselves. A Redis that is down or slower than its timeout either lets
+requests through unlimited (`redis_unavailable: open`, the default: limits protect capacity and
+budgets, and an outage of the limiter should not become an outage of the API) or refuses them
+with 503 and Retry-After (`closed`, for budgets that must never be overrun).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from hyperserve.common.errors import unavailable
 from hyperserve.security.config import Limits
+
+logger = logging.getLogger("hyperserve.security")
 
 # How long a request's concurrency slot lives in Redis without being released: longer than any
 # request should run, short enough that a crashed replica's slots return within minutes.
@@ -184,12 +192,13 @@ return 0
 class RedisLimiter:
     """The same limits, shared by every replica that points at the same Redis."""
 
-    def __init__(self, url: str, prefix: str, lease_s: float = LEASE_S) -> None:
+    def __init__(self, url: str, prefix: str, lease_s: float = LEASE_S, timeout_s: float = 0.5,
+                 fail_open: bool = True) -> None:
         import redis.asyncio
 
-        self.redis = redis.asyncio.Redis.from_url(url)
+        self.redis = redis.asyncio.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.prefix = prefix
-        self.lease_s = lease_s
+        self.lease_s, self.timeout_s, self.fail_open = lease_s, timeout_s, fail_open
         self._acquire = self.redis.register_script(_ACQUIRE)
         self._release = self.redis.register_script(_RELEASE)
 
@@ -201,9 +210,17 @@ class RedisLimiter:
         need = min(estimated_tokens, tpm) if tpm else estimated_tokens
         period = int(time.time() // limits.budget_period_s)
         lease = uuid.uuid4().hex
-        status, requests, tokens, retry_ms, used = await self._acquire(keys=self._keys(key, period), args=[
-            limits.requests_per_minute or 0, tpm, limits.concurrent_requests or 0, limits.token_budget or 0, need,
-            limits.budget_period_s, lease, self.lease_s])
+        try:
+            status, requests, tokens, retry_ms, used = await asyncio.wait_for(self._acquire(
+                keys=self._keys(key, period), args=[limits.requests_per_minute or 0, tpm,
+                                                    limits.concurrent_requests or 0, limits.token_budget or 0, need,
+                                                    limits.budget_period_s, lease, self.lease_s]), self.timeout_s)
+        except Exception as error:  # Redis down or too slow: the documented fallback, never a hang
+            logger.warning("rate limiter: Redis unavailable (%s: %s); %s", type(error).__name__, error,
+                           "admitting without limits" if self.fail_open else "refusing")
+            if self.fail_open:
+                return Grant(key, limits, need, period)  # no lease: nothing to release
+            raise unavailable("the rate limiter is unavailable; retry shortly") from error
         headers = _headers(limits, float(requests), float(tokens))
         if status:
             reason = {1: f"{limits.requests_per_minute} requests per minute",
@@ -215,5 +232,11 @@ class RedisLimiter:
         return Grant(key, limits, need, period, headers, lease)
 
     async def release(self, grant: Grant, used_tokens: int) -> None:
-        await self._release(keys=self._keys(grant.key, grant.period), args=[
-            grant.limits.tokens_per_minute or 0, used_tokens - grant.estimated_tokens, grant.lease])
+        if not grant.lease:
+            return
+        try:
+            await asyncio.wait_for(self._release(keys=self._keys(grant.key, grant.period), args=[
+                grant.limits.tokens_per_minute or 0, used_tokens - grant.estimated_tokens, grant.lease]),
+                self.timeout_s)
+        except Exception as error:  # the lease expires by itself; the token correction is lost
+            logger.warning("rate limiter: release failed (%s: %s)", type(error).__name__, error)

@@ -69,7 +69,9 @@ class Governor:
     def __init__(self, config: SecurityConfig, embedder=None) -> None:
         self.config = config
         self.keys = {k.sha256: k for k in config.keys}
-        self.limiter = RedisLimiter(config.redis_url, config.redis_prefix) if config.redis_url else InProcessLimiter()
+        self.limiter = (RedisLimiter(config.redis_url, config.redis_prefix, timeout_s=config.redis_timeout_s,
+                                     fail_open=config.redis_unavailable == "open")
+                        if config.redis_url else InProcessLimiter())
         self.audit = RequestLog(config.audit_log)
         uses_injection = any(g.injection != "off" for g in self._all_guardrails())
         self.injection = None
@@ -146,9 +148,9 @@ class Governor:
         """Request guardrails; may redact `body` in place. Raises 400 content_blocked."""
         g = guard.guardrails
         if g.injection != "off" and self.injection is not None:
-            latest = _latest_input(body, chat)
-            if latest:
-                verdict = await self.injection.judge_async(latest, g.injection_threshold)
+            inputs = _untrusted_inputs(body, chat)
+            if inputs:
+                verdict = await self.injection.judge_async(inputs, g.injection_threshold)
                 guard.verdicts["injection"] = {"flagged": verdict.flagged, "probability": round(verdict.probability, 3),
                                                "pattern": verdict.pattern}
                 if verdict.flagged and g.injection == "block":
@@ -222,6 +224,7 @@ class SecurityMiddleware:
             body = None
         if not isinstance(body, dict):  # malformed: the app gives the proper 400
             return await self.app(scope, _replay(raw, receive), send)
+        scope.setdefault("state", {})["cache_scope"] = key.scope if key else None  # request.state for the app
         pin = scope["path"] == "/v1/cache"
         chat = scope["path"] == "/v1/chat/completions" or (pin and "messages" in body)
         prompt_tokens = governor.check_request(key, body, chat)
@@ -396,15 +399,13 @@ def _text_fields(body: dict[str, Any], chat: bool) -> list[tuple[dict | list, An
     return fields
 
 
-def _latest_input(body: dict[str, Any], chat: bool) -> str:
-    """What the injection check reads: the newest user or tool message (earlier ones were checked
-    when they were sent), or the prompt."""
+def _untrusted_inputs(body: dict[str, Any], chat: bool) -> list[str]:
+    """What the injection check reads: every user and tool message (an earlier turn may carry the
+    attack, and tool results carry indirect ones), or the prompts."""
     if not chat:
-        return " ".join(_texts(body, chat))
-    for message in reversed(body.get("messages") or []):
-        if isinstance(message, dict) and message.get("role") in ("user", "tool"):
-            return message_text(message.get("content"), strict=False, separator=" ")
-    return ""
+        return _texts(body, chat)
+    return [message_text(m.get("content"), strict=False, separator=" ") for m in body.get("messages") or []
+            if isinstance(m, dict) and m.get("role") in ("user", "tool")]
 
 
 async def _read_body(receive) -> bytes:

@@ -81,7 +81,8 @@ KINDS = [
 
 # The stream holds back this many characters: more than any finding that contains spaces (an IBAN
 # in groups is at most 42). Findings without spaces (keys, tokens, e-mails) are safe at any length,
-# because the stream only ever cuts at a space, never inside a word still growing.
+# because the stream only ever cuts at a space or after a character outside ASCII, never inside a
+# word still growing.
 HOLDBACK_CHARS = 48
 
 
@@ -117,9 +118,12 @@ def _merge(findings: list[Finding], candidates: list[Finding]) -> list[Finding]:
 
 
 def _touches_word(text: str, start: int, end: int) -> bool:
+    """An ASCII letter or digit (or _ +) next to the match: Chinese and Japanese write numbers right
+    after words ("电话13812345678"), and a stream cut after such a character must scan the same."""
     before = text[start - 1] if start else " "
     after = text[end] if end < len(text) else " "
-    return before.isalnum() or before in "_+" or after.isalnum() or after == "_"
+    return (before.isascii() and (before.isalnum() or before in "_+")
+            or after.isascii() and (after.isalnum() or after == "_"))
 
 
 @dataclass
@@ -177,10 +181,13 @@ class StreamRedactor:
         return self._emit(cut, [f for f in findings if f.end <= cut])
 
     def _quiet_point(self, cut: int) -> int:
-        """Back to a space that ends a word which is not a number: the text after it then scans as
-        it would in context (digit groups such as card numbers are never split)."""
+        """Back to a point no finding can span, so that the text after it scans as it would in
+        context: after a space that ends a word which is not a number (digit groups such as card
+        numbers are never split), or after a character outside ASCII, which no pattern matches
+        (Chinese or Japanese text has no spaces, and would otherwise wait for the end)."""
         text = self.pending
-        while cut > 0 and not (text[cut - 1].isspace() and cut >= 2 and not text[cut - 2].isspace()
+        while cut > 0 and not (not text[cut - 1].isascii() and not text[cut - 1].isspace()
+                               or text[cut - 1].isspace() and cut >= 2 and not text[cut - 2].isspace()
                                and not text[cut - 2].isdigit()):
             cut -= 1
         return cut

@@ -77,10 +77,12 @@ class Gateway:
         except subprocess.TimeoutExpired:
             self.process.kill()
 
-    def chat(self, content: str, model: str = "m", system: str | None = None, **params) -> httpx.Response:
+    def chat(self, content: str, model: str = "m", system: str | None = None, api_key: str | None = None,
+             **params) -> httpx.Response:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
         body = {"model": model, "messages": messages, "temperature": 0, **params}
-        return httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=60)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        return httpx.post(f"{self.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
 
     def metric(self, name: str, **labels) -> float:
         total = 0.0
@@ -90,13 +92,13 @@ class Gateway:
         return total
 
 
-def start_gateway(config: dict, tmp_path: Path, name: str = "gateway") -> Gateway:
+def start_gateway(config: dict, tmp_path: Path, name: str = "gateway", args: tuple[str, ...] = ()) -> Gateway:
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     port = free_port()
     log = open(tmp_path / f"{name}-{port}.log", "w")
     process = subprocess.Popen([sys.executable, "-m", "hyperserve.cli", "gateway", "--config", str(path),
-                                "--port", str(port), "--quiet"], stdout=log, stderr=subprocess.STDOUT,
+                                "--port", str(port), "--quiet", *args], stdout=log, stderr=subprocess.STDOUT,
                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
     gateway = Gateway(f"http://127.0.0.1:{port}", process)
     wait_http(f"{gateway.url}/health", process, timeout=300)

@@ -5,6 +5,7 @@ import time
 
 import httpx
 import pytest
+import yaml
 
 from tests.gateway.conftest import Stub, start_gateway
 
@@ -142,6 +143,31 @@ def test_prefix_affinity_keeps_a_conversation_on_one_replica(stubs, tmp_path):
         assert len({next(iter(served_by(f"Persona {n}. " * 8))) for n in range(12)}) == 2  # prefixes spread
 
 
+def test_cached_answers_never_cross_tenants_unless_their_keys_share_a_scope(stubs, tmp_path):
+    from hyperserve.security.config import hash_key
+
+    keys = [{"name": name, "sha256": hash_key(f"sk-{name}"), **extra} for name, extra in
+            [("alice", {}), ("bob", {}), ("eve", {}), ("carol", {"cache_scope": "team"}),
+             ("dave", {"cache_scope": "team"})]]
+    (tmp_path / "keys.yaml").write_text(yaml.safe_dump({"keys": keys}))
+    config = _config(stubs[:1], tmp_path)
+    with start_gateway(config, tmp_path, args=("--security-config", str(tmp_path / "keys.yaml"))) as gateway:
+        def cache(content: str, who: str) -> str:
+            reply = gateway.chat(content, api_key=f"sk-{who}")
+            assert reply.status_code == 200
+            time.sleep(0.3)  # the insert happens after the answer went out
+            return reply.headers["x-hyperserve-cache"]
+
+        assert cache(PARIS, "alice") == "miss"
+        assert cache(PARIS, "alice") == "hit-exact"
+        assert cache("Tell me France's capital city", "alice") == "hit-semantic"
+        assert cache(PARIS, "bob") == "miss"  # not alice's answer word for word
+        assert cache("Tell me France's capital city", "eve") == "miss"  # nor by meaning
+        assert cache(PARIS, "carol") == "miss"
+        assert cache(PARIS, "dave") == "hit-exact"  # carol and dave share the scope "team"
+        assert stubs[0].count == 4
+
+
 def test_two_gateways_share_a_redis_cache(stubs, tmp_path, redis_url):
     cache = {"store": "redis", "redis_url": redis_url, "redis_prefix": f"gw-{time.time()}:"}
     with (start_gateway(_config(stubs[:1], tmp_path, cache=cache), tmp_path, name="first") as first,
@@ -152,3 +178,19 @@ def test_two_gateways_share_a_redis_cache(stubs, tmp_path, redis_url):
         assert hit.headers["x-hyperserve-cache"] == "hit-semantic"
         assert hit.json()["choices"][0]["message"]["content"] == f"a says: {PARIS}"
         assert stubs[0].count == 1
+
+
+def test_a_redis_cache_that_hangs_or_dies_mid_run_costs_a_timeout_not_an_answer(stubs, tmp_path, own_redis):
+    cache = {"store": "redis", "redis_url": own_redis.url, "timeout_s": 0.3}
+    with start_gateway(_config(stubs[:1], tmp_path, cache=cache), tmp_path) as gateway:
+        assert gateway.chat(PARIS).headers["x-hyperserve-cache"] == "miss"
+        time.sleep(0.3)
+        assert gateway.chat(PARIS).headers["x-hyperserve-cache"] == "hit-exact"
+        for outage in (own_redis.pause, own_redis.stop):  # hung, then gone
+            outage()
+            started = time.perf_counter()
+            reply = gateway.chat(PARIS)
+            assert reply.status_code == 200 and reply.headers["x-hyperserve-cache"] == "miss"
+            assert reply.json()["choices"][0]["message"]["content"] == f"a says: {PARIS}"
+            assert time.perf_counter() - started < 3
+        assert stubs[0].count == 3

@@ -47,6 +47,13 @@ def test_keys_ignore_transport_fields_and_whitespace_but_not_sampling():
     assert key.text == QUESTION
 
 
+def test_the_callers_scope_is_part_of_both_keys():
+    alice, bob = (cache_key("chat", "m", _chat(QUESTION), scope) for scope in ("key:alice", "key:bob"))
+    assert alice.exact != bob.exact and alice.namespace != bob.namespace
+    scoped, open_gateway = (cache_key("completion", "m", {"prompt": "x"}, scope) for scope in ("a", None))
+    assert scoped.namespace != open_gateway.namespace
+
+
 def test_paraphrase_hits_and_a_different_question_with_the_same_words_misses(embedder):
     cache = ResponseCache(SQLiteStore(":memory:", 100), ttl_s=60, embedder=embedder, threshold=0.9)
     _insert(cache, _chat(QUESTION), "Paris.")

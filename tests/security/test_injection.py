@@ -43,3 +43,64 @@ def test_the_embedder_computes_single_threaded_without_limiting_other_threads():
     before = torch.get_num_threads()
     assert embedder._worker.submit(torch.get_num_threads).result() == 1
     assert torch.get_num_threads() == before
+
+
+@pytest.fixture(scope="module")
+def detector():
+    from hyperserve.common.embedder import shared_embedder
+
+    return InjectionDetector(shared_embedder())
+
+
+@pytest.fixture(scope="module")
+def subtle_attack(detector):
+    """A held-out attack the classifier catches and the patterns do not: what chunking must find."""
+    from hyperserve.security.injection import PATTERNS
+
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()]
+    attacks = [r["text"] for r in rows if r["split"] == "test" and r["label"] == 1 and not PATTERNS.search(r["text"])]
+    probabilities = detector.probabilities(attacks)
+    return attacks[int(probabilities.argmax())]
+
+
+BENIGN = ("The quarterly report covers revenue, hiring and the roadmap for the storage service. "
+          "Sales grew in every region, led by the new enterprise tier. ")
+
+
+def test_an_attack_planted_in_the_middle_of_a_long_document_is_found(detector, subtle_attack):
+    import asyncio
+
+    document = BENIGN * 40 + subtle_attack + " " + BENIGN * 40  # ~2,000 tokens
+    assert detector.probabilities([document])[0] < 0.5  # read whole (truncated), the attack drowns
+    assert len(detector.chunks(document)) > 80
+    verdict = asyncio.run(detector.judge_async([document]))
+    assert verdict.flagged and verdict.pattern is None
+    assert not asyncio.run(detector.judge_async([BENIGN * 80])).flagged
+
+
+def test_every_user_and_tool_message_is_read_not_only_the_newest(detector, subtle_attack):
+    import asyncio
+
+    from hyperserve.security.middleware import _untrusted_inputs
+
+    for role in ("user", "tool"):
+        body = {"messages": [{"role": "system", "content": "You are helpful."},
+                             {"role": role, "content": subtle_attack},
+                             {"role": "assistant", "content": "Sure."},
+                             {"role": "user", "content": "Thanks, go on."}]}
+        inputs = _untrusted_inputs(body, chat=True)
+        assert inputs == [subtle_attack, "Thanks, go on."]
+        assert asyncio.run(detector.judge_async(inputs)).flagged
+
+
+def test_sentences_are_judged_apart_and_a_long_one_in_overlapping_windows(detector):
+    from hyperserve.security.injection import CHUNK_TOKENS
+
+    assert detector.chunks("First one. Second one!\nThird\u3002Fourth") == [
+        "First one.", "Second one!", "Third\u3002", "Fourth"]
+    text = " ".join(f"w{i}" for i in range(3000))  # one sentence of ~9,000 tokens
+    windows = detector.chunks(text)
+    assert windows[0].startswith("w0 ") and windows[-1].endswith("w2999")
+    assert all(len(detector.embedder.tokenizer(w, add_special_tokens=False).input_ids) <= CHUNK_TOKENS
+               for w in windows)
+    assert all(a.split()[-1] in b for a, b in zip(windows, windows[1:]))  # each cut lies inside the next window

@@ -1,4 +1,5 @@
 import asyncio
+import time
 
 import pytest
 
@@ -88,5 +89,31 @@ def test_a_crashed_replicas_concurrency_slots_come_back(redis_url):
             await survivor.acquire("c", concurrency, 1)
         await survivor.release(first, 1)
         assert await survivor.acquire("c", concurrency, 1)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("fail_open", [True, False], ids=["open", "closed"])
+def test_a_redis_that_hangs_or_dies_costs_one_timeout_then_the_documented_fallback(own_redis, fail_open):
+    from hyperserve.common.errors import APIError
+
+    limits = Limits(requests_per_minute=1)
+
+    async def scenario():
+        limiter = RedisLimiter(own_redis.url, "test-down:", timeout_s=0.3, fail_open=fail_open)
+        grant = await limiter.acquire("k", limits, 1)
+        for outage in (own_redis.pause, own_redis.stop):  # hung, then gone
+            outage()
+            started = time.perf_counter()
+            if fail_open:
+                assert (await limiter.acquire("k", limits, 1)).lease == ""  # admitted, past the limit of 1
+            else:
+                with pytest.raises(APIError) as refused:
+                    await limiter.acquire("k", limits, 1)
+                assert refused.value.status == 503 and refused.value.headers["Retry-After"]
+            assert time.perf_counter() - started < 2
+        started = time.perf_counter()
+        await limiter.release(grant, 1)  # logged, not raised
+        assert time.perf_counter() - started < 2
 
     asyncio.run(scenario())

@@ -45,6 +45,19 @@ def test_streamed_redaction_never_emits_a_secret_split_across_chunks(seed):
     assert joined == Redactor().redact(text)  # the same as redacting the whole text at once
 
 
+def test_a_stream_without_spaces_is_emitted_as_it_comes_not_at_the_end():
+    text = ("请联系张伟，邮箱jane.roe@example.org，电话13812345678。" + "我们明天上午十点在会议室见面，讨论下季度的计划。" * 6
+            + "卡号4111111111111111。")
+    assert {f.kind for f in find_pii(text)} == {"EMAIL", "PHONE", "CARD"}
+    redactor = Redactor()
+    stream = StreamRedactor(lambda piece, findings: redactor.redact(piece, findings))
+    emitted = [stream.feed(text[i:i + 2]) for i in range(0, len(text), 2)]
+    assert len("".join(emitted)) > len(text) // 2  # most of it before the end
+    joined = "".join(emitted) + stream.flush()
+    assert joined == Redactor().redact(text)
+    assert "jane.roe" not in joined and "13812345678" not in joined and "4111111111111111" not in joined
+
+
 @pytest.mark.timeout(20)
 @pytest.mark.parametrize("text", [
     "a." * 2_000_000,  # quadratic for the e-mail pattern under backtracking
