@@ -28,7 +28,7 @@ from hyperserve.config import EngineConfig
 from hyperserve.engine.detokenizer import IncrementalDetokenizer
 from hyperserve.engine.disk_cache import DiskKVStore, DiskTier
 from hyperserve.engine.kv_cache_manager import KVCacheManager
-from hyperserve.engine.memory import cuda_kv_cache_budget
+from hyperserve.engine.memory import cuda_kv_cache_budget, return_freed_heap
 from hyperserve.engine.model_runner import ModelRunner, StepResult
 from hyperserve.engine.request import Request, RequestStatus
 from hyperserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -102,6 +102,7 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self.eos_token_ids = loader.load_eos_token_ids(source, self.hf_config, self.tokenizer)
         loader.gguf_reader.cache_clear()  # its memory map would keep the file's pages resident
+        return_freed_heap()
         self._num_failed_steps = 0
 
     @classmethod

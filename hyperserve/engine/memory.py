@@ -1,4 +1,4 @@
-"""Sizing the KV pool on CUDA from gpu_memory_utilization.
+"""Sizing the KV pool on CUDA from gpu_memory_utilization, and handing memory back after loading.
 
 The pool gets what is left of utilization x the GPU's memory after the weights, the activations of
 the largest step and what lives outside PyTorch's allocator (the CUDA context, cuBLAS workspaces).
@@ -10,6 +10,7 @@ bucket at decode sizes).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
@@ -56,3 +57,13 @@ def cuda_kv_cache_budget(model: LlamaForCausalLM, config: EngineConfig, max_mode
         raise ValueError(f"no GPU memory is left for the KV pool at gpu_memory_utilization={utilization}: "
                          "raise it, lower max_num_batched_tokens, or quantize the weights (quantization='fp8')")
     return budget
+
+
+def return_freed_heap() -> None:
+    """Give the C heap's free pages back to the OS. Loading builds the model in float32 and
+    quantizing frees those copies, but glibc keeps freed heap pages mapped: 250 MB of SmolLM2's
+    1.1 GB after loading. A no-op where the C library has no malloc_trim."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -32,11 +32,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        xf = x.float()  # half precision: normalise in float32 as transformers does
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        """One fused op; in half precision it normalises in float32, as transformers does (which
+        rounds once more before the weight: the difference is within one half-precision step)."""
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -61,12 +59,10 @@ class LlamaAttention(nn.Module):
         self.backend = backend
 
     def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)  # x [T, hidden]
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(cos_sin, q, k)
-        out = self.backend(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
+        qk, v = self.qkv_proj(x).split([self.shard_sizes[0] + self.shard_sizes[1], self.shard_sizes[2]], dim=-1)
+        qk = self.rotary(cos_sin, qk.unflatten(-1, (-1, self.head_dim)))  # [T, H + Hkv, D]
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
+        out = self.backend(q, k, v.unflatten(-1, (-1, self.head_dim)), kv_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.flatten(1))
 
 
@@ -134,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], before the final norm
         hidden = self.model.embed_tokens(input_ids)
-        cos_sin = self.model.rotary.cos_sin_for(positions)  # once per step, shared by every layer
+        cos_sin = self.model.rotary.cos_sin_for(positions, hidden.dtype)  # once per step, for every layer
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden = layer(cos_sin, hidden, kv_cache, meta)
         return hidden
