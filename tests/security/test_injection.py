@@ -26,11 +26,28 @@ def held_out():
 
 def test_classifier_beats_the_keyword_baseline_on_held_out_families(held_out):
     texts, labels = held_out
+    import asyncio
+
     detector = InjectionDetector(Embedder())
-    ours = [detector.judge(t, p).flagged for t, p in zip(texts, detector.probabilities(texts))]
+    ours = [asyncio.run(detector.judge_async([t])).flagged for t in texts]  # as the guardrail judges
     baseline = [keyword_baseline(t) for t in texts]
-    assert _f1(ours, labels) > _f1(baseline, labels) + 0.1
-    assert _f1(ours, labels) >= 0.85
+    assert _f1(ours, labels) > _f1(baseline, labels) + 0.3
+    assert _f1(ours, labels) >= 0.65  # held-out families include other languages and planted instructions
+
+
+def test_detection_generalises_to_a_public_set_it_never_saw():
+    """bastioncorpus (PyPI, MIT): attacks in five languages, direct and in tool output, and benign
+    look-alikes; none of its texts is in our training data."""
+    import asyncio
+
+    bastioncorpus = pytest.importorskip("bastioncorpus")
+    from hyperserve.common.embedder import shared_embedder
+
+    path = Path(bastioncorpus.__file__).with_name("corpus") / "injections.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    detector = InjectionDetector(shared_embedder())
+    flagged = [asyncio.run(detector.judge_async([r["text"]])).flagged for r in rows]
+    assert _f1(flagged, [int(r["label"] == "malicious") for r in rows]) >= 0.85
 
 
 def test_the_embedder_computes_single_threaded_without_limiting_other_threads():
@@ -96,11 +113,19 @@ def test_every_user_and_tool_message_is_read_not_only_the_newest(detector, subtl
 def test_sentences_are_judged_apart_and_a_long_one_in_overlapping_windows(detector):
     from hyperserve.security.injection import CHUNK_TOKENS
 
-    assert detector.chunks("First one. Second one!\nThird\u3002Fourth") == [
-        "First one.", "Second one!", "Third\u3002", "Fourth"]
+    assert detector.chunks("First one. Second one!\nThird\u3002Fourth, at a.b@c.org for 3.14 s") == [
+        "First one.", "Second one!", "Third\u3002", "Fourth, at a.b@c.org for 3.14 s"]
     text = " ".join(f"w{i}" for i in range(3000))  # one sentence of ~9,000 tokens
     windows = detector.chunks(text)
     assert windows[0].startswith("w0 ") and windows[-1].endswith("w2999")
     assert all(len(detector.embedder.tokenizer(w, add_special_tokens=False).input_ids) <= CHUNK_TOKENS
                for w in windows)
     assert all(a.split()[-1] in b for a, b in zip(windows, windows[1:]))  # each cut lies inside the next window
+
+
+def test_the_work_per_request_is_bounded_by_max_chunks(detector):
+    """A 4 MiB run-on sentence is cut to MAX_CHUNKS windows before it is tokenized whole."""
+    from hyperserve.security.injection import MAX_CHUNKS
+
+    assert len(detector.chunks("a." * 2**21)) == MAX_CHUNKS
+    assert len(detector._all_windows([f"Line {i} of a long report." for i in range(3000)])) == MAX_CHUNKS
