@@ -6,7 +6,7 @@ Two workloads of greedy requests, run one at a time:
 Each method runs in a fresh engine; decode tokens/s counts output tokens after the first over
 the time from the first token to the last, so prefill time (the same for all) is left out.
 
-    python benchmarks/speculative.py [--max-tokens 128] [--methods none ngram self self:27]
+    python benchmarks/speculative.py [--max-tokens 128] [--num-tokens 5] [--methods none ngram self self:27]
 """
 
 from __future__ import annotations
@@ -50,13 +50,13 @@ CHAT = [
 ]
 
 
-def run(method: str, workloads: dict[str, list[str]], max_tokens: int) -> dict:
+def run(method: str, workloads: dict[str, list[str]], max_tokens: int, num_tokens: int) -> dict:
     from hyperserve import LLM, SamplingParams
 
     speculative = None
     if method != "none":
         name, _, layers = method.partition(":")
-        speculative = {"method": name, "num_tokens": 5, **({"num_layers": int(layers)} if layers else {})}
+        speculative = {"method": name, "num_tokens": num_tokens, **({"num_layers": int(layers)} if layers else {})}
     llm = LLM(max_model_len=2048, kv_cache_memory_gb=0.5, speculative=speculative)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -86,6 +86,7 @@ def run(method: str, workloads: dict[str, list[str]], max_tokens: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--num-tokens", type=int, default=5, help="draft tokens per step at most")
     parser.add_argument("--methods", nargs="+", default=["none", "ngram", "self", "self:27"],
                         help="none, ngram, self or self:N (the target's first N layers draft)")
     parser.add_argument("--json", default="benchmarks/results/speculative.json")
@@ -94,7 +95,7 @@ def main() -> None:
     results = {}
     for method in args.methods:
         print(f"running {method} ...", flush=True)
-        results[method] = run(method, workloads, args.max_tokens)
+        results[method] = run(method, workloads, args.max_tokens, args.num_tokens)
 
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)
