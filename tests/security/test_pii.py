@@ -46,8 +46,8 @@ def test_streamed_redaction_never_emits_a_secret_split_across_chunks(seed):
 
 
 def test_a_stream_without_spaces_is_emitted_as_it_comes_not_at_the_end():
-    text = ("请联系张伟，邮箱jane.roe@example.org，电话13812345678。" + "我们明天上午十点在会议室见面，讨论下季度的计划。" * 6
-            + "卡号4111111111111111。")
+    text = ("请联系张伟，邮箱jane.roe@example.org，电话13812345678。"
+            + "我们明天上午十点在会议室见面，讨论下季度的计划。" * 6 + "卡号4111111111111111。")
     assert {f.kind for f in find_pii(text)} == {"EMAIL", "PHONE", "CARD"}
     redactor = Redactor()
     stream = StreamRedactor(lambda piece, findings: redactor.redact(piece, findings))

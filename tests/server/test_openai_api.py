@@ -48,12 +48,16 @@ def test_completion_with_string_list_and_token_prompts(client):
     assert ids.usage.prompt_tokens == 3
 
 
-def test_greedy_completion_equals_the_offline_engine(client, chat_prompt_ids):
+def test_greedy_completion_equals_the_offline_engine(client, smollm2_tokenizer):
     from hyperserve import LLM, SamplingParams
 
+    # a prompt that shares no prefix block with other tests' (chat prompts share the template's
+    # system turn): a prefix-cache hit would prefill fewer rows on the server, and int4 (this
+    # GGUF's default) computes a few rows with another kernel than many
+    prompt = smollm2_tokenizer("Lighthouse keepers on the northern islands kept a log of every ship that").input_ids
     llm = LLM(num_kv_blocks=64, max_model_len=1024)
-    expected = llm.generate([chat_prompt_ids[0]], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
-    r = client.completions.create(model=MODEL, prompt=chat_prompt_ids[0], max_tokens=24, temperature=0)
+    expected = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
     assert r.choices[0].text == expected[0].outputs[0].text
 
 
