@@ -102,7 +102,8 @@ class BlockPool:
         if block_hash not in self._block_of and block_id not in self._hash_of:
             self._block_of[block_hash] = block_id
             self._hash_of[block_id] = block_hash
-            if self._free_uncached.pop(block_id, False) is None:  # an idle block: now a cached one
+            if block_id in self._free_uncached:  # an idle block: now a cached one
+                del self._free_uncached[block_id]
                 self._free_cached[block_id] = None
 
     def reset_cache(self) -> None:

@@ -10,9 +10,9 @@ int4 kernel needs to be fast. The LM head gets int8 weights instead (below): in 
 
 Both quantized layers run their packed kernel only for small batches (decode and speculative
 verification, up to `QUANTIZED_MAX_ROWS` rows): bandwidth-bound, they gain from reading fewer
-bytes. Larger batches (prefill, wide decode batches) are compute-bound and run a dense copy of the same dequantized
-weights in the CPU's fastest dense type (bfloat16 where the CPU multiplies it natively, see
-`dense_dtype`), so weight memory is the packed copy plus the dense one.
+bytes. Larger batches (prefill, wide decode batches) are compute-bound and run a dense copy of
+the same dequantized weights in the CPU's fastest dense type (bfloat16 where the CPU multiplies
+it natively, see `dense_dtype`), so weight memory is the packed copy plus the dense one.
 
 `int8` (and int4's head): int8 weights with one scale per output channel, run by PyTorch's x86 quantized engine
 (fbgemm) as dynamic linears: each call quantizes its input to 8 bits with one scale for the

@@ -55,11 +55,12 @@ class LlamaAttention(nn.Module):
             self.num_heads * self.head_dim, config.hidden_size,
             bias=getattr(config, "attention_bias", False),
         )
+        self.qk_v_sizes = [self.shard_sizes[0] + self.shard_sizes[1], self.shard_sizes[2]]  # q and k rotate together
         self.rotary = rotary
         self.backend = backend
 
     def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        qk, v = self.qkv_proj(x).split([self.shard_sizes[0] + self.shard_sizes[1], self.shard_sizes[2]], dim=-1)
+        qk, v = self.qkv_proj(x).split(self.qk_v_sizes, dim=-1)  # x [T, hidden]
         qk = self.rotary(cos_sin, qk.unflatten(-1, (-1, self.head_dim)))  # [T, H + Hkv, D]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         out = self.backend(q, k, v.unflatten(-1, (-1, self.head_dim)), kv_cache, meta, self.scale)  # [T, H, D]

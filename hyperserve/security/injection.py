@@ -6,8 +6,9 @@ either says so.
 A request is judged over every user and tool message, whole, one sentence at a time (a sentence
 longer than CHUNK_TOKENS tokens in windows of that size, overlapping): an instruction planted in a
 document is classified on its own, where pooled over a page its embedding drowns in the benign
-text around it (80 of 80 held-out attacks planted in a report were found per sentence, none in
-200-token windows; the held-out F1 rose from 0.91 to 0.95). Verdicts are remembered per
+text around it (held-out attacks planted in a 2,000-token report are found per sentence, and were
+not in 200-token windows; on bastioncorpus, never seen, F1 rose from 0.70 to 0.87 with the
+multilingual training data, BENCHMARKS.md). Verdicts are remembered per
 sentence, so a conversation's earlier turns cost nothing when they come back. Past MAX_CHUNKS
 sentences (about 25,000 tokens of prose) the rest of a request is checked by the patterns only,
 which bounds the work one request can cause."""
@@ -66,8 +67,10 @@ class InjectionDetector:
         self._remembered: OrderedDict[bytes, float] = OrderedDict()  # window digest -> probability
 
     def probabilities(self, texts: list[str]) -> np.ndarray:
-        logits = self.embedder.embed(texts) @ self.coef + self.bias
-        return 1 / (1 + np.exp(-logits))
+        return self._classify(self.embedder.embed(texts))
+
+    def _classify(self, embeddings: np.ndarray) -> np.ndarray:
+        return 1 / (1 + np.exp(-(embeddings @ self.coef + self.bias)))
 
     def judge(self, text: str, probability: float, threshold: float = 0.5) -> InjectionVerdict:
         """`probability`: the classifier's, from `probabilities` (batched) or `judge_async`."""
@@ -117,10 +120,10 @@ class InjectionDetector:
         unknown = [(d, w) for d, w in zip(digests, windows) if d not in known]
         for start in range(0, len(unknown), BATCH):
             batch = unknown[start:start + BATCH]
-            logits = await self.embedder.embed_async([w for _, w in batch]) @ self.coef + self.bias
-            known.update((digest, float(1 / (1 + np.exp(-logit)))) for (digest, _), logit in zip(batch, logits))
-        self._remembered.update(known)
-        for digest in known:
+            probabilities = self._classify(await self.embedder.embed_async([w for _, w in batch]))
+            known.update((digest, float(p)) for (digest, _), p in zip(batch, probabilities))
+        for digest, probability in known.items():  # most recently used last
+            self._remembered[digest] = probability
             self._remembered.move_to_end(digest)
         while len(self._remembered) > REMEMBERED:
             self._remembered.popitem(last=False)
