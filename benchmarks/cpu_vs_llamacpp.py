@@ -9,7 +9,12 @@ tokens. Start-up is the time from launch to /health answering; RSS is the server
 after the load (peak in brackets).
 
     bash scripts/build_llama_cpp.sh          # once, ~6 minutes on 2 cores
-    python benchmarks/cpu_vs_llamacpp.py [--configs default default+compile float32]
+    python benchmarks/cpu_vs_llamacpp.py [--configs default default+compile float32] [--isa avx2]
+
+`--isa avx2` runs both sides' AVX2 code paths on a machine that has more: llama.cpp built for AVX2 +
+FMA only (LLAMA_CPP_ISA=avx2), PyTorch's kernels at ATEN_CPU_CAPABILITY=avx2 and HyperServe with
+AVX-512/AMX hidden (HYPERSERVE_MAX_ISA=avx2). The instructions are those of an AVX2-only CPU; the
+caches, memory and clock are not, so it stands in for that class without replacing it.
 
 Configurations as in benchmarks/quality.py, plus `default`: no flags at all (what `make serve` runs).
 """
@@ -35,7 +40,7 @@ import httpx  # noqa: E402
 from benchmarks.quality import engine_options, server_args, speed  # noqa: E402
 from hyperserve import LLM  # noqa: E402
 from hyperserve.bench.run import add_bench_args, run_from_args  # noqa: E402
-from hyperserve.layers.quantization import cpu_flags  # noqa: E402
+from hyperserve.layers.quantization import cpu_flags, hardware_cpu_flags  # noqa: E402
 from hyperserve.models.registry import resolve_model  # noqa: E402
 from tests.server.conftest import free_port  # noqa: E402
 
@@ -46,6 +51,9 @@ def cpu_header(threads: int) -> str:
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")), "unknown CPU")
     flags = " ".join(f for f in FLAGS_SHOWN if f in cpu_flags())
+    hidden = " ".join(f for f in FLAGS_SHOWN if f in hardware_cpu_flags() - cpu_flags())
+    if hidden:
+        flags += f" (AVX2 code paths only; the CPU also has {hidden})"
     return f"{model}, {os.cpu_count()} cores, {threads} threads; flags: {flags}; {datetime.date.today()}"
 
 
@@ -102,6 +110,7 @@ def serve_and_load(command: list[str], port: int) -> dict:
 def llama_cpp(gguf: Path, threads: int) -> dict:
     bin_dir = Path(subprocess.run(["bash", str(ROOT / "scripts" / "build_llama_cpp.sh")], capture_output=True,
                                   text=True, check=True).stdout.strip())
+    print(f"llama.cpp: {bin_dir}", file=sys.stderr)
     port = free_port()
     result = llama_bench(bin_dir, gguf, threads)
     result.update(serve_and_load([str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(threads),
@@ -122,14 +131,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["default", "default+compile", "float32"])
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_vs_llamacpp.json"))
+    parser.add_argument("--isa", choices=["native", "avx2"], default="native",
+                        help="avx2: both systems' AVX2 code paths, on a CPU that has more")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/cpu_vs_llamacpp[-ISA].json")
     args = parser.parse_args()
+    if args.isa == "avx2" and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":  # read when torch loads
+        os.environ.update(ATEN_CPU_CAPABILITY="avx2", HYPERSERVE_MAX_ISA="avx2", LLAMA_CPP_ISA="avx2")
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    suffix = "" if args.isa == "native" else f"-{args.isa}"
+    out = args.out or str(ROOT / "benchmarks" / "results" / f"cpu_vs_llamacpp{suffix}.json")
     source = resolve_model("smollm2-135m")
-    header = cpu_header(args.threads)
     results = {"llama.cpp": llama_cpp(source.path, args.threads)}
     for config in args.configs:
         results[f"hyperserve {config}"] = hyperserve(config)
-    Path(args.out).write_text(json.dumps({"machine": header, "results": results}, indent=2))
+    header = cpu_header(args.threads)
+    Path(out).write_text(json.dumps({"machine": header, "results": results}, indent=2))
     base = results["llama.cpp"]
     print(f"\nSmolLM2-135M-Instruct Q4_1 GGUF. {header}\n")
     columns = [("decode tok/s", "decode_tok_s", 1, "{:.1f}"),

@@ -27,6 +27,7 @@ from hyperserve.engine.request import Request
 from hyperserve.engine.sampler import SamplerOutput, SamplingBatch, gather_logprobs, sample, sampling_probs
 from hyperserve.engine.scheduler import SchedulerOutput
 from hyperserve.layers.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillSpan, allowed_keys
+from hyperserve.layers.fused_decode import FusedDecode
 from hyperserve.layers.quantization import QUANTIZED_MAX_ROWS
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
 
@@ -80,7 +81,8 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._compiled_decode = None
         self.decode_graphs = None
-        if config.model.compile:
+        self.fused_decode = self._fused_decode(config)
+        if config.model.compile and self.fused_decode is None:
             self._compiled_decode = torch.compile(self._decode_logits, dynamic=False)
             self._compile_decode_graphs()
         if self.device.type == "cuda" and not config.model.enforce_eager and model.attention_backend.ragged_decode:
@@ -90,6 +92,18 @@ class ModelRunner:
                                               model.sliding_window, self.device)
             with torch.inference_mode():
                 self.decode_graphs.capture()
+
+    def _fused_decode(self, config: EngineConfig) -> FusedDecode | None:
+        """The native one-call-per-layer decode for int4 models on the CPU, where it applies."""
+        if self.device.type != "cpu" or config.model.quantization != "int4":
+            return None
+        reason = FusedDecode.unsupported(self.model, self.kv_caches)
+        if reason is not None:
+            logger.info("decode steps run layer by layer in PyTorch: %s", reason)
+            return None
+        if config.model.compile:
+            logger.info("compile skipped: decode steps run the fused native layers, which are faster")
+        return FusedDecode(self.model)
 
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
                        ) -> torch.Tensor:
@@ -184,6 +198,9 @@ class ModelRunner:
         if decode_only and self.decode_graphs is not None and len(chunks) <= self.decode_graphs.max_batch:
             return self.decode_graphs.run([c.token_ids[0] for c in chunks], [c.start for c in chunks],
                                           [c.block_table for c in chunks])
+        if decode_only and self.fused_decode is not None and len(chunks) <= QUANTIZED_MAX_ROWS:
+            batch = self._prepare(chunks, None, ragged_decode=True)
+            return model.compute_logits(self.fused_decode(batch.input_ids, batch.positions, self.kv_caches, batch.attn))
         compiled = decode_only and self._compiled_decode is not None
         batch = self._prepare(chunks, model.sliding_window, model.attention_backend.ragged_decode,
                               min_blocks=2 if compiled else 1)

@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hyperserve import kernels
 
 logger = logging.getLogger("hyperserve.quantization")
 
@@ -49,7 +52,18 @@ QUANTIZED_MAX_ROWS = 16
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The instruction-set flags of this CPU, from /proc/cpuinfo (empty where there is none)."""
+    """The instruction-set flags our code paths may use. HYPERSERVE_MAX_ISA=avx2 hides AVX-512 and
+    AMX, so that an AVX-512 machine takes the AVX2-only class's paths (benchmarks/cpu_vs_llamacpp.py
+    --isa avx2)."""
+    flags = hardware_cpu_flags()
+    if os.environ.get("HYPERSERVE_MAX_ISA") == "avx2":
+        flags = frozenset(f for f in flags if not f.startswith(("avx512", "amx")))
+    return flags
+
+
+@functools.cache
+def hardware_cpu_flags() -> frozenset[str]:
+    """The CPU's flags, from /proc/cpuinfo (empty where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -82,7 +96,11 @@ class DenseForLargeBatches(nn.Module):
 
 
 class Int4Linear(DenseForLargeBatches):
-    """y = x W^T + b with W in 4 bits, groups of 32 along the input with a scale and a minimum."""
+    """y = x W^T + b with W in 4 bits, groups of 32 along the input with a scale and a minimum.
+
+    With the native CPU kernels (hyperserve.kernels) the weight is kept in GGUF's Q4_1 layout
+    (`q41`, see pack_q41) for `int4_linear` and the fused decode layer; without them, in PyTorch's
+    int4 pack for `_weight_int4pack_mm_for_cpu` (bfloat16 activations)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dense: torch.dtype) -> None:
         super().__init__()
@@ -91,26 +109,49 @@ class Int4Linear(DenseForLargeBatches):
             raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP_SIZE}, got {in_features}")
         groups = weight.detach().float().reshape(out_features, -1, INT4_GROUP_SIZE)
         low, high = groups.amin(-1), groups.amax(-1)
-        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        # scale and minimum rounded to float16 as GGUF stores them (a Q4_1 checkpoint's come back exactly)
+        low = low.half().float()
+        scale = ((high - low) / 15).clamp(min=2**-24).half().float()
         codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15)
         dequantized = (codes * scale[..., None] + low[..., None]).reshape(out_features, in_features)
-        self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            codes.reshape(out_features, in_features).to(torch.int32), 1)
-        # the kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale; [groups, out, 2]
-        self._scale_zero = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().bfloat16()
+        self.native = kernels.available()
+        if self.native:
+            self.q41 = pack_q41(codes.to(torch.uint8), scale, low)
+            packed_bytes = self.q41.numel()
+        else:
+            self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                codes.reshape(out_features, in_features).to(torch.int32), 1)
+            # the kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale; [groups, out, 2]
+            self._scale_zero = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().bfloat16()
+            packed_bytes = self._packed.numel() + 2 * self._scale_zero.numel()
         self.dense_weight = dequantized.to(dense)
         self._bias = None if bias is None else bias.detach().bfloat16()
         self.in_features, self.out_features = in_features, out_features
-        self.num_bytes = (self._packed.numel() + 2 * self._scale_zero.numel()
-                          + self.dense_weight.numel() * self.dense_weight.element_size())
+        self.num_bytes = packed_bytes + self.dense_weight.numel() * self.dense_weight.element_size()
+
+    @property
+    def has_bias(self) -> bool:
+        return self._bias is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
         return out if self._bias is None else out + self._bias.to(out.dtype)
 
     def small_batch(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return torch.ops.hyperserve.int4_linear(x, self.q41)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self._packed, INT4_GROUP_SIZE, self._scale_zero)
+
+
+def pack_q41(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """codes [out, groups, 32] (0..15), scale and minimum [out, groups] -> the native kernels' rows
+    [out, in / 2 + 4 * groups] of uint8: each channel's codes (byte j of a group: code j in the low
+    nibble, code j + 16 in the high one), then its scales, then its minimums, in float16 as GGUF
+    stores them."""
+    nibbles = (codes[..., :16] | (codes[..., 16:] << 4)).flatten(1)
+    halves = [t.to(torch.float16).contiguous().view(torch.uint8) for t in (scale, low)]
+    return torch.cat([nibbles, *halves], dim=1).contiguous()
 
 
 class Int8Head(DenseForLargeBatches):

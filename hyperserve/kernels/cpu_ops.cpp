@@ -1,0 +1,487 @@
+// CPU kernels for decode-sized batches, where PyTorch's general kernels spend more time per call
+// than the work needs. Registered as torch.ops.hyperserve.*; loaded by hyperserve/kernels.
+//
+// int4 weights are GGUF's Q4_1: groups of 32 along the input, each with a scale d and a minimum m
+// (w = q * d + m, q in 0..15). One output channel is one row of bytes: its codes (byte j of a
+// group holds q[j] in the low nibble and q[j + 16] in the high one), then its scales, then its
+// minimums, both float16 as in the GGUF: 20 bytes per 32 weights, read as one stream.
+//
+// The input is quantized to 16 bits per group of 32 (scale dx, and its exact float sum s), so a
+// group's dot product is integer work:  sum_j w_j x_j = d * dx * sum_j q_j xq_j + m * s.
+// 16 bits rather than llama.cpp's 8: with 8-bit activations SmolLM2's decode perplexity rose
+// 1.8-3.1% over float32 (outlier channels take a group's whole range); with 16 it is within float
+// rounding of exact, for 1.3x the instructions. On AVX2 a group costs two _mm256_madd_epi16 per
+// row. The instruction set is picked at run time (`isa()`): one build serves AVX2 and AVX-512
+// machines alike; `portable=True` forces the plain C++ loops (tests, other CPUs).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define HYPERSERVE_X86 1
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kMaxGroups = 256;  // in_features up to 8192
+constexpr int64_t kRowTile = 4;      // input rows that share one unpacked weight group
+
+#ifdef HYPERSERVE_X86
+bool cpu_has_avx2() {
+  static const bool has =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return has;
+}
+#else
+bool cpu_has_avx2() { return false; }
+#endif
+
+// ---- int4 matrix times a few rows ----
+
+struct Int4Weight {  // one int4 linear: out_features rows of row_bytes
+  const uint8_t* data;
+  int64_t out_features, in_features, groups, row_bytes;
+
+  const uint8_t* codes(int64_t n) const { return data + n * row_bytes; }
+  const at::Half* scales(int64_t n) const { return reinterpret_cast<const at::Half*>(codes(n) + in_features / 2); }
+  const at::Half* mins(int64_t n) const { return scales(n) + groups; }
+};
+
+Int4Weight int4_weight(const at::Tensor& packed, int64_t in_features) {
+  TORCH_CHECK(in_features % kGroup == 0 && in_features <= kMaxGroups * kGroup,
+              "int4: in_features must be a multiple of 32, at most 8192");
+  const int64_t groups = in_features / kGroup, row_bytes = in_features / 2 + 4 * groups;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
+                  packed.size(1) == row_bytes,
+              "int4: weight must be contiguous uint8 [out_features, in_features / 2 + in_features / 8]");
+  return {packed.data_ptr<uint8_t>(), packed.size(0), in_features, groups, row_bytes};
+}
+
+struct QuantizedRows {  // the input, 16 bits per group of 32
+  std::vector<int16_t> codes;  // [M, K]
+  std::vector<float> scales;   // [M, K / 32]
+  std::vector<float> sums;     // [M, K / 32], exact float sums of each group
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in_features) {
+  const int64_t groups = in_features / kGroup;
+  QuantizedRows q{std::vector<int16_t>(rows * in_features), std::vector<float>(rows * groups),
+                  std::vector<float>(rows * groups)};
+  for (int64_t g = 0; g < rows * groups; ++g) {
+    const float* src = x + g * kGroup;
+    float amax = 0.f, sum = 0.f;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      amax = std::max(amax, std::fabs(src[j]));
+      sum += src[j];
+    }
+    // Division rather than a multiply by 1 / scale, whose rounding would break exact ties
+    // (frequent with bfloat16 inputs) towards zero.
+    const float scale = amax / 32767.f;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      q.codes[g * kGroup + j] = scale > 0.f ? static_cast<int16_t>(std::nearbyint(src[j] / scale)) : 0;
+    }
+    q.scales[g] = scale;
+    q.sums[g] = sum;
+  }
+  return q;
+}
+
+// Channel n against R input rows from row0: `ds` holds each row's combined scales d[g] * dx[g],
+// `tail` each row's minimum term sum_g m[g] * s[g].
+void q4_rows_portable(const uint8_t* w, const float* ds, const float* tail, const QuantizedRows& x, int64_t row0,
+                      int64_t R, int64_t groups, float* out, int64_t out_stride) {
+  const int64_t in_features = groups * kGroup;
+  for (int64_t r = 0; r < R; ++r) {
+    const int16_t* xq = x.codes.data() + (row0 + r) * in_features;
+    float total = tail[r];
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t dot = 0;
+      for (int64_t j = 0; j < kGroup / 2; ++j) {
+        const uint8_t byte = w[g * kGroup / 2 + j];
+        dot += (byte & 0x0F) * xq[g * kGroup + j] + (byte >> 4) * xq[g * kGroup + j + kGroup / 2];
+      }
+      total += ds[r * groups + g] * static_cast<float>(dot);
+    }
+    out[r * out_stride] = total;
+  }
+}
+
+void scales_portable(const Int4Weight& w, int64_t n, const QuantizedRows& x, int64_t row0, int64_t R, float* ds,
+                     float* tail) {
+  const at::Half* d = w.scales(n);
+  const at::Half* m = w.mins(n);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* dx = x.scales.data() + (row0 + r) * w.groups;
+    const float* sx = x.sums.data() + (row0 + r) * w.groups;
+    tail[r] = 0.f;
+    for (int64_t g = 0; g < w.groups; ++g) {
+      ds[r * w.groups + g] = static_cast<float>(d[g]) * dx[g];
+      tail[r] += static_cast<float>(m[g]) * sx[g];
+    }
+  }
+}
+
+#ifdef HYPERSERVE_X86
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+AVX2 inline float half_to_float(at::Half h) { return _cvtsh_ss(h.x); }
+
+AVX2 void scales_avx2(const Int4Weight& w, int64_t n, const QuantizedRows& x, int64_t row0, int64_t R, float* ds,
+                      float* tail) {
+  const at::Half* d = w.scales(n);
+  const at::Half* m = w.mins(n);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* dx = x.scales.data() + (row0 + r) * w.groups;
+    const float* sx = x.sums.data() + (row0 + r) * w.groups;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= w.groups; g += 8) {
+      const __m256 dg = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g)));
+      const __m256 mg = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g)));
+      _mm256_storeu_ps(ds + r * w.groups + g, _mm256_mul_ps(dg, _mm256_loadu_ps(dx + g)));
+      acc = _mm256_fmadd_ps(mg, _mm256_loadu_ps(sx + g), acc);
+    }
+    float t = hsum(acc);
+    for (; g < w.groups; ++g) {
+      ds[r * w.groups + g] = half_to_float(d[g]) * dx[g];
+      t += half_to_float(m[g]) * sx[g];
+    }
+    tail[r] = t;
+  }
+}
+
+template <int R>
+AVX2 void q4_rows_avx2(const uint8_t* w, const float* ds, const float* tail, const QuantizedRows& x, int64_t row0,
+                       int64_t groups, float* out, int64_t out_stride) {
+  const int64_t in_features = groups * kGroup;
+  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {  // each weight group is unpacked once, used R times
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * kGroup / 2));
+    const __m256i low = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low_nibbles));  // q[0..15]
+    const __m256i high = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles));
+    for (int r = 0; r < R; ++r) {
+      const int16_t* xq = x.codes.data() + (row0 + r) * in_features + g * kGroup;
+      const __m256i dot = _mm256_add_epi32(
+          _mm256_madd_epi16(low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq))),
+          _mm256_madd_epi16(high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + kGroup / 2))));
+      acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(ds + r * groups + g), _mm256_cvtepi32_ps(dot), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]) + tail[r];
+}
+#endif
+
+// One output channel against every input row, `kRowTile` rows at a time.
+void q4_channel(const Int4Weight& w, int64_t n, const QuantizedRows& x, int64_t rows, float* out,
+                int64_t out_stride, bool avx2) {
+  float ds[kRowTile * kMaxGroups], tail[kRowTile];
+  for (int64_t row0 = 0; row0 < rows; row0 += kRowTile) {
+    const int64_t R = std::min(kRowTile, rows - row0);
+    float* dst = out + row0 * out_stride;
+#ifdef HYPERSERVE_X86
+    if (avx2) {
+      scales_avx2(w, n, x, row0, R, ds, tail);
+      switch (R) {
+        case 4: q4_rows_avx2<4>(w.codes(n), ds, tail, x, row0, w.groups, dst, out_stride); continue;
+        case 3: q4_rows_avx2<3>(w.codes(n), ds, tail, x, row0, w.groups, dst, out_stride); continue;
+        case 2: q4_rows_avx2<2>(w.codes(n), ds, tail, x, row0, w.groups, dst, out_stride); continue;
+        default: q4_rows_avx2<1>(w.codes(n), ds, tail, x, row0, w.groups, dst, out_stride); continue;
+      }
+    }
+#endif
+    scales_portable(w, n, x, row0, R, ds, tail);
+    q4_rows_portable(w.codes(n), ds, tail, x, row0, R, w.groups, dst, out_stride);
+  }
+}
+
+// out [rows, out_features] = x W^T for float32 x [rows, in_features].
+void int4_matmul(const Int4Weight& w, const float* x, int64_t rows, float* out, bool avx2) {
+  const QuantizedRows q = quantize_rows(x, rows, w.in_features);
+  // Enough channels per task that each thread streams a long stretch of weights.
+  at::parallel_for(0, w.out_features, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) q4_channel(w, n, q, rows, out + n, w.out_features, avx2);
+  });
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, bool portable) {
+  TORCH_CHECK(x.dim() == 2, "int4_linear: x must be [rows, in_features]");
+  const Int4Weight w = int4_weight(weight, x.size(1));
+  const at::Tensor input = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({x.size(0), w.out_features}, x.options().dtype(at::kFloat));
+  int4_matmul(w, input.data_ptr<float>(), x.size(0), out.data_ptr<float>(), !portable && cpu_has_avx2());
+  return out.to(x.scalar_type());
+}
+
+// ---- attention of one new token per sequence over its paged K/V ----
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+inline float to_float(at::Half v) { return static_cast<float>(v); }
+
+template <typename T>
+float dot_portable(const float* q, const T* k, int64_t n) {
+  float acc = 0.f;
+  for (int64_t j = 0; j < n; ++j) acc += q[j] * to_float(k[j]);
+  return acc;
+}
+
+template <typename T>
+void axpy_portable(float a, const T* v, float* out, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] += a * to_float(v[j]);
+}
+
+#ifdef HYPERSERVE_X86
+AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+AVX2 inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+AVX2 inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is float32's upper half
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+template <typename T>
+AVX2 float dot_avx2(const float* q, const T* k, int64_t n) {  // n: a multiple of 8
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load8(k + j), acc);
+  return hsum(acc);
+}
+
+template <typename T>
+AVX2 void axpy_avx2(float a, const T* v, float* out, int64_t n) {
+  const __m256 scale = _mm256_set1_ps(a);
+  for (int64_t j = 0; j < n; j += 8) {
+    _mm256_storeu_ps(out + j, _mm256_fmadd_ps(scale, load8(v + j), _mm256_loadu_ps(out + j)));
+  }
+}
+#endif
+
+struct PagedKV {  // one layer's cache, [slots, kv_heads, head_dim], and one sequence's block table
+  int64_t block_size, num_kv_heads, head_dim;
+  const int64_t* block_table;
+
+  int64_t offset(int64_t t, int64_t kv_head) const {
+    const int64_t slot = block_table[t / block_size] * block_size + t % block_size;
+    return (slot * num_kv_heads + kv_head) * head_dim;
+  }
+};
+
+// q [D] (rotated, scaled) of one head against positions 0..length-1 -> out [D]: scores, softmax,
+// weighted sum of values. `scores` has room for `length` floats.
+template <typename T>
+void attend(const float* q, const T* keys, const T* values, const PagedKV& kv, int64_t length, int64_t kv_head,
+            float* scores, float* out, bool avx2) {
+  const int64_t d = kv.head_dim;
+  float best = -INFINITY;
+  for (int64_t t = 0; t < length; ++t) {
+    const T* k = keys + kv.offset(t, kv_head);
+#ifdef HYPERSERVE_X86
+    scores[t] = avx2 ? dot_avx2(q, k, d) : dot_portable(q, k, d);
+#else
+    scores[t] = dot_portable(q, k, d);
+#endif
+    best = std::max(best, scores[t]);
+  }
+  float total = 0.f;
+  for (int64_t t = 0; t < length; ++t) {
+    scores[t] = std::exp(scores[t] - best);
+    total += scores[t];
+  }
+  std::fill(out, out + d, 0.f);
+  for (int64_t t = 0; t < length; ++t) {
+    const T* v = values + kv.offset(t, kv_head);
+#ifdef HYPERSERVE_X86
+    if (avx2) {
+      axpy_avx2(scores[t] / total, v, out, d);
+      continue;
+    }
+#endif
+    axpy_portable(scores[t] / total, v, out, d);
+  }
+}
+
+// x [heads, D] rotated in place: x * cos + roll(x, D / 2) * signed_sin (signed_sin = [-s, s]).
+void rotate(float* x, int64_t heads, int64_t head_dim, const float* cos, const float* signed_sin) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = x + h * head_dim;
+    for (int64_t j = 0; j < half; ++j) {
+      const float a = v[j], b = v[j + half];
+      v[j] = a * cos[j] + b * signed_sin[j];
+      v[j + half] = b * cos[j + half] + a * signed_sin[j + half];
+    }
+  }
+}
+
+struct DecodeBatch {  // per token: its slot, its sequence's block table and context length
+  const int64_t* slots;
+  const int64_t* block_tables;
+  const int64_t* lengths;
+  int64_t max_blocks, block_size;
+};
+
+// qkv [rows, (H + 2 Hkv) D] -> out [rows, H D]: rotates q and k, stores k and v at each token's
+// slot, then attends every query head over its sequence's cached K/V.
+template <typename T>
+void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      const float* cos, const float* signed_sin, float scale, T* keys, T* values,
+                      const DecodeBatch& batch, float* out, bool avx2) {
+  const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim, kv_width = num_kv_heads * head_dim;
+  int64_t longest = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* q = qkv + r * width;
+    rotate(q, num_heads + num_kv_heads, head_dim, cos + r * head_dim, signed_sin + r * head_dim);
+    const float* k = q + num_heads * head_dim;
+    for (int64_t j = 0; j < kv_width; ++j) {
+      keys[batch.slots[r] * kv_width + j] = static_cast<T>(k[j]);
+      values[batch.slots[r] * kv_width + j] = static_cast<T>(k[kv_width + j]);
+    }
+    for (int64_t j = 0; j < num_heads * head_dim; ++j) q[j] *= scale;
+    longest = std::max(longest, batch.lengths[r]);
+  }
+  const bool vectorized = avx2 && head_dim % 8 == 0;
+  at::parallel_for(0, rows * num_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(longest);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / num_heads, h = i % num_heads;
+      const PagedKV kv{batch.block_size, num_kv_heads, head_dim, batch.block_tables + r * batch.max_blocks};
+      attend<T>(qkv + r * width + h * head_dim, keys, values, kv, batch.lengths[r], h / (num_heads / num_kv_heads),
+                scores.data(), out + i * head_dim, vectorized);
+    }
+  });
+}
+
+// ---- one Llama decoder layer ----
+
+void rms_norm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = x + r * dim;
+    float squares = 0.f;
+    for (int64_t j = 0; j < dim; ++j) squares += src[j] * src[j];
+    const float inverse = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
+    for (int64_t j = 0; j < dim; ++j) out[r * dim + j] = src[j] * inverse * weight[j];
+  }
+}
+
+// hidden [rows, dim] (float32, updated in place) through one Llama decoder layer, one new token
+// per row. weights: input norm, qkv, o, post-attention norm, gate_up, down (norms float32, the
+// projections int4 as above). K/V caches are [slots, kv_heads, head_dim] in float32, bfloat16 or
+// float16; token t of row r lives at slot block_tables[r][t / block_size] * block_size + t % block_size.
+void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& cos, const at::Tensor& signed_sin,
+                  at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slots, const at::Tensor& block_tables,
+                  const at::Tensor& lengths, int64_t block_size, int64_t num_heads, int64_t num_kv_heads, double eps,
+                  double scale) {
+  TORCH_CHECK(weights.size() == 6, "decode_layer: expected 6 weights (norm, qkv, o, norm, gate_up, down)");
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && hidden.dim() == 2,
+              "decode_layer: hidden must be contiguous float32 [rows, dim]");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.scalar_type() == value_cache.scalar_type() &&
+                  key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 3 &&
+                  key_cache.size(1) == num_kv_heads && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+              "decode_layer: K/V caches must be contiguous [slots, kv_heads, head_dim] of one dtype");
+  const int64_t rows = hidden.size(0), dim = hidden.size(1), head_dim = key_cache.size(2);
+  const int64_t qkv_features = (num_heads + 2 * num_kv_heads) * head_dim;
+  for (int i : {0, 3}) {
+    TORCH_CHECK(weights[i].scalar_type() == at::kFloat && weights[i].is_contiguous() && weights[i].numel() == dim,
+                "decode_layer: norm weights must be contiguous float32 [dim]");
+  }
+  const Int4Weight qkv = int4_weight(weights[1], dim), o = int4_weight(weights[2], num_heads * head_dim);
+  const Int4Weight gate_up = int4_weight(weights[4], dim);
+  const int64_t intermediate = gate_up.out_features / 2;
+  const Int4Weight down = int4_weight(weights[5], intermediate);
+  TORCH_CHECK(head_dim % 2 == 0 && qkv.out_features == qkv_features && o.out_features == dim &&
+                  down.out_features == dim,
+              "decode_layer: weight shapes do not fit the layer");
+  for (const at::Tensor* t : {&cos, &signed_sin}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == rows * head_dim,
+                "decode_layer: cos and sin must be contiguous float32 [rows, head_dim]");
+  }
+  for (const at::Tensor* t : {&slots, &block_tables, &lengths}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->size(0) == rows,
+                "decode_layer: slots, block tables and lengths must be contiguous int64, one row per token");
+  }
+  TORCH_CHECK(block_tables.dim() == 2 && block_size > 0, "decode_layer: block tables must be [rows, max_blocks]");
+  const DecodeBatch batch{slots.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(),
+                          block_tables.size(1), block_size};
+  const int64_t num_slots = key_cache.size(0);
+  for (int64_t r = 0; r < rows; ++r) {  // an index out of range would write outside the cache
+    const int64_t length = batch.lengths[r];
+    TORCH_CHECK(batch.slots[r] >= 0 && batch.slots[r] < num_slots && length >= 1 &&
+                    length <= batch.max_blocks * block_size,
+                "decode_layer: slot or context length out of range");
+    for (int64_t b = 0; b < (length + block_size - 1) / block_size; ++b) {
+      const int64_t block = batch.block_tables[r * batch.max_blocks + b];
+      TORCH_CHECK(block >= 0 && (block + 1) * block_size <= num_slots, "decode_layer: block out of range");
+    }
+  }
+
+  const bool avx2 = cpu_has_avx2();
+  float* h = hidden.data_ptr<float>();
+  std::vector<float> x(rows * std::max(dim, intermediate));
+  std::vector<float> wide(rows * std::max(qkv_features, 2 * intermediate));
+  std::vector<float> attended(rows * num_heads * head_dim), projected(rows * dim);
+
+  rms_norm(h, weights[0].data_ptr<float>(), rows, dim, static_cast<float>(eps), x.data());
+  int4_matmul(qkv, x.data(), rows, wide.data(), avx2);
+  const auto attend_all = [&](auto* keys, auto* values) {
+    decode_attention(wide.data(), rows, num_heads, num_kv_heads, head_dim, cos.data_ptr<float>(),
+                     signed_sin.data_ptr<float>(), static_cast<float>(scale), keys, values, batch, attended.data(),
+                     avx2);
+  };
+  switch (key_cache.scalar_type()) {
+    case at::kFloat: attend_all(key_cache.data_ptr<float>(), value_cache.data_ptr<float>()); break;
+    case at::kBFloat16:
+      attend_all(key_cache.data_ptr<at::BFloat16>(), value_cache.data_ptr<at::BFloat16>());
+      break;
+    case at::kHalf: attend_all(key_cache.data_ptr<at::Half>(), value_cache.data_ptr<at::Half>()); break;
+    default: TORCH_CHECK(false, "decode_layer: K/V caches must be float32, bfloat16 or float16");
+  }
+  int4_matmul(o, attended.data(), rows, projected.data(), avx2);
+  for (int64_t i = 0; i < rows * dim; ++i) h[i] += projected[i];
+
+  rms_norm(h, weights[3].data_ptr<float>(), rows, dim, static_cast<float>(eps), x.data());
+  int4_matmul(gate_up, x.data(), rows, wide.data(), avx2);
+  for (int64_t r = 0; r < rows; ++r) {  // silu(gate) * up
+    const float* gate = wide.data() + r * 2 * intermediate;
+    for (int64_t j = 0; j < intermediate; ++j) {
+      x[r * intermediate + j] = gate[j] / (1.f + std::exp(-gate[j])) * gate[j + intermediate];
+    }
+  }
+  int4_matmul(down, x.data(), rows, projected.data(), avx2);
+  for (int64_t i = 0; i < rows * dim; ++i) h[i] += projected[i];
+}
+
+std::string isa() { return cpu_has_avx2() ? "avx2" : "portable"; }
+
+}  // namespace
+
+TORCH_LIBRARY(hyperserve, m) {
+  m.def("int4_linear(Tensor x, Tensor weight, bool portable=False) -> Tensor");
+  m.def("decode_layer(Tensor(a!) hidden, Tensor[] weights, Tensor cos, Tensor signed_sin, Tensor(b!) key_cache, "
+        "Tensor(c!) value_cache, Tensor slots, Tensor block_tables, Tensor lengths, int block_size, int num_heads, "
+        "int num_kv_heads, float eps, float scale) -> ()");
+  m.def("isa() -> str", &isa);
+}
+
+TORCH_LIBRARY_IMPL(hyperserve, CPU, m) {
+  m.impl("int4_linear", &int4_linear);
+  m.impl("decode_layer", &decode_layer);
+}

@@ -1,0 +1,64 @@
+"""Decode steps of an int4 Llama on the CPU, one native call per decoder layer.
+
+At one token per sequence a decoder layer is ~20 small PyTorch ops whose dispatch costs more than
+their arithmetic: eager decoding of SmolLM2-135M spent half its time outside the matmuls.
+`hyperserve::decode_layer` (kernels/cpu_ops.cpp) runs a whole layer (norms, int4 projections,
+rotary, the K/V write, paged attention over the block tables, SwiGLU) in one call, in float32,
+reading K/V in place. Prefill, mixed steps and batches over QUANTIZED_MAX_ROWS keep the PyTorch
+path; `FusedDecode.unsupported` says why a model cannot use it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyperserve import kernels
+from hyperserve.layers.attention import AttentionMetadata, KVCache
+from hyperserve.layers.quantization import Int4Linear
+
+
+class FusedDecode:
+    """Runs decode-only steps of `model` (already int4-quantized) through decode_layer."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        config = model.config
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.eps = config.rms_norm_eps
+        self.scale = model.model.layers[0].self_attn.scale
+        self.layers = [self._weights(layer) for layer in model.model.layers]
+
+    @staticmethod
+    def unsupported(model: torch.nn.Module, kv_caches: list[KVCache]) -> str | None:
+        """Why the fused path cannot run this model (None: it can)."""
+        if not kernels.available():
+            return "the native CPU kernels are not built"
+        if kv_caches[0].quantized:
+            return "a quantized KV cache"
+        if model.sliding_window is not None:
+            return "sliding-window attention"
+        for layer in model.model.layers:
+            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if not all(isinstance(m, Int4Linear) and m.native and not m.has_bias for m in linears):
+                return "projections that are not bias-free native int4"
+        return None
+
+    @staticmethod
+    def _weights(layer: torch.nn.Module) -> list[torch.Tensor]:
+        attn, mlp = layer.self_attn, layer.mlp
+        return [layer.input_layernorm.weight.detach().float().contiguous(), attn.qkv_proj.q41, attn.o_proj.q41,
+                layer.post_attention_layernorm.weight.detach().float().contiguous(), mlp.gate_up_proj.q41,
+                mlp.down_proj.q41]
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] (in the model's dtype, before the final norm) of T decode tokens;
+        `meta` has one ragged decode group over every row."""
+        group = meta.decodes[0]
+        hidden = self.model.model.embed_tokens(input_ids).float()
+        cos, signed_sin = self.model.model.rotary.cos_sin_for(positions, torch.float32)
+        for weights, cache in zip(self.layers, kv_caches):
+            torch.ops.hyperserve.decode_layer(
+                hidden, weights, cos, signed_sin, cache.key, cache.value, meta.slot_mapping, group.block_tables,
+                group.context_lens, cache.block_size, self.num_heads, self.num_kv_heads, self.eps, self.scale)
+        return hidden.to(self.model.model.embed_tokens.weight.dtype)

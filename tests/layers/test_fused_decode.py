@@ -1,0 +1,77 @@
+"""The fused native decode layer against the layer-by-layer PyTorch path on the same weights."""
+
+import pytest
+import torch
+
+from hyperserve import LLM, SamplingParams, kernels
+from hyperserve.engine.model_runner import SeqChunk
+from tests.conftest import tiny_config
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels could not be built here")
+
+
+def _decode_both_ways(llm: LLM) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states after the last layer for one decode step of three sequences of different
+    lengths in scattered blocks, fused and then layer by layer (which rewrites the same slots
+    with the same K/V)."""
+    runner = llm.engine.runner
+    assert runner.fused_decode is not None
+    tables, lengths = [[5, 2], [0], [7, 3, 9]], [20, 7, 40]
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n + 1,), generator=generator).tolist() for n in lengths]
+    with torch.inference_mode():
+        for prompt, table, n in zip(prompts, tables, lengths):
+            runner.forward([SeqChunk(prompt[:n], 0, table, 1)])  # prefill through PyTorch
+        step = [SeqChunk([prompt[n]], n, table, 1) for prompt, table, n in zip(prompts, tables, lengths)]
+        batch = runner._prepare(step, None, ragged_decode=True)
+        fused = runner.fused_decode(batch.input_ids, batch.positions, runner.kv_caches, batch.attn)
+        batch = runner._prepare(step, None, ragged_decode=False)
+        plain = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.attn)
+    return fused.float(), plain.float()
+
+
+@pytest.mark.parametrize("num_heads", [4, 16])  # head_dim 16 (vectorized attention) and 4 (portable)
+def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, num_heads):
+    _, path = save_hf_model(tiny_config("llama", num_attention_heads=num_heads, num_key_value_heads=num_heads // 2))
+    fused, plain = _decode_both_ways(LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01))
+    assert (fused - plain).abs().max() <= 1e-3 * plain.abs().max()  # float rounding, 16-bit activations
+    assert not torch.equal(fused[0], fused[1])  # the rows are different sequences
+
+
+def test_fused_decode_reads_a_bfloat16_cache(save_hf_model):
+    """With int4's default bfloat16 the PyTorch path rounds activations to bfloat16; the fused
+    layer computes in float32 and agrees to bfloat16's precision."""
+    _, path = save_hf_model(tiny_config("llama"))
+    llm = LLM(model=path, quantization="int4", kv_cache_memory_gb=0.01)
+    assert llm.engine.runner.kv_caches[0].key.dtype == torch.bfloat16
+    fused, plain = _decode_both_ways(llm)
+    assert (fused - plain).norm() / plain.norm() < 0.02
+
+
+def test_greedy_generation_is_the_same_batched_or_alone(save_hf_model):
+    _, path = save_hf_model(tiny_config("llama"))
+    llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[1, 5, 9], [2, 200, 17, 33, 4, 8], [250]]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert together == alone
+    llm.engine.runner.fused_decode = None
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert plain == together
+
+
+@pytest.mark.parametrize(("arch", "options", "reason"), [
+    ("llama", dict(kv_cache_dtype="int8"), "quantized KV cache"),
+    ("mistral", dict(), "sliding-window"),
+    ("qwen2", dict(), "bias-free"),
+])
+def test_models_the_fused_layer_cannot_run_keep_the_pytorch_path(save_hf_model, arch, options, reason, caplog):
+    config = tiny_config(arch, sliding_window=8) if arch == "mistral" else tiny_config(arch)
+    _, path = save_hf_model(config)
+    with caplog.at_level("INFO", logger="hyperserve.runner"):
+        llm = LLM(model=path, quantization="int4", kv_cache_memory_gb=0.01, **options)
+    assert llm.engine.runner.fused_decode is None
+    assert reason in caplog.text
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
