@@ -198,9 +198,9 @@ class ModelRunner:
         if decode_only and self.decode_graphs is not None and len(chunks) <= self.decode_graphs.max_batch:
             return self.decode_graphs.run([c.token_ids[0] for c in chunks], [c.start for c in chunks],
                                           [c.block_table for c in chunks])
-        if decode_only and self.fused_decode is not None and len(chunks) <= QUANTIZED_MAX_ROWS:
-            batch = self._prepare(chunks, None, ragged_decode=True)
-            return model.compute_logits(self.fused_decode(batch.input_ids, batch.positions, self.kv_caches, batch.attn))
+        if (self.fused_decode is not None and model is self.model and kv_caches is None
+                and sum(len(c.token_ids) for c in chunks) <= QUANTIZED_MAX_ROWS):
+            return self._fused_forward(chunks)
         compiled = decode_only and self._compiled_decode is not None
         batch = self._prepare(chunks, model.sliding_window, model.attention_backend.ragged_decode,
                               min_blocks=2 if compiled else 1)
@@ -214,6 +214,26 @@ class ModelRunner:
         hidden = model(batch.input_ids, batch.positions, self.kv_caches if kv_caches is None else kv_caches,
                        batch.attn)
         return model.compute_logits(hidden[batch.logit_rows])
+
+    def _fused_forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """Logits of a small step through the fused layers: one row per token, each with its slot,
+        its sequence's block table and its context length."""
+        bs = self.block_size
+        input_ids, positions, slots, tables, lengths, logit_rows = [], [], [], [], [], []
+        for chunk in chunks:
+            row = len(input_ids)
+            for position, token in enumerate(chunk.token_ids, start=chunk.start):
+                input_ids.append(token)
+                positions.append(position)
+                slots.append(chunk.block_table[position // bs] * bs + position % bs)
+                tables.append(chunk.block_table)
+                lengths.append(position + 1)
+            logit_rows.extend(range(row + len(chunk.token_ids) - chunk.num_logits, row + len(chunk.token_ids)))
+        width = max(len(t) for t in tables)
+        long = lambda values: torch.tensor(values, dtype=torch.long)
+        hidden = self.fused_decode(long(input_ids), long(positions), long(slots),
+                                   long([t + [0] * (width - len(t)) for t in tables]), long(lengths), self.kv_caches)
+        return self.model.compute_logits(hidden[logit_rows])
 
     def _prepare(self, chunks: list[SeqChunk], sliding_window: int | None, ragged_decode: bool,
                  min_blocks: int = 1) -> ForwardBatch:

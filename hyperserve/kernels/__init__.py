@@ -66,6 +66,10 @@ def _register_fakes() -> None:
     def _(x, weight, portable=False):
         return x.new_empty((x.shape[0], weight.shape[0]))
 
+    @torch.library.register_fake("hyperserve::int4_dequantize")
+    def _(weight, in_features):
+        return weight.new_empty((weight.shape[0], in_features), dtype=torch.float32)
+
     @torch.library.register_fake("hyperserve::decode_layer")
     def _(hidden, weights, cos, signed_sin, key_cache, value_cache, slots, block_tables, lengths, block_size,
           num_heads, num_kv_heads, eps, scale):

@@ -231,6 +231,29 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, bool porta
   return out.to(x.scalar_type());
 }
 
+// The weight as float32 [out_features, in_features], for steps too large for the kernel above
+// (prefill): the caller multiplies it densely, so no dense copy lives beside the packed one.
+at::Tensor int4_dequantize(const at::Tensor& weight, int64_t in_features) {
+  const Int4Weight w = int4_weight(weight, in_features);
+  at::Tensor out = at::empty({w.out_features, in_features}, weight.options().dtype(at::kFloat));
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, w.out_features, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* codes = w.codes(n);
+      for (int64_t g = 0; g < w.groups; ++g) {
+        const float d = static_cast<float>(w.scales(n)[g]), m = static_cast<float>(w.mins(n)[g]);
+        float* row = dst + n * in_features + g * kGroup;
+        for (int64_t j = 0; j < kGroup / 2; ++j) {
+          const uint8_t byte = codes[g * kGroup / 2 + j];
+          row[j] = static_cast<float>(byte & 0x0F) * d + m;
+          row[j + kGroup / 2] = static_cast<float>(byte >> 4) * d + m;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // ---- attention of one new token per sequence over its paged K/V ----
 
 inline float to_float(float v) { return v; }
@@ -475,6 +498,7 @@ std::string isa() { return cpu_has_avx2() ? "avx2" : "portable"; }
 
 TORCH_LIBRARY(hyperserve, m) {
   m.def("int4_linear(Tensor x, Tensor weight, bool portable=False) -> Tensor");
+  m.def("int4_dequantize(Tensor weight, int in_features) -> Tensor");
   m.def("decode_layer(Tensor(a!) hidden, Tensor[] weights, Tensor cos, Tensor signed_sin, Tensor(b!) key_cache, "
         "Tensor(c!) value_cache, Tensor slots, Tensor block_tables, Tensor lengths, int block_size, int num_heads, "
         "int num_kv_heads, float eps, float scale) -> ()");
@@ -483,5 +507,6 @@ TORCH_LIBRARY(hyperserve, m) {
 
 TORCH_LIBRARY_IMPL(hyperserve, CPU, m) {
   m.impl("int4_linear", &int4_linear);
+  m.impl("int4_dequantize", &int4_dequantize);
   m.impl("decode_layer", &decode_layer);
 }

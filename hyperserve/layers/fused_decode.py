@@ -1,11 +1,14 @@
-"""Decode steps of an int4 Llama on the CPU, one native call per decoder layer.
+"""Small steps of an int4 Llama on the CPU, one native call per decoder layer.
 
-At one token per sequence a decoder layer is ~20 small PyTorch ops whose dispatch costs more than
+At a few tokens per step a decoder layer is ~20 small PyTorch ops whose dispatch costs more than
 their arithmetic: eager decoding of SmolLM2-135M spent half its time outside the matmuls.
 `hyperserve::decode_layer` (kernels/cpu_ops.cpp) runs a whole layer (norms, int4 projections,
 rotary, the K/V write, paged attention over the block tables, SwiGLU) in one call, in float32,
-reading K/V in place. Prefill, mixed steps and batches over QUANTIZED_MAX_ROWS keep the PyTorch
-path; `FusedDecode.unsupported` says why a model cannot use it.
+reading K/V in place. Every token is a row with its own slot, block table and context length, so
+one call serves decodes, speculative verification (k + 1 tokens of a sequence, each attending to
+those before it) and short prefill chunks alike, up to QUANTIZED_MAX_ROWS tokens; larger steps
+keep the PyTorch path (dense, compute-bound). `FusedDecode.unsupported` says why a model cannot
+use it.
 """
 
 from __future__ import annotations
@@ -13,12 +16,12 @@ from __future__ import annotations
 import torch
 
 from hyperserve import kernels
-from hyperserve.layers.attention import AttentionMetadata, KVCache
+from hyperserve.layers.attention import KVCache
 from hyperserve.layers.quantization import Int4Linear
 
 
 class FusedDecode:
-    """Runs decode-only steps of `model` (already int4-quantized) through decode_layer."""
+    """Runs small steps of `model` (already int4-quantized) through decode_layer."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -50,15 +53,15 @@ class FusedDecode:
                 layer.post_attention_layernorm.weight.detach().float().contiguous(), mlp.gate_up_proj.q41,
                 mlp.down_proj.q41]
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                 meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] (in the model's dtype, before the final norm) of T decode tokens;
-        `meta` has one ragged decode group over every row."""
-        group = meta.decodes[0]
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 block_tables: torch.Tensor, lengths: torch.Tensor, kv_caches: list[KVCache]) -> torch.Tensor:
+        """Hidden states [T, hidden] (in the model's dtype, before the final norm) of T tokens, each
+        with its cache slot, its sequence's block table (a row of block_tables, padded) and the
+        length of context it attends to, itself included."""
         hidden = self.model.model.embed_tokens(input_ids).float()
         cos, signed_sin = self.model.model.rotary.cos_sin_for(positions, torch.float32)
         for weights, cache in zip(self.layers, kv_caches):
-            torch.ops.hyperserve.decode_layer(
-                hidden, weights, cos, signed_sin, cache.key, cache.value, meta.slot_mapping, group.block_tables,
-                group.context_lens, cache.block_size, self.num_heads, self.num_kv_heads, self.eps, self.scale)
+            torch.ops.hyperserve.decode_layer(hidden, weights, cos, signed_sin, cache.key, cache.value, slots,
+                                              block_tables, lengths, cache.block_size, self.num_heads,
+                                              self.num_kv_heads, self.eps, self.scale)
         return hidden.to(self.model.model.embed_tokens.weight.dtype)

@@ -81,15 +81,17 @@ def dense_dtype() -> torch.dtype:
 
 
 class DenseForLargeBatches(nn.Module):
-    """A quantized linear for small batches, with a dense copy of its dequantized weight for more
-    than QUANTIZED_MAX_ROWS rows. Subclasses set `dense_weight` and implement `small_batch`."""
-
-    dense_weight: torch.Tensor
+    """A quantized linear for small batches that multiplies a dense weight (`dense()`, in
+    `dense_dtype`) for more than QUANTIZED_MAX_ROWS rows. Subclasses implement both."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > QUANTIZED_MAX_ROWS:
-            return F.linear(x.to(self.dense_weight.dtype), self.dense_weight).to(x.dtype)
+            weight = self.dense()
+            return F.linear(x.to(weight.dtype), weight).to(x.dtype)
         return self.small_batch(x).to(x.dtype)
+
+    def dense(self) -> torch.Tensor:
+        raise NotImplementedError
 
     def small_batch(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -98,9 +100,11 @@ class DenseForLargeBatches(nn.Module):
 class Int4Linear(DenseForLargeBatches):
     """y = x W^T + b with W in 4 bits, groups of 32 along the input with a scale and a minimum.
 
-    With the native CPU kernels (hyperserve.kernels) the weight is kept in GGUF's Q4_1 layout
-    (`q41`, see pack_q41) for `int4_linear` and the fused decode layer; without them, in PyTorch's
-    int4 pack for `_weight_int4pack_mm_for_cpu` (bfloat16 activations)."""
+    With the native CPU kernels (hyperserve.kernels) the weight is kept once, in GGUF's Q4_1 layout
+    (`q41`, see pack_q41), for `int4_linear` and the fused decode layer; larger steps dequantize it
+    per call (a few percent of a prefill's matmul time, and no dense copy held). Without them it
+    is kept in PyTorch's int4 pack for `_weight_int4pack_mm_for_cpu` (bfloat16 activations) and
+    as a dense copy for larger steps."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dense: torch.dtype) -> None:
         super().__init__()
@@ -113,21 +117,22 @@ class Int4Linear(DenseForLargeBatches):
         low = low.half().float()
         scale = ((high - low) / 15).clamp(min=2**-24).half().float()
         codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15)
-        dequantized = (codes * scale[..., None] + low[..., None]).reshape(out_features, in_features)
         self.native = kernels.available()
+        self.dense_dtype = dense
         if self.native:
             self.q41 = pack_q41(codes.to(torch.uint8), scale, low)
-            packed_bytes = self.q41.numel()
+            self.num_bytes = self.q41.numel()
         else:
             self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 codes.reshape(out_features, in_features).to(torch.int32), 1)
             # the kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale; [groups, out, 2]
             self._scale_zero = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().bfloat16()
-            packed_bytes = self._packed.numel() + 2 * self._scale_zero.numel()
-        self.dense_weight = dequantized.to(dense)
+            dequantized = (codes * scale[..., None] + low[..., None]).reshape(out_features, in_features)
+            self._dense = dequantized.to(dense)
+            self.num_bytes = (self._packed.numel() + 2 * self._scale_zero.numel()
+                              + self._dense.numel() * self._dense.element_size())
         self._bias = None if bias is None else bias.detach().bfloat16()
         self.in_features, self.out_features = in_features, out_features
-        self.num_bytes = packed_bytes + self.dense_weight.numel() * self.dense_weight.element_size()
 
     @property
     def has_bias(self) -> bool:
@@ -136,6 +141,11 @@ class Int4Linear(DenseForLargeBatches):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
         return out if self._bias is None else out + self._bias.to(out.dtype)
+
+    def dense(self) -> torch.Tensor:
+        if self.native:
+            return torch.ops.hyperserve.int4_dequantize(self.q41, self.in_features).to(self.dense_dtype)
+        return self._dense
 
     def small_batch(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
@@ -155,14 +165,18 @@ def pack_q41(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tor
 
 
 class Int8Head(DenseForLargeBatches):
-    """The LM head of an int4 model: int8 (per-channel scales) for decode batches, where the
-    dynamic activation scale covers one or a few tokens, and the dense copy above that."""
+    """The LM head of an int4 model: int8 (per-channel scales). Decode-sized batches run it as a
+    dynamic int8 linear, whose activation scale covers one or a few tokens; larger ones multiply
+    its dequantized weight (rarely needed: a step computes logits only for the tokens it samples)."""
 
     def __init__(self, weight: torch.Tensor, dense: torch.dtype) -> None:
         super().__init__()
         self._int8 = Int8Linear(weight, None)
-        self.dense_weight = weight.detach().to(dense)
-        self.num_bytes = self.dense_weight.numel() * self.dense_weight.element_size()  # _int8 counts itself
+        self.dense_dtype = dense
+        self.num_bytes = 0  # _int8 counts itself
+
+    def dense(self) -> torch.Tensor:
+        return torch.ops.quantized.linear_unpack(self._int8._packed)[0].dequantize().to(self.dense_dtype)
 
     def small_batch(self, x: torch.Tensor) -> torch.Tensor:
         return self._int8(x.float())

@@ -11,29 +11,32 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="the native CPU 
 
 
 def _decode_both_ways(llm: LLM) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hidden states after the last layer for one decode step of three sequences of different
-    lengths in scattered blocks, fused and then layer by layer (which rewrites the same slots
-    with the same K/V)."""
+    """Logits of one step, fused and then layer by layer (which rewrites the same slots with the
+    same K/V): three sequences of different lengths in scattered blocks, two decoding one token,
+    one verifying four (each attends to those before it)."""
     runner = llm.engine.runner
     assert runner.fused_decode is not None
-    tables, lengths = [[5, 2], [0], [7, 3, 9]], [20, 7, 40]
+    tables, lengths, new = [[5, 2], [0], [7, 3, 9]], [20, 7, 40], [1, 1, 4]
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 256, (n + 1,), generator=generator).tolist() for n in lengths]
+    prompts = [torch.randint(0, 256, (n + k,), generator=generator).tolist() for n, k in zip(lengths, new)]
     with torch.inference_mode():
         for prompt, table, n in zip(prompts, tables, lengths):
             runner.forward([SeqChunk(prompt[:n], 0, table, 1)])  # prefill through PyTorch
-        step = [SeqChunk([prompt[n]], n, table, 1) for prompt, table, n in zip(prompts, tables, lengths)]
-        batch = runner._prepare(step, None, ragged_decode=True)
-        fused = runner.fused_decode(batch.input_ids, batch.positions, runner.kv_caches, batch.attn)
-        batch = runner._prepare(step, None, ragged_decode=False)
-        plain = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.attn)
-    return fused.float(), plain.float()
+        step = [SeqChunk(prompt[n:], n, table, k) for prompt, table, n, k in zip(prompts, tables, lengths, new)]
+        fused = runner.forward(step)
+        runner.fused_decode, fused_decode = None, runner.fused_decode
+        plain = runner.forward(step)
+        runner.fused_decode = fused_decode
+    return fused, plain
 
 
 @pytest.mark.parametrize("num_heads", [4, 16])  # head_dim 16 (vectorized attention) and 4 (portable)
 def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, num_heads):
     _, path = save_hf_model(tiny_config("llama", num_attention_heads=num_heads, num_key_value_heads=num_heads // 2))
-    fused, plain = _decode_both_ways(LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01))
+    llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01)
+    llm.engine.runner.model.lm_head = None  # tied float32 logits: the int8 head's per-call scale would blur them
+    fused, plain = _decode_both_ways(llm)
+    assert fused.shape == (6, 256)
     assert (fused - plain).abs().max() <= 1e-3 * plain.abs().max()  # float rounding, 16-bit activations
     assert not torch.equal(fused[0], fused[1])  # the rows are different sequences
 

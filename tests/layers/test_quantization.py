@@ -36,7 +36,7 @@ def test_int4_reproduces_q4_1_weights_exactly_and_both_kernels_agree():
     torch.manual_seed(0)
     weight, bias = q4_1_weight(96, 128), torch.randn(96)
     linear = Int4Linear(weight, bias, torch.float32)
-    assert torch.equal(linear.dense_weight, weight)  # lossless for a Q4_1 checkpoint
+    assert torch.equal(linear.dense(), weight)  # lossless for a Q4_1 checkpoint
     for rows in (1, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS + 3):  # the int4 kernel, then the dense copy
         x = torch.randn(rows, 128)
         expected = F.linear(x.bfloat16().float(), weight, bias)
@@ -48,7 +48,7 @@ def test_int4_reproduces_q4_1_weights_exactly_and_both_kernels_agree():
 def test_int4_quantizes_any_float_weight_within_a_sixteenth_of_each_group_range():
     torch.manual_seed(0)
     weight = torch.randn(64, 96)
-    dense = Int4Linear(weight, None, torch.float32).dense_weight
+    dense = Int4Linear(weight, None, torch.float32).dense()
     groups = weight.reshape(64, 3, 32)
     step = ((groups.amax(-1) - groups.amin(-1)) / 15)[..., None]
     rounding = 1e-3 * (step + groups.abs().amax(-1, keepdim=True))  # scale and minimum are float16, as in GGUF
