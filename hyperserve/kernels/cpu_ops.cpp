@@ -34,7 +34,7 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kMaxGroups = 256;  // in_features up to 8192
-constexpr int64_t kRowTile = 4;      // input rows that share one unpacked weight group
+constexpr int64_t kRowTile = 8;      // input rows that share one unpacked weight group
 
 #ifdef HYPERSERVE_X86
 bool cpu_has_avx2() {
@@ -171,13 +171,11 @@ template <int R>
 AVX2 void q4_rows_avx2(const uint8_t* w, const float* ds, const float* tail, const QuantizedRows& x, int64_t row0,
                        int64_t groups, float* out, int64_t out_stride) {
   const int64_t in_features = groups * kGroup;
-  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {  // each weight group is unpacked once, used R times
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * kGroup / 2));
-    const __m256i low = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low_nibbles));  // q[0..15]
-    const __m256i high = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles));
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * kGroup / 2)));
+    const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), high = _mm256_srli_epi16(bytes, 4);
     for (int r = 0; r < R; ++r) {
       const int16_t* xq = x.codes.data() + (row0 + r) * in_features + g * kGroup;
       const __m256i dot = _mm256_add_epi32(
@@ -200,12 +198,12 @@ void q4_channel(const Int4Weight& w, int64_t n, const QuantizedRows& x, int64_t 
 #ifdef HYPERSERVE_X86
     if (avx2) {
       scales_avx2(w, n, x, row0, R, ds, tail);
-      switch (R) {
-        case 4: q4_rows_avx2<4>(w.codes(n), ds, tail, x, row0, w.groups, dst, out_stride); continue;
-        case 3: q4_rows_avx2<3>(w.codes(n), ds, tail, x, row0, w.groups, dst, out_stride); continue;
-        case 2: q4_rows_avx2<2>(w.codes(n), ds, tail, x, row0, w.groups, dst, out_stride); continue;
-        default: q4_rows_avx2<1>(w.codes(n), ds, tail, x, row0, w.groups, dst, out_stride); continue;
-      }
+      // the same summation order for any R: a row's result does not depend on its batch
+      static constexpr decltype(&q4_rows_avx2<1>) kernels[kRowTile] = {
+          q4_rows_avx2<1>, q4_rows_avx2<2>, q4_rows_avx2<3>, q4_rows_avx2<4>,
+          q4_rows_avx2<5>, q4_rows_avx2<6>, q4_rows_avx2<7>, q4_rows_avx2<8>};
+      kernels[R - 1](w.codes(n), ds, tail, x, row0, w.groups, dst, out_stride);
+      continue;
     }
 #endif
     scales_portable(w, n, x, row0, R, ds, tail);
