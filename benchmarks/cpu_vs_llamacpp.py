@@ -19,6 +19,8 @@ machines), so prefill is not representative; decode runs our AVX2 kernels. The c
 clock are not those of an AVX2-only CPU: this stands in for that class without replacing it.
 
 Configurations as in benchmarks/quality.py, plus `default`: no flags at all (what `make serve` runs).
+Decode is compared in turns (`--rounds`, medians; the decode ratio is against the llama-bench runs
+taken between ours), since this kind of VM drifts by 20% over minutes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -109,10 +112,14 @@ def serve_and_load(command: list[str], port: int) -> dict:
             "server16_output_tok_s": sixteen["output_token_throughput"], "rss_mb": rss, "peak_rss_mb": peak}
 
 
-def llama_cpp(gguf: Path, threads: int) -> dict:
+def llama_cpp_bin() -> Path:
     bin_dir = Path(subprocess.run(["bash", str(ROOT / "scripts" / "build_llama_cpp.sh")], capture_output=True,
                                   text=True, check=True).stdout.strip())
     print(f"llama.cpp: {bin_dir}", file=sys.stderr)
+    return bin_dir
+
+
+def llama_cpp(bin_dir: Path, gguf: Path, threads: int) -> dict:
     port = free_port()
     result = llama_bench(bin_dir, gguf, threads)
     result.update(serve_and_load([str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(threads),
@@ -120,9 +127,26 @@ def llama_cpp(gguf: Path, threads: int) -> dict:
     return result
 
 
-def hyperserve(config: str) -> dict:
+def paired_decode(llm: LLM, bin_dir: Path, gguf: Path, threads: int, rounds: int) -> tuple[float, float]:
+    """Median decode tok/s of ours and of llama-bench tg128, taken in turns: this VM's speed drifts
+    by 20% over minutes, which a ratio of two separate runs would carry."""
+    ours, theirs = [], []
+    for _ in range(rounds):
+        out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n",
+                              "128", "-r", "1", "-o", "json"], capture_output=True, text=True, check=True).stdout
+        theirs.append(json.loads(out)[0]["avg_ts"])
+        ours.append(speed(llm, decode_only=True)["decode_tok_s"])
+    return statistics.median(ours), statistics.median(theirs)
+
+
+def hyperserve(config: str, bin_dir: Path, gguf: Path, threads: int, rounds: int) -> dict:
     options = {} if config == "default" else engine_options(config.removeprefix("default+"))
-    result = speed(LLM(**options))
+    llm = LLM(**options)
+    result = speed(llm)
+    if rounds:
+        result["decode_tok_s"], result["paired_llama_decode_tok_s"] = paired_decode(llm, bin_dir, gguf, threads,
+                                                                                    rounds)
+    del llm
     port = free_port()
     flags = [] if config == "default" else server_args(config.removeprefix("default+"))
     result.update(serve_and_load([sys.executable, "-m", "hyperserve.cli", "serve", "--port", str(port), *flags], port))
@@ -133,6 +157,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["default", "float32"])
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="decode: medians of this many turns of llama-bench tg128 and ours (0: one run each)")
     parser.add_argument("--isa", choices=["native", "avx2"], default="native",
                         help="avx2: both systems' AVX2 code paths, on a CPU that has more")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/cpu_vs_llamacpp[-ISA].json")
@@ -143,9 +169,10 @@ def main() -> None:
     suffix = "" if args.isa == "native" else f"-{args.isa}"
     out = args.out or str(ROOT / "benchmarks" / "results" / f"cpu_vs_llamacpp{suffix}.json")
     source = resolve_model("smollm2-135m")
-    results = {"llama.cpp": llama_cpp(source.path, args.threads)}
+    bin_dir = llama_cpp_bin()
+    results = {"llama.cpp": llama_cpp(bin_dir, source.path, args.threads)}
     for config in args.configs:
-        results[f"hyperserve {config}"] = hyperserve(config)
+        results[f"hyperserve {config}"] = hyperserve(config, bin_dir, source.path, args.threads, args.rounds)
     header = cpu_header(args.threads)
     Path(out).write_text(json.dumps({"machine": header, "results": results}, indent=2))
     base = results["llama.cpp"]
@@ -168,7 +195,8 @@ def main() -> None:
                 if name != "llama.cpp":
                     cell += f", {r[key] / base[key]:.1f}x llama.cpp's"
             elif name != "llama.cpp" and better:  # ours over theirs, where above 1 is better for us
-                ratio = r[key] / base[key] if better > 0 else base[key] / r[key]
+                theirs = r.get("paired_llama_decode_tok_s", base[key]) if key == "decode_tok_s" else base[key]
+                ratio = r[key] / theirs if better > 0 else theirs / r[key]
                 cell += f" ({ratio:.2f}x)"
             cells.append(cell)
         print(f"| {name} | " + " | ".join(cells) + " |")

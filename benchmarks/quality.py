@@ -75,7 +75,7 @@ def logits_over(llm: LLM, token_ids: list[int], window: int, step: int) -> torch
     return torch.cat(rows)
 
 
-def speed(llm: LLM) -> dict:
+def speed(llm: LLM, decode_only: bool = False) -> dict:
     rng = random.Random(0)
 
     def prompt(n: int) -> list[int]:
@@ -85,6 +85,8 @@ def speed(llm: LLM) -> dict:
     out = llm.generate([prompt(32)], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True),
                        use_tqdm=False)[0].metrics
     decode = 127 / (out.finished_time - out.first_token_time)
+    if decode_only:
+        return {"decode_tok_s": decode}
     out = llm.generate([prompt(512)], SamplingParams(max_tokens=1), use_tqdm=False)[0].metrics
     prefill = 512 / (out.first_token_time - out.first_scheduled_time)
     start = time.perf_counter()
