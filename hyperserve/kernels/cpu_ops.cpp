@@ -116,15 +116,15 @@ void q4_rows_portable(const uint8_t* w, const float* ds, const float* tail, cons
   }
 }
 
+// ds[r][g] = d[g] * dx[r][g] and tail[r] += sum_g m[g] * s[r][g], for groups g from `from` on.
 void scales_portable(const Int4Weight& w, int64_t n, const QuantizedRows& x, int64_t row0, int64_t R, float* ds,
-                     float* tail) {
+                     float* tail, int64_t from = 0) {
   const at::Half* d = w.scales(n);
   const at::Half* m = w.mins(n);
   for (int64_t r = 0; r < R; ++r) {
     const float* dx = x.scales.data() + (row0 + r) * w.groups;
     const float* sx = x.sums.data() + (row0 + r) * w.groups;
-    tail[r] = 0.f;
-    for (int64_t g = 0; g < w.groups; ++g) {
+    for (int64_t g = from; g < w.groups; ++g) {
       ds[r * w.groups + g] = static_cast<float>(d[g]) * dx[g];
       tail[r] += static_cast<float>(m[g]) * sx[g];
     }
@@ -141,30 +141,25 @@ AVX2 inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-AVX2 inline float half_to_float(at::Half h) { return _cvtsh_ss(h.x); }
-
+// scales_portable eight groups at a time; the groups left over in plain C++.
 AVX2 void scales_avx2(const Int4Weight& w, int64_t n, const QuantizedRows& x, int64_t row0, int64_t R, float* ds,
                       float* tail) {
   const at::Half* d = w.scales(n);
   const at::Half* m = w.mins(n);
+  const int64_t vectorized = w.groups / 8 * 8;
   for (int64_t r = 0; r < R; ++r) {
     const float* dx = x.scales.data() + (row0 + r) * w.groups;
     const float* sx = x.sums.data() + (row0 + r) * w.groups;
     __m256 acc = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 8 <= w.groups; g += 8) {
+    for (int64_t g = 0; g < vectorized; g += 8) {
       const __m256 dg = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g)));
       const __m256 mg = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g)));
       _mm256_storeu_ps(ds + r * w.groups + g, _mm256_mul_ps(dg, _mm256_loadu_ps(dx + g)));
       acc = _mm256_fmadd_ps(mg, _mm256_loadu_ps(sx + g), acc);
     }
-    float t = hsum(acc);
-    for (; g < w.groups; ++g) {
-      ds[r * w.groups + g] = half_to_float(d[g]) * dx[g];
-      t += half_to_float(m[g]) * sx[g];
-    }
-    tail[r] = t;
+    tail[r] = hsum(acc);
   }
+  scales_portable(w, n, x, row0, R, ds, tail, vectorized);
 }
 
 template <int R>
@@ -206,6 +201,7 @@ void q4_channel(const Int4Weight& w, int64_t n, const QuantizedRows& x, int64_t 
       continue;
     }
 #endif
+    std::fill(tail, tail + R, 0.f);
     scales_portable(w, n, x, row0, R, ds, tail);
     q4_rows_portable(w.codes(n), ds, tail, x, row0, R, w.groups, dst, out_stride);
   }
