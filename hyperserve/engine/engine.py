@@ -101,7 +101,6 @@ class LLMEngine:
         self.proposer = build_proposer(spec, self.runner, self.kv_cache, draft) if spec.speculative_method else None
         self._groups: dict[str, _Group] = {}
         self.eos_token_ids = loader.load_eos_token_ids(source, self.hf_config, self.tokenizer)
-        loader.gguf_reader.cache_clear()  # its memory map would keep the file's pages resident
         return_freed_heap()
         self._num_failed_steps = 0
 

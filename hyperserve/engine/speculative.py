@@ -154,6 +154,5 @@ def build_proposer(config: SpeculativeConfig, runner: ModelRunner, kv_cache: KVC
 def _cost(model: LlamaForCausalLM, num_layers: int) -> float:
     """Weights read per decoded token with the first `num_layers` layers: what a CPU step costs."""
     per_layer = sum(p.numel() for p in model.model.layers[0].parameters())
-    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return num_layers * per_layer + head.numel()
+    return num_layers * per_layer + model.config.vocab_size * model.config.hidden_size  # + the LM head
 

@@ -62,12 +62,12 @@ def _load() -> None:
 def _register_fakes() -> None:
     """Shapes for torch.compile, which traces the ops without running them."""
 
-    @torch.library.register_fake("hyperserve::int4_linear")
-    def _(x, weight, portable=False):
+    @torch.library.register_fake("hyperserve::quantized_linear")
+    def _(x, weight, format, portable=False):
         return x.new_empty((x.shape[0], weight.shape[0]))
 
-    @torch.library.register_fake("hyperserve::int4_dequantize")
-    def _(weight, in_features):
+    @torch.library.register_fake("hyperserve::dequantize")
+    def _(weight, in_features, format):
         return weight.new_empty((weight.shape[0], in_features), dtype=torch.float32)
 
     @torch.library.register_fake("hyperserve::decode_layer")

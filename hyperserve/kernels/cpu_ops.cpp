@@ -1,10 +1,11 @@
 // CPU kernels for decode-sized batches, where PyTorch's general kernels spend more time per call
 // than the work needs. Registered as torch.ops.hyperserve.*; loaded by hyperserve/kernels.
 //
-// int4 weights are GGUF's Q4_1: groups of 32 along the input, each with a scale d and a minimum m
-// (w = q * d + m, q in 0..15). One output channel is one row of bytes: its codes (byte j of a
-// group holds q[j] in the low nibble and q[j + 16] in the high one), then its scales, then its
-// minimums, both float16 as in the GGUF: 20 bytes per 32 weights, read as one stream.
+// Weights come in two of GGUF's layouts, groups of 32 along the input, one output channel per row
+// of bytes read as one stream: its codes, then its float16 scales (and minimums), as in the GGUF.
+// - Q4_1 (the int4 projections): w = q * d + m, q in 0..15; byte j of a group holds q[j] in the low
+//   nibble and q[j + 16] in the high one. 20 bytes per 32 weights.
+// - Q8_0 (the embedding and LM head of an int4 model): w = q * d, q in -127..127. 34 bytes per 32.
 //
 // The input is quantized to 16 bits per group of 32 (scale dx, and its exact float sum s), so a
 // group's dot product is integer work:  sum_j w_j x_j = d * dx * sum_j q_j xq_j + m * s.
@@ -35,6 +36,7 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kMaxGroups = 256;  // in_features up to 8192
 constexpr int64_t kRowTile = 8;      // input rows that share one unpacked weight group
+constexpr int64_t kPrefetchRows = 4;   // channels fetched ahead of use
 
 #ifdef HYPERSERVE_X86
 bool cpu_has_avx2() {
@@ -46,25 +48,45 @@ bool cpu_has_avx2() {
 bool cpu_has_avx2() { return false; }
 #endif
 
-// ---- int4 matrix times a few rows ----
+// ---- quantized matrix times a few rows ----
 
-struct Int4Weight {  // one int4 linear: out_features rows of row_bytes
+enum class Format { kQ4_1, kQ8_0 };
+
+Format parse_format(const std::string& name) {
+  if (name == "q4_1") return Format::kQ4_1;
+  TORCH_CHECK(name == "q8_0", "quantized weights: format must be q4_1 or q8_0, got ", name);
+  return Format::kQ8_0;
+}
+
+struct QuantizedWeight {  // one quantized linear: out_features rows of row_bytes
   const uint8_t* data;
+  Format format;
   int64_t out_features, in_features, groups, row_bytes;
 
+  int64_t group_bytes() const { return format == Format::kQ4_1 ? kGroup / 2 : kGroup; }
   const uint8_t* codes(int64_t n) const { return data + n * row_bytes; }
-  const at::Half* scales(int64_t n) const { return reinterpret_cast<const at::Half*>(codes(n) + in_features / 2); }
-  const at::Half* mins(int64_t n) const { return scales(n) + groups; }
+  const at::Half* scales(int64_t n) const {
+    return reinterpret_cast<const at::Half*>(codes(n) + groups * group_bytes());
+  }
+  const at::Half* mins(int64_t n) const { return scales(n) + groups; }  // Q4_1 only
+  // code j of group g of channel n; Q8_0's are signed
+  int code(int64_t n, int64_t g, int64_t j) const {
+    const uint8_t* group = codes(n) + g * group_bytes();
+    if (format == Format::kQ8_0) return static_cast<int8_t>(group[j]);
+    return j < kGroup / 2 ? group[j] & 0x0F : group[j - kGroup / 2] >> 4;
+  }
 };
 
-Int4Weight int4_weight(const at::Tensor& packed, int64_t in_features) {
+QuantizedWeight quantized_weight(const at::Tensor& packed, int64_t in_features, Format format) {
   TORCH_CHECK(in_features % kGroup == 0 && in_features <= kMaxGroups * kGroup,
-              "int4: in_features must be a multiple of 32, at most 8192");
-  const int64_t groups = in_features / kGroup, row_bytes = in_features / 2 + 4 * groups;
+              "quantized weights: in_features must be a multiple of 32, at most 8192");
+  const int64_t groups = in_features / kGroup;
+  const int64_t row_bytes = format == Format::kQ4_1 ? in_features / 2 + 4 * groups : in_features + 2 * groups;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
                   packed.size(1) == row_bytes,
-              "int4: weight must be contiguous uint8 [out_features, in_features / 2 + in_features / 8]");
-  return {packed.data_ptr<uint8_t>(), packed.size(0), in_features, groups, row_bytes};
+              "quantized weights: expected contiguous uint8 [out_features, ", row_bytes, "] for in_features ",
+              in_features);
+  return {packed.data_ptr<uint8_t>(), format, packed.size(0), in_features, groups, row_bytes};
 }
 
 struct QuantizedRows {  // the input, 16 bits per group of 32
@@ -97,36 +119,32 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in_features) {
 }
 
 // Channel n against R input rows from row0: `ds` holds each row's combined scales d[g] * dx[g],
-// `tail` each row's minimum term sum_g m[g] * s[g].
-void q4_rows_portable(const uint8_t* w, const float* ds, const float* tail, const QuantizedRows& x, int64_t row0,
-                      int64_t R, int64_t groups, float* out, int64_t out_stride) {
-  const int64_t in_features = groups * kGroup;
+// `tail` each row's minimum term sum_g m[g] * s[g] (zero for Q8_0, which has no minimums).
+void rows_portable(const QuantizedWeight& w, int64_t n, const float* ds, const float* tail, const QuantizedRows& x,
+                   int64_t row0, int64_t R, float* out, int64_t out_stride) {
   for (int64_t r = 0; r < R; ++r) {
-    const int16_t* xq = x.codes.data() + (row0 + r) * in_features;
+    const int16_t* xq = x.codes.data() + (row0 + r) * w.in_features;
     float total = tail[r];
-    for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t g = 0; g < w.groups; ++g) {
       int32_t dot = 0;
-      for (int64_t j = 0; j < kGroup / 2; ++j) {
-        const uint8_t byte = w[g * kGroup / 2 + j];
-        dot += (byte & 0x0F) * xq[g * kGroup + j] + (byte >> 4) * xq[g * kGroup + j + kGroup / 2];
-      }
-      total += ds[r * groups + g] * static_cast<float>(dot);
+      for (int64_t j = 0; j < kGroup; ++j) dot += w.code(n, g, j) * xq[g * kGroup + j];
+      total += ds[r * w.groups + g] * static_cast<float>(dot);
     }
     out[r * out_stride] = total;
   }
 }
 
-// ds[r][g] = d[g] * dx[r][g] and tail[r] += sum_g m[g] * s[r][g], for groups g from `from` on.
-void scales_portable(const Int4Weight& w, int64_t n, const QuantizedRows& x, int64_t row0, int64_t R, float* ds,
-                     float* tail, int64_t from = 0) {
+// ds[r][g] = d[g] * dx[r][g] and tail[r] = sum_g m[g] * s[r][g].
+void scales_portable(const QuantizedWeight& w, int64_t n, const QuantizedRows& x, int64_t row0, int64_t R, float* ds,
+                     float* tail) {
   const at::Half* d = w.scales(n);
-  const at::Half* m = w.mins(n);
   for (int64_t r = 0; r < R; ++r) {
     const float* dx = x.scales.data() + (row0 + r) * w.groups;
     const float* sx = x.sums.data() + (row0 + r) * w.groups;
-    for (int64_t g = from; g < w.groups; ++g) {
+    tail[r] = 0.f;
+    for (int64_t g = 0; g < w.groups; ++g) {
       ds[r * w.groups + g] = static_cast<float>(d[g]) * dx[g];
-      tail[r] += static_cast<float>(m[g]) * sx[g];
+      if (w.format == Format::kQ4_1) tail[r] += static_cast<float>(w.mins(n)[g]) * sx[g];
     }
   }
 }
@@ -141,106 +159,174 @@ AVX2 inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// scales_portable eight groups at a time; the groups left over in plain C++.
-AVX2 void scales_avx2(const Int4Weight& w, int64_t n, const QuantizedRows& x, int64_t row0, int64_t R, float* ds,
-                      float* tail) {
+AVX2 inline __m256 load8_half(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+AVX2 inline float half_to_float(const at::Half h) { return _cvtsh_ss(h.x); }  // one instruction, not c10's bit twiddling
+
+// scales_portable, eight groups at a time.
+AVX2 void scales_avx2(const QuantizedWeight& w, int64_t n, const QuantizedRows& x, int64_t row0, int64_t R,
+                      float* ds, float* tail) {
   const at::Half* d = w.scales(n);
   const at::Half* m = w.mins(n);
+  const bool has_mins = w.format == Format::kQ4_1;
   const int64_t vectorized = w.groups / 8 * 8;
   for (int64_t r = 0; r < R; ++r) {
     const float* dx = x.scales.data() + (row0 + r) * w.groups;
     const float* sx = x.sums.data() + (row0 + r) * w.groups;
+    float* dsr = ds + r * w.groups;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t g = 0; g < vectorized; g += 8) {
-      const __m256 dg = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g)));
-      const __m256 mg = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g)));
-      _mm256_storeu_ps(ds + r * w.groups + g, _mm256_mul_ps(dg, _mm256_loadu_ps(dx + g)));
-      acc = _mm256_fmadd_ps(mg, _mm256_loadu_ps(sx + g), acc);
+      _mm256_storeu_ps(dsr + g, _mm256_mul_ps(load8_half(d + g), _mm256_loadu_ps(dx + g)));
+      if (has_mins) acc = _mm256_fmadd_ps(load8_half(m + g), _mm256_loadu_ps(sx + g), acc);
     }
-    tail[r] = hsum(acc);
+    float total = hsum(acc);
+    for (int64_t g = vectorized; g < w.groups; ++g) {
+      dsr[g] = half_to_float(d[g]) * dx[g];
+      if (has_mins) total += half_to_float(m[g]) * sx[g];
+    }
+    tail[r] = total;
   }
-  scales_portable(w, n, x, row0, R, ds, tail, vectorized);
 }
 
-template <int R>
-AVX2 void q4_rows_avx2(const uint8_t* w, const float* ds, const float* tail, const QuantizedRows& x, int64_t row0,
-                       int64_t groups, float* out, int64_t out_stride) {
-  const int64_t in_features = groups * kGroup;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {  // each weight group is unpacked once, used R times
-    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * kGroup / 2)));
-    const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), high = _mm256_srli_epi16(bytes, 4);
-    for (int r = 0; r < R; ++r) {
-      const int16_t* xq = x.codes.data() + (row0 + r) * in_features + g * kGroup;
-      const __m256i dot = _mm256_add_epi32(
-          _mm256_madd_epi16(low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq))),
-          _mm256_madd_epi16(high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + kGroup / 2))));
-      acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(ds + r * groups + g), _mm256_cvtepi32_ps(dot), acc[r]);
+// A group's 32 codes as two vectors of 16-bit lanes: codes 0..15 and 16..31.
+template <Format F>
+AVX2 inline void unpack_group(const uint8_t* group, __m256i& first, __m256i& second) {
+  if constexpr (F == Format::kQ4_1) {
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
+    first = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F));
+    second = _mm256_srli_epi16(bytes, 4);
+  } else {
+    first = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
+    second = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + kGroup / 2)));
+  }
+}
+
+// C channels from n against R input rows from row0: ds and tail hold channel c's row r at c * R + r.
+// Each (channel, row) pair has its own accumulator, summed over the groups in order, so neither a
+// row's batch nor the channel tiling changes its result; C > 1 gives a single row independent
+// chains to overlap (one chain waits on its multiply-add's latency every group).
+template <Format F, int R, int C>
+AVX2 void rows_avx2(const QuantizedWeight& w, int64_t n, const float* ds, const float* tail, const QuantizedRows& x,
+                    int64_t row0, float* out, int64_t out_stride) {
+  constexpr int64_t group_bytes = F == Format::kQ4_1 ? kGroup / 2 : kGroup;
+  const uint8_t* codes = w.codes(n);
+  const int64_t groups = w.groups, row_bytes = w.row_bytes;
+  const int16_t* xq = x.codes.data() + row0 * w.in_features;
+  __m256 acc[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int c = 0; c < C; ++c) {  // each weight group is unpacked once, used R times
+      __m256i first, second;
+      unpack_group<F>(codes + c * row_bytes + g * group_bytes, first, second);
+      for (int r = 0; r < R; ++r) {
+        const int16_t* group = xq + r * groups * kGroup + g * kGroup;
+        const __m256i dot = _mm256_add_epi32(
+            _mm256_madd_epi16(first, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group))),
+            _mm256_madd_epi16(second, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kGroup / 2))));
+        acc[c][r] =
+            _mm256_fmadd_ps(_mm256_broadcast_ss(ds + (c * R + r) * groups + g), _mm256_cvtepi32_ps(dot), acc[c][r]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]) + tail[r];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) out[r * out_stride + c] = hsum(acc[c][r]) + tail[c * R + r];
+}
+
+using RowsKernel = decltype(&rows_avx2<Format::kQ4_1, 1, 1>);
+
+template <Format F>
+RowsKernel rows_avx2_for(int64_t R, int64_t C) {
+  if (C == 4) return rows_avx2<F, 1, 4>;
+  if (C == 2) return rows_avx2<F, 2, 2>;
+  static constexpr RowsKernel kernels[kRowTile] = {
+      rows_avx2<F, 1, 1>, rows_avx2<F, 2, 1>, rows_avx2<F, 3, 1>, rows_avx2<F, 4, 1>,
+      rows_avx2<F, 5, 1>, rows_avx2<F, 6, 1>, rows_avx2<F, 7, 1>, rows_avx2<F, 8, 1>};
+  return kernels[R - 1];
 }
 #endif
 
-// One output channel against every input row, `kRowTile` rows at a time.
-void q4_channel(const Int4Weight& w, int64_t n, const QuantizedRows& x, int64_t rows, float* out,
-                int64_t out_stride, bool avx2) {
-  float ds[kRowTile * kMaxGroups], tail[kRowTile];
+// Channels per kernel call for a batch of `rows`: enough independent sums to keep the CPU busy.
+int64_t channel_tile(int64_t rows, bool avx2) { return !avx2 || rows > 2 ? 1 : 4 / rows; }
+
+// C channels from n against every input row, `kRowTile` rows at a time.
+void channels(const QuantizedWeight& w, int64_t n, int64_t C, const QuantizedRows& x, int64_t rows, float* out,
+              int64_t out_stride, bool avx2) {
+  float ds[kRowTile * kMaxGroups], tail[kRowTile];  // C * R <= kRowTile
   for (int64_t row0 = 0; row0 < rows; row0 += kRowTile) {
     const int64_t R = std::min(kRowTile, rows - row0);
     float* dst = out + row0 * out_stride;
 #ifdef HYPERSERVE_X86
     if (avx2) {
-      scales_avx2(w, n, x, row0, R, ds, tail);
-      // the same summation order for any R: a row's result does not depend on its batch
-      static constexpr decltype(&q4_rows_avx2<1>) kernels[kRowTile] = {
-          q4_rows_avx2<1>, q4_rows_avx2<2>, q4_rows_avx2<3>, q4_rows_avx2<4>,
-          q4_rows_avx2<5>, q4_rows_avx2<6>, q4_rows_avx2<7>, q4_rows_avx2<8>};
-      kernels[R - 1](w.codes(n), ds, tail, x, row0, w.groups, dst, out_stride);
+      for (int64_t c = 0; c < C; ++c) scales_avx2(w, n + c, x, row0, R, ds + c * R * w.groups, tail + c * R);
+      const RowsKernel kernel =
+          w.format == Format::kQ4_1 ? rows_avx2_for<Format::kQ4_1>(R, C) : rows_avx2_for<Format::kQ8_0>(R, C);
+      kernel(w, n, ds, tail, x, row0, dst, out_stride);
       continue;
     }
 #endif
-    std::fill(tail, tail + R, 0.f);
     scales_portable(w, n, x, row0, R, ds, tail);
-    q4_rows_portable(w.codes(n), ds, tail, x, row0, R, w.groups, dst, out_stride);
+    rows_portable(w, n, ds, tail, x, row0, R, dst, out_stride);
   }
 }
 
+// Fetch channel n's bytes ahead of use: streaming rows of a few hundred bytes each, the hardware
+// prefetcher alone left the kernel waiting on memory at the start of every row.
+inline void prefetch_rows(const QuantizedWeight& w, int64_t n, int64_t count, int64_t end) {
+  if (n >= end) return;
+  const char* first = reinterpret_cast<const char*>(w.codes(n));
+  const char* last = reinterpret_cast<const char*>(w.codes(std::min(n + count, end)));
+  for (const char* line = first; line < last; line += 64) __builtin_prefetch(line);
+}
+
 // out [rows, out_features] = x W^T for float32 x [rows, in_features].
-void int4_matmul(const Int4Weight& w, const float* x, int64_t rows, float* out, bool avx2) {
+void quantized_matmul(const QuantizedWeight& w, const float* x, int64_t rows, float* out, bool avx2) {
   const QuantizedRows q = quantize_rows(x, rows, w.in_features);
+  const int64_t tile = channel_tile(rows, avx2);
   // Enough channels per task that each thread streams a long stretch of weights.
   at::parallel_for(0, w.out_features, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) q4_channel(w, n, q, rows, out + n, w.out_features, avx2);
+    for (int64_t n = begin; n < end;) {
+      const int64_t C = end - n >= tile ? tile : 1;
+      prefetch_rows(w, n + kPrefetchRows, C, end);
+      channels(w, n, C, q, rows, out + n, w.out_features, avx2);
+      n += C;
+    }
   });
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, bool portable) {
-  TORCH_CHECK(x.dim() == 2, "int4_linear: x must be [rows, in_features]");
-  const Int4Weight w = int4_weight(weight, x.size(1));
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, const std::string& format,
+                            bool portable) {
+  TORCH_CHECK(x.dim() == 2, "quantized_linear: x must be [rows, in_features]");
+  const QuantizedWeight w = quantized_weight(weight, x.size(1), parse_format(format));
   const at::Tensor input = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({x.size(0), w.out_features}, x.options().dtype(at::kFloat));
-  int4_matmul(w, input.data_ptr<float>(), x.size(0), out.data_ptr<float>(), !portable && cpu_has_avx2());
+  quantized_matmul(w, input.data_ptr<float>(), x.size(0), out.data_ptr<float>(), !portable && cpu_has_avx2());
   return out.to(x.scalar_type());
 }
 
-// The weight as float32 [out_features, in_features], for steps too large for the kernel above
-// (prefill): the caller multiplies it densely, so no dense copy lives beside the packed one.
-at::Tensor int4_dequantize(const at::Tensor& weight, int64_t in_features) {
-  const Int4Weight w = int4_weight(weight, in_features);
+// The weight as float32 [out_features, in_features]: for steps too large for the kernel above
+// (prefill), which multiply it densely so that no dense copy lives beside the packed one, and for
+// embedding lookups of a few rows.
+at::Tensor dequantize(const at::Tensor& weight, int64_t in_features, const std::string& format) {
+  const QuantizedWeight w = quantized_weight(weight, in_features, parse_format(format));
   at::Tensor out = at::empty({w.out_features, in_features}, weight.options().dtype(at::kFloat));
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, w.out_features, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* codes = w.codes(n);
       for (int64_t g = 0; g < w.groups; ++g) {
-        const float d = static_cast<float>(w.scales(n)[g]), m = static_cast<float>(w.mins(n)[g]);
+        const uint8_t* group = w.codes(n) + g * w.group_bytes();
+        const float d = static_cast<float>(w.scales(n)[g]);
         float* row = dst + n * in_features + g * kGroup;
+        if (w.format == Format::kQ8_0) {
+          for (int64_t j = 0; j < kGroup; ++j) row[j] = static_cast<float>(static_cast<int8_t>(group[j])) * d;
+          continue;
+        }
+        const float m = static_cast<float>(w.mins(n)[g]);
         for (int64_t j = 0; j < kGroup / 2; ++j) {
-          const uint8_t byte = codes[g * kGroup / 2 + j];
-          row[j] = static_cast<float>(byte & 0x0F) * d + m;
-          row[j + kGroup / 2] = static_cast<float>(byte >> 4) * d + m;
+          row[j] = static_cast<float>(group[j] & 0x0F) * d + m;
+          row[j + kGroup / 2] = static_cast<float>(group[j] >> 4) * d + m;
         }
       }
     }
@@ -401,7 +487,7 @@ void rms_norm(const float* x, const float* weight, int64_t rows, int64_t dim, fl
 
 // hidden [rows, dim] (float32, updated in place) through one Llama decoder layer, one new token
 // per row. weights: input norm, qkv, o, post-attention norm, gate_up, down (norms float32, the
-// projections int4 as above). K/V caches are [slots, kv_heads, head_dim] in float32, bfloat16 or
+// projections Q4_1 as above). K/V caches are [slots, kv_heads, head_dim] in float32, bfloat16 or
 // float16; token t of row r lives at slot block_tables[r][t / block_size] * block_size + t % block_size.
 void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& cos, const at::Tensor& signed_sin,
                   at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slots, const at::Tensor& block_tables,
@@ -420,10 +506,11 @@ void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& c
     TORCH_CHECK(weights[i].scalar_type() == at::kFloat && weights[i].is_contiguous() && weights[i].numel() == dim,
                 "decode_layer: norm weights must be contiguous float32 [dim]");
   }
-  const Int4Weight qkv = int4_weight(weights[1], dim), o = int4_weight(weights[2], num_heads * head_dim);
-  const Int4Weight gate_up = int4_weight(weights[4], dim);
+  const QuantizedWeight qkv = quantized_weight(weights[1], dim, Format::kQ4_1);
+  const QuantizedWeight o = quantized_weight(weights[2], num_heads * head_dim, Format::kQ4_1);
+  const QuantizedWeight gate_up = quantized_weight(weights[4], dim, Format::kQ4_1);
   const int64_t intermediate = gate_up.out_features / 2;
-  const Int4Weight down = int4_weight(weights[5], intermediate);
+  const QuantizedWeight down = quantized_weight(weights[5], intermediate, Format::kQ4_1);
   TORCH_CHECK(head_dim % 2 == 0 && qkv.out_features == qkv_features && o.out_features == dim &&
                   down.out_features == dim,
               "decode_layer: weight shapes do not fit the layer");
@@ -457,7 +544,7 @@ void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& c
   std::vector<float> attended(rows * num_heads * head_dim), projected(rows * dim);
 
   rms_norm(h, weights[0].data_ptr<float>(), rows, dim, static_cast<float>(eps), x.data());
-  int4_matmul(qkv, x.data(), rows, wide.data(), avx2);
+  quantized_matmul(qkv, x.data(), rows, wide.data(), avx2);
   const auto attend_all = [&](auto* keys, auto* values) {
     decode_attention(wide.data(), rows, num_heads, num_kv_heads, head_dim, cos.data_ptr<float>(),
                      signed_sin.data_ptr<float>(), static_cast<float>(scale), keys, values, batch, attended.data(),
@@ -471,18 +558,18 @@ void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& c
     case at::kHalf: attend_all(key_cache.data_ptr<at::Half>(), value_cache.data_ptr<at::Half>()); break;
     default: TORCH_CHECK(false, "decode_layer: K/V caches must be float32, bfloat16 or float16");
   }
-  int4_matmul(o, attended.data(), rows, projected.data(), avx2);
+  quantized_matmul(o, attended.data(), rows, projected.data(), avx2);
   for (int64_t i = 0; i < rows * dim; ++i) h[i] += projected[i];
 
   rms_norm(h, weights[3].data_ptr<float>(), rows, dim, static_cast<float>(eps), x.data());
-  int4_matmul(gate_up, x.data(), rows, wide.data(), avx2);
+  quantized_matmul(gate_up, x.data(), rows, wide.data(), avx2);
   for (int64_t r = 0; r < rows; ++r) {  // silu(gate) * up
     const float* gate = wide.data() + r * 2 * intermediate;
     for (int64_t j = 0; j < intermediate; ++j) {
       x[r * intermediate + j] = gate[j] / (1.f + std::exp(-gate[j])) * gate[j + intermediate];
     }
   }
-  int4_matmul(down, x.data(), rows, projected.data(), avx2);
+  quantized_matmul(down, x.data(), rows, projected.data(), avx2);
   for (int64_t i = 0; i < rows * dim; ++i) h[i] += projected[i];
 }
 
@@ -491,8 +578,8 @@ std::string isa() { return cpu_has_avx2() ? "avx2" : "portable"; }
 }  // namespace
 
 TORCH_LIBRARY(hyperserve, m) {
-  m.def("int4_linear(Tensor x, Tensor weight, bool portable=False) -> Tensor");
-  m.def("int4_dequantize(Tensor weight, int in_features) -> Tensor");
+  m.def("quantized_linear(Tensor x, Tensor weight, str format, bool portable=False) -> Tensor");
+  m.def("dequantize(Tensor weight, int in_features, str format) -> Tensor");
   m.def("decode_layer(Tensor(a!) hidden, Tensor[] weights, Tensor cos, Tensor signed_sin, Tensor(b!) key_cache, "
         "Tensor(c!) value_cache, Tensor slots, Tensor block_tables, Tensor lengths, int block_size, int num_heads, "
         "int num_kv_heads, float eps, float scale) -> ()");
@@ -500,7 +587,7 @@ TORCH_LIBRARY(hyperserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(hyperserve, CPU, m) {
-  m.impl("int4_linear", &int4_linear);
-  m.impl("int4_dequantize", &int4_dequantize);
+  m.impl("quantized_linear", &quantized_linear);
+  m.impl("dequantize", &dequantize);
   m.impl("decode_layer", &decode_layer);
 }

@@ -29,6 +29,7 @@ class FusedDecode:
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.eps = config.rms_norm_eps
         self.scale = model.model.layers[0].self_attn.scale
+        self.dtype = model.model.norm.weight.dtype
         self.layers = [self._weights(layer) for layer in model.model.layers]
 
     @staticmethod
@@ -64,4 +65,4 @@ class FusedDecode:
             torch.ops.hyperserve.decode_layer(hidden, weights, cos, signed_sin, cache.key, cache.value, slots,
                                               block_tables, lengths, cache.block_size, self.num_heads,
                                               self.num_kv_heads, self.eps, self.scale)
-        return hidden.to(self.model.model.embed_tokens.weight.dtype)
+        return hidden.to(self.dtype)

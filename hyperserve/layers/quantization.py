@@ -4,9 +4,11 @@ Decoding is bound by the bytes of weights read per token, so each method stores 
 
 `int4`: 4-bit weights in groups of 32 along the input, each group with its own scale and minimum
 (w = q * scale + min, q in 0..15). That is exactly GGUF's Q4_1 layout, so a Q4_1 checkpoint is
-re-quantized without loss: our int4 weights equal the GGUF's. Activations are bfloat16, which the
-int4 kernel needs to be fast. The LM head gets int8 weights instead (below): in 4 bits it cost
-7% perplexity, in int8 1% (benchmarks/quality.py).
+re-quantized without loss: our int4 weights equal the GGUF's. The LM head stays in 8 bits: in 4 it
+cost 7% perplexity, in int8 1% (benchmarks/quality.py). With the native kernels the embedding and
+head are GGUF's Q8_0 (int8 in groups of 32, a float16 scale each; again exact for a GGUF whose
+embedding is Q8_0, as SmolLM2's is), one copy serving both when they are tied; without them the
+head is a PyTorch int8 linear (`Int8Head`) and the embedding stays float.
 
 Both quantized layers run their packed kernel only for small batches (decode and speculative
 verification, up to `QUANTIZED_MAX_ROWS` rows): bandwidth-bound, they gain from reading fewer
@@ -101,7 +103,7 @@ class Int4Linear(DenseForLargeBatches):
     """y = x W^T + b with W in 4 bits, groups of 32 along the input with a scale and a minimum.
 
     With the native CPU kernels (hyperserve.kernels) the weight is kept once, in GGUF's Q4_1 layout
-    (`q41`, see pack_q41), for `int4_linear` and the fused decode layer; larger steps dequantize it
+    (`q41`, see pack_q41), for `quantized_linear` and the fused decode layer; larger steps dequantize it
     per call (a few percent of a prefill's matmul time, and no dense copy held). Without them it
     is kept in PyTorch's int4 pack for `_weight_int4pack_mm_for_cpu` (bfloat16 activations) and
     as a dense copy for larger steps."""
@@ -144,12 +146,12 @@ class Int4Linear(DenseForLargeBatches):
 
     def dense(self) -> torch.Tensor:
         if self.native:
-            return torch.ops.hyperserve.int4_dequantize(self.q41, self.in_features).to(self.dense_dtype)
+            return torch.ops.hyperserve.dequantize(self.q41, self.in_features, "q4_1").to(self.dense_dtype)
         return self._dense
 
     def small_batch(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return torch.ops.hyperserve.int4_linear(x, self.q41)
+            return torch.ops.hyperserve.quantized_linear(x, self.q41, "q4_1")
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self._packed, INT4_GROUP_SIZE, self._scale_zero)
 
@@ -164,10 +166,60 @@ def pack_q41(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tor
     return torch.cat([nibbles, *halves], dim=1).contiguous()
 
 
+def pack_q80(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] -> GGUF's Q8_0 rows [out, in + in / 16] of uint8 for the native kernels: each
+    channel's int8 codes, then its float16 scales (a group's largest magnitude / 127). A Q8_0
+    checkpoint's weights come back exactly."""
+    out_features, in_features = weight.shape
+    if in_features % INT4_GROUP_SIZE:
+        raise ValueError(f"Q8_0 needs in_features divisible by {INT4_GROUP_SIZE}, got {in_features}")
+    groups = weight.detach().float().reshape(out_features, -1, INT4_GROUP_SIZE)
+    scale = (groups.abs().amax(-1) / 127).half()
+    codes = (groups / scale.float().clamp(min=2**-24)[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    return torch.cat([codes.flatten(1).view(torch.uint8), scale.view(torch.uint8)], dim=1).contiguous()
+
+
+class Q8Embedding(nn.Module):
+    """The token embedding in Q8_0 (pack_q80), rows dequantized on lookup: a quarter of float32's
+    memory, and the same bytes as a tied Q8Head."""
+
+    def __init__(self, q80: torch.Tensor, embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.q80, self.embedding_dim, self.dtype = q80, embedding_dim, dtype
+        self.num_embeddings = q80.shape[0]
+        self.num_bytes = q80.numel()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.q80.index_select(0, input_ids.reshape(-1))
+        hidden = torch.ops.hyperserve.dequantize(rows, self.embedding_dim, "q8_0")
+        return hidden.view(*input_ids.shape, self.embedding_dim).to(self.dtype)
+
+
+class Q8Head(DenseForLargeBatches):
+    """The LM head of an int4 model in Q8_0, run by the native kernel (16-bit activations per group
+    of 32, so a row's logits do not depend on its batch). `shared`: the bytes belong to a tied
+    Q8Embedding, which counts them."""
+
+    def __init__(self, q80: torch.Tensor, in_features: int, dense: torch.dtype, shared: bool) -> None:
+        super().__init__()
+        self.q80, self.in_features, self.dense_dtype = q80, in_features, dense
+        self.num_bytes = 0 if shared else q80.numel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.float())  # float32 logits: in bfloat16 near-ties would tie
+
+    def dense(self) -> torch.Tensor:
+        return torch.ops.hyperserve.dequantize(self.q80, self.in_features, "q8_0").to(self.dense_dtype)
+
+    def small_batch(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.hyperserve.quantized_linear(x, self.q80, "q8_0")
+
+
 class Int8Head(DenseForLargeBatches):
-    """The LM head of an int4 model: int8 (per-channel scales). Decode-sized batches run it as a
-    dynamic int8 linear, whose activation scale covers one or a few tokens; larger ones multiply
-    its dequantized weight (rarely needed: a step computes logits only for the tokens it samples)."""
+    """The LM head of an int4 model without the native kernels: int8 (per-channel scales).
+    Decode-sized batches run it as a dynamic int8 linear, whose activation scale covers one or a
+    few tokens; larger ones multiply its dequantized weight (rarely needed: a step computes
+    logits only for the tokens it samples)."""
 
     def __init__(self, weight: torch.Tensor, dense: torch.dtype) -> None:
         super().__init__()
@@ -178,8 +230,11 @@ class Int8Head(DenseForLargeBatches):
     def dense(self) -> torch.Tensor:
         return torch.ops.quantized.linear_unpack(self._int8._packed)[0].dequantize().to(self.dense_dtype)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.float())  # float32 logits, as Q8Head's
+
     def small_batch(self, x: torch.Tensor) -> torch.Tensor:
-        return self._int8(x.float())
+        return self._int8(x)
 
 
 class Int8Linear(nn.Module):
@@ -230,7 +285,7 @@ class Fp8Linear(nn.Module):
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights: its parameters and the packed weights of quantized layers,
     which are not parameters (they count themselves in num_bytes)."""
-    packed = sum(m.num_bytes for m in model.modules() if isinstance(m, Int4Linear | Int8Head | Int8Linear | Fp8Linear))
+    packed = sum(getattr(m, "num_bytes", 0) for m in model.modules())
     return sum(p.numel() * p.element_size() for p in model.parameters()) + packed
 
 
@@ -238,8 +293,8 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> tuple[i
     """Replace the model's projections in place, then cast what stays float to `dtype`; returns
     weight bytes before and after. For int4 and int8 the model must hold float32 weights (a
     bfloat16 round trip would lose the exactness of int4 on Q4_1 checkpoints); fp8 takes any
-    float dtype, since e4m3 keeps fewer mantissa bits than bfloat16. With int4 the LM head is int8; a tied
-    head gets its own copy of the embedding."""
+    float dtype, since e4m3 keeps fewer mantissa bits than bfloat16. With int4 the LM head is 8-bit
+    (see the module's docstring for the embedding)."""
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {METHODS}, got {method!r}")
     before = weight_bytes(model)
@@ -250,8 +305,14 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> tuple[i
         for parent, name, linear in linears:
             if name != "lm_head":
                 setattr(parent, name, Int4Linear(linear.weight, linear.bias, dense))
-        head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        model.lm_head = Int8Head(head, dense)
+        tied, hidden_size = model.lm_head is None, model.config.hidden_size
+        if kernels.available():
+            embedding = pack_q80(model.model.embed_tokens.weight)
+            model.model.embed_tokens = Q8Embedding(embedding, hidden_size, dtype)
+            head = embedding if tied else pack_q80(model.lm_head.weight)
+            model.lm_head = Q8Head(head, hidden_size, dense, shared=tied)
+        else:
+            model.lm_head = Int8Head(model.model.embed_tokens.weight if tied else model.lm_head.weight, dense)
     elif method == "int8":
         for parent, name, linear in linears:
             if name not in KEEP_FLOAT_INT8:

@@ -10,13 +10,18 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
+import os
 import re
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import transformers
 from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
@@ -25,8 +30,7 @@ from hyperserve.layers.quantization import quantize_model
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
 from hyperserve.models.registry import SUPPORTED_ARCHITECTURES, ModelSource
 
-if TYPE_CHECKING:
-    from gguf import GGUFReader
+logger = logging.getLogger("hyperserve.loader")
 
 _GGUF_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -47,25 +51,87 @@ _GGUF_NAMES = {
 _FOUR_BIT_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"})
 
 
-@functools.lru_cache(maxsize=2)
-def gguf_reader(path: Path) -> GGUFReader:
-    """One parse of a GGUF per process (seconds for a large vocabulary): the tensors are memory-mapped,
-    and the quantization default, the EOS ids and the weights all read the same file."""
-    from gguf import GGUFReader
-
-    return GGUFReader(path)
-
-
 def gguf_weight_bits(path: Path) -> int | None:
     """4 when most of a GGUF's transformer-block weights are in a 4-bit type (as in Q4_0, Q4_1 and
     Q4_K_M files, whose few 6-bit tensors do not count), else None."""
-    types = [t.tensor_type.name for t in gguf_reader(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    from gguf import GGMLQuantizationType
+
+    types = [GGMLQuantizationType(t["type"]).name for t in gguf_index(path)["tensors"]
+             if t["name"].startswith("blk.") and len(t["shape"]) == 2]
     four_bit = sum(name in _FOUR_BIT_GGUF_TYPES for name in types)
     return 4 if types and four_bit * 2 > len(types) else None
 
 
+@functools.lru_cache(maxsize=4)
+def gguf_index(path: Path) -> dict:
+    """What we read of a GGUF besides its config and tokenizer: its tensor table (name, type,
+    shape, byte offset and size) and its EOS token ids, from the saved metadata."""
+    directory = gguf_metadata_directory(path)
+    if directory is None:
+        return _read_gguf_index(path)
+    return json.loads((directory / "gguf_index.json").read_text())
+
+
+def _read_gguf_index(path: Path) -> dict:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    return {
+        "tensors": [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in reversed(t.shape)],
+                     "offset": int(t.data_offset), "bytes": int(t.n_bytes)} for t in reader.tensors],
+        "eos_token_ids": [int(reader.fields[key].contents()) for key in _GGUF_EOS_KEYS if key in reader.fields],
+    }
+
+
+_GGUF_METADATA_VERSION = 1  # of what save_gguf_metadata writes
+
+
+@functools.lru_cache(maxsize=4)
+def gguf_metadata_directory(path: Path) -> Path | None:
+    """A GGUF's metadata saved once as ordinary files under HYPERSERVE_GGUF_CACHE (default
+    ~/.cache/hyperserve/gguf), keyed by the file and the transformers version: the config and
+    tokenizer transformers derives from it (config.json, tokenizer.json, the chat template) and
+    gguf_index.json. Parsing a GGUF's metadata (gguf's GGUFReader, and transformers' own parses)
+    builds Python objects for every vocabulary entry: SmolLM2's start-up peaked 300 MB higher and
+    kept ~150 MB of it, so a child process parses, once. None where that fails: the caller then
+    parses in process."""
+    stat = path.stat()
+    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{_GGUF_METADATA_VERSION}"
+    root = Path(os.environ.get("HYPERSERVE_GGUF_CACHE", Path.home() / ".cache" / "hyperserve" / "gguf"))
+    directory = root / hashlib.sha256(identity.encode()).hexdigest()[:16]
+    if not (directory / "gguf_index.json").exists():
+        convert = "import sys; from hyperserve.models import loader; loader.save_gguf_metadata(*sys.argv[1:])"
+        done = subprocess.run([sys.executable, "-c", convert, str(path), str(directory)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            logger.warning("could not save %s's metadata as files: %s", path, done.stderr.strip().splitlines()[-1:])
+            return None
+    return directory
+
+
+def save_gguf_metadata(gguf_path: str, directory: str) -> None:
+    """gguf_metadata_directory's child: writes a temporary directory, then renames it whole."""
+    path, target = Path(gguf_path), Path(directory)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    AutoConfig.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(partial)
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(partial)
+    (partial / "gguf_index.json").write_text(json.dumps(_read_gguf_index(path)))
+    try:
+        partial.rename(target)
+    except OSError:  # another process saved it first
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _metadata_source(source: ModelSource) -> tuple[Path, str | None]:
+    """Where config and tokenizer are read from: a GGUF's saved metadata, else the model's files."""
+    if source.gguf_file and (directory := gguf_metadata_directory(source.path)) is not None:
+        return directory, None
+    return source.directory, source.gguf_file
+
+
 def load_config(source: ModelSource) -> PretrainedConfig:
-    config = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    directory, gguf_file = _metadata_source(source)
+    config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
     if config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"architecture {config.model_type!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
@@ -80,7 +146,8 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:
     )
     if not has_files:
         return None
-    return AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    directory, gguf_file = _metadata_source(source)
+    return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
 
 
 _GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -95,8 +162,7 @@ def load_eos_token_ids(source: ModelSource | None, config: PretrainedConfig,
     if tokenizer is not None:
         found.append(tokenizer.eos_token_id)
     if source is not None and source.gguf_file:
-        fields = gguf_reader(source.path).fields
-        found += [int(fields[key].contents()) for key in _GGUF_EOS_KEYS if key in fields]
+        found += gguf_index(source.path)["eos_token_ids"]
     elif source is not None and (source.directory / "generation_config.json").exists():
         found.append(GenerationConfig.from_pretrained(source.directory).eos_token_id)
     ids = set()
@@ -176,16 +242,17 @@ def _safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _gguf_tensors(path: Path, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    reader = gguf_reader(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
     permuted = config.model_type in ("llama", "mistral")  # llama.cpp permutes Q/K rows for these
-    for tensor in tqdm(reader.tensors, desc="Loading weights", unit="tensor", leave=False):
-        name = _hf_name(tensor.name)
+    for tensor in tqdm(gguf_index(path)["tensors"], desc="Loading weights", unit="tensor", leave=False):
+        name = _hf_name(tensor["name"])
         if name is None:
             continue
-        shape = [int(d) for d in reversed(tensor.shape)]
-        array = dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32)
+        raw = data[tensor["offset"] : tensor["offset"] + tensor["bytes"]]
+        array = dequantize(raw, GGMLQuantizationType(tensor["type"])).reshape(tensor["shape"]).astype(np.float32)
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             array = _undo_rope_permutation(array, heads)

@@ -4,52 +4,79 @@ import pytest
 import torch
 
 from hyperserve import kernels
-from hyperserve.layers.quantization import cpu_flags, pack_q41
+from hyperserve.layers.quantization import cpu_flags, pack_q41, pack_q80
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels could not be built here")
 
 
-def q4_1(out_features: int, in_features: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random Q4_1 weight: (the kernels' packed rows, the same weight in float32)."""
+def quantized(out_features: int, in_features: int, format: str = "q4_1", seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """A random weight in `format`: (the kernels' packed rows, the same weight in float32)."""
     generator = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (out_features, in_features // 32, 32), generator=generator, dtype=torch.uint8)
-    scale = (torch.rand(out_features, in_features // 32, generator=generator) * 0.01 + 1e-3).half().float()
-    low = (-torch.rand(out_features, in_features // 32, generator=generator) * 0.05).half().float()
+    groups = (out_features, in_features // 32)
+    scale = (torch.rand(groups, generator=generator) * 0.01 + 1e-3).half().float()
+    if format == "q8_0":
+        codes = torch.randint(-127, 128, (*groups, 32), generator=generator)
+        codes[..., 0] = 127  # each group reaches +-127, as GGUF's Q8_0 groups do
+        weight = (codes * scale[..., None]).reshape(out_features, in_features)
+        return pack_q80(weight), weight
+    codes = torch.randint(0, 16, (*groups, 32), generator=generator, dtype=torch.uint8)
+    low = (-torch.rand(groups, generator=generator) * 0.05).half().float()
     weight = (codes.float() * scale[..., None] + low[..., None]).reshape(out_features, in_features)
     return pack_q41(codes, scale, low), weight
 
 
+@pytest.mark.parametrize("format", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("in_features", [64, 352])  # 2 groups; 11 (eight at a time, then three)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])  # row tiles of 4, and what is left over
-def test_int4_linear_equals_the_dequantized_weight_within_16_bit_activations(rows, in_features, portable):
-    packed, weight = q4_1(80, in_features)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])  # row tiles of 8, and what is left over
+def test_quantized_linear_equals_the_dequantized_weight_within_16_bit_activations(rows, in_features, portable, format):
+    packed, weight = quantized(80, in_features, format)
     x = torch.randn(rows, in_features)
     expected = x @ weight.T
-    got = torch.ops.hyperserve.int4_linear(x, packed, portable)
+    got = torch.ops.hyperserve.quantized_linear(x, packed, format, portable)
     assert got.shape == (rows, 80) and got.dtype == torch.float32
     assert (got - expected).norm() / expected.norm() < 1e-4
-    wrong, _ = q4_1(80, in_features, seed=1)
-    assert (torch.ops.hyperserve.int4_linear(x, wrong, portable) - expected).norm() / expected.norm() > 0.3
+    wrong, _ = quantized(80, in_features, format, seed=1)
+    assert (torch.ops.hyperserve.quantized_linear(x, wrong, format, portable) - expected).norm() / expected.norm() > 0.3
 
 
-def test_int4_linear_rows_do_not_depend_on_their_batch():
+@pytest.mark.parametrize("format", ["q4_1", "q8_0"])
+def test_dequantize_gives_the_packed_weight_back_exactly(format):
+    packed, weight = quantized(48, 96, format)
+    assert torch.equal(torch.ops.hyperserve.dequantize(packed, 96, format), weight)
+
+
+def test_q8_0_packing_is_exact_for_a_q8_0_weight_and_close_for_any():
+    """pack_q80 re-quantizes a GGUF Q8_0 tensor (dequantized on load) to its own codes."""
+    packed, weight = quantized(16, 64, "q8_0")
+    assert torch.equal(pack_q80(weight), packed)
+    dense = torch.randn(16, 64)
+    error = torch.ops.hyperserve.dequantize(pack_q80(dense), 64, "q8_0") - dense
+    assert error.norm() / dense.norm() < 0.01
+
+
+@pytest.mark.parametrize("format", ["q4_1", "q8_0"])
+def test_quantized_linear_rows_do_not_depend_on_their_batch(format):
     """Each row is quantized and summed on its own, so batching never changes a sequence's numbers."""
-    packed, _ = q4_1(96, 128)
-    x = torch.randn(7, 128)
-    together = torch.ops.hyperserve.int4_linear(x, packed)
-    alone = torch.cat([torch.ops.hyperserve.int4_linear(x[i : i + 1], packed) for i in range(7)])
+    packed, _ = quantized(96, 128, format)
+    x = torch.randn(11, 128)
+    together = torch.ops.hyperserve.quantized_linear(x, packed, format)
+    alone = torch.cat([torch.ops.hyperserve.quantized_linear(x[i : i + 1], packed, format) for i in range(11)])
     assert torch.equal(together, alone)
 
 
-def test_int4_linear_keeps_the_input_dtype_and_rejects_a_weight_of_another_shape():
-    packed, weight = q4_1(32, 64)
+def test_quantized_linear_keeps_the_input_dtype_and_rejects_a_weight_of_another_shape_or_format():
+    packed, weight = quantized(32, 64)
     x = torch.randn(2, 64, dtype=torch.bfloat16)
-    assert torch.ops.hyperserve.int4_linear(x, packed).dtype == torch.bfloat16
-    with pytest.raises(RuntimeError, match="int4"):
-        torch.ops.hyperserve.int4_linear(torch.randn(2, 96), packed)
+    assert torch.ops.hyperserve.quantized_linear(x, packed, "q4_1").dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="expected contiguous uint8"):
+        torch.ops.hyperserve.quantized_linear(torch.randn(2, 96), packed, "q4_1")
+    with pytest.raises(RuntimeError, match="expected contiguous uint8"):
+        torch.ops.hyperserve.quantized_linear(x, packed, "q8_0")  # Q8_0 rows are longer
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        torch.ops.hyperserve.int4_linear(torch.randn(2, 48), packed)
+        torch.ops.hyperserve.quantized_linear(torch.randn(2, 48), packed, "q4_1")
+    with pytest.raises(RuntimeError, match="format"):
+        torch.ops.hyperserve.quantized_linear(x, packed, "q5_k")
 
 
 def test_the_instruction_set_follows_the_cpu_flags():
