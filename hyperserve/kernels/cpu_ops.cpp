@@ -238,7 +238,8 @@ AVX2 void rows_avx2(const QuantizedWeight& w, int64_t n, const float* ds, const 
 using RowsKernel = decltype(&rows_avx2<Format::kQ4_1, 1, 1>);
 
 template <Format F>
-RowsKernel rows_avx2_for(int64_t R, int64_t C) {
+RowsKernel rows_avx2_for(int64_t R, int64_t C) {  // C > 1 only as channel_tile gives it: C * R == 4
+  TORCH_CHECK(C == 1 || C * R == 4, "quantized kernel: no tile of ", C, " channels by ", R, " rows");
   if (C == 4) return rows_avx2<F, 1, 4>;
   if (C == 2) return rows_avx2<F, 2, 2>;
   static constexpr RowsKernel kernels[kRowTile] = {
