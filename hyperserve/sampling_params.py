@@ -2,7 +2,49 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the output, enforced token by token (engine/structured_output.py).
+
+    Exactly one of: `json` (a JSON schema, as a dict or its text), `json_object` (any JSON
+    object), `regex`, `choice` (one of these strings), `grammar` (GBNF, as llama.cpp writes it, or
+    Lark as llguidance reads it). The names are vLLM's `guided_*` without the prefix.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"give exactly one structured output constraint, got {given or 'none'}")
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints compile once."""
+        if self.json is not None:
+            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            return "json", json.dumps(schema)  # key order kept: properties are generated in it
+        if self.json_object:
+            return "json", '{"type": "object"}'
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice))
+        return "grammar", self.grammar
 
 
 @dataclass
@@ -30,6 +72,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, as OpenAI's
+    structured_outputs: StructuredOutputs | None = None  # JSON schema, regex, choice or grammar
 
     MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
     MAX_SEED = 2**63  # seeds are in [0, MAX_SEED): a torch generator takes them (plus the sample index)

@@ -33,6 +33,7 @@ from hyperserve.engine.model_runner import ModelRunner, StepResult
 from hyperserve.engine.request import Request, RequestStatus
 from hyperserve.engine.scheduler import Scheduler, SchedulerOutput
 from hyperserve.engine.speculative import build_proposer, num_tokens_to_propose
+from hyperserve.engine.structured_output import GrammarCompiler
 from hyperserve.layers.attention import AttentionBackend, attention_backend
 from hyperserve.models import loader
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
@@ -90,7 +91,9 @@ class LLMEngine:
             quantization=config.model.quantization,
         )
         num_blocks = self._num_kv_blocks(model)
-        self.runner = ModelRunner(model, config, num_blocks)
+        self.eos_token_ids = loader.load_eos_token_ids(source, self.hf_config, self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, self._grammar_eos_token_id())
+        self.runner = ModelRunner(model, config, num_blocks, self.grammars)
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                        self._disk_tier(), config.cache.max_pinned_fraction)
         if self.kv_cache.lower_tier is not None:
@@ -100,7 +103,6 @@ class LLMEngine:
         draft = self._load_draft(spec.draft_model) if spec.speculative_method == "draft" else None
         self.proposer = build_proposer(spec, self.runner, self.kv_cache, draft) if spec.speculative_method else None
         self._groups: dict[str, _Group] = {}
-        self.eos_token_ids = loader.load_eos_token_ids(source, self.hf_config, self.tokenizer)
         return_freed_heap()
         self._num_failed_steps = 0
 
@@ -170,6 +172,8 @@ class LLMEngine:
                 index=index,
                 seed=None if params.seed is None else params.seed + index,
             )
+            if params.structured_outputs is not None:
+                request.grammar = self.grammars.grammar(params.structured_outputs)
             if self.tokenizer is not None:
                 request.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, prompt_ids, params.stop,
@@ -182,14 +186,16 @@ class LLMEngine:
         for request in samples:
             self.scheduler.add_request(request)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation through the model's own chat template; ValueError if the
-        model has none or the conversation does not fit it (roles out of order, say)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation (and the tools offered, for templates that render them)
+        through the model's own chat template; ValueError if the model has none or the
+        conversation does not fit it (roles out of order, say)."""
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         try:
             ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
             )
         except Exception as error:  # jinja raises its own types for template errors
             raise ValueError(f"cannot apply the chat template: {error}") from error
@@ -369,6 +375,8 @@ class LLMEngine:
             bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
             if bad:
                 raise ValueError(f"{name}: token ids must be integers in [0, {vocab}), got {bad[0]!r}")
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # cached: add_request will not compile again
 
     def process_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """Tokenize and validate a prompt without touching engine state (safe from any thread)."""
@@ -389,6 +397,13 @@ class LLMEngine:
                 f"{self.max_model_len} tokens (max_model_len), prompt and output together"
             )
         return text, ids
+
+    def _grammar_eos_token_id(self) -> int | None:
+        """The end token grammars allow once complete: the tokenizer's own EOS if it ends generation."""
+        own = None if self.tokenizer is None else self.tokenizer.eos_token_id
+        if own in self.eos_token_ids or not self.eos_token_ids:
+            return own
+        return min(self.eos_token_ids)
 
     def _attention_backend(self, hf_config) -> AttentionBackend:
         model = self.config.model

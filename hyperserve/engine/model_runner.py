@@ -28,6 +28,7 @@ from hyperserve.engine.rejection_sampler import verify_greedy, verify_sampled
 from hyperserve.engine.request import Request
 from hyperserve.engine.sampler import SamplerOutput, SamplingBatch, gather_logprobs, sample, sampling_probs
 from hyperserve.engine.scheduler import SchedulerOutput
+from hyperserve.engine.structured_output import GrammarCompiler
 from hyperserve.layers.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillSpan, allowed_keys
 from hyperserve.layers.fused_decode import FusedDecode
 from hyperserve.layers.quantization import QUANTIZED_MAX_ROWS
@@ -69,8 +70,10 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, num_blocks: int,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.model = model
+        self.grammars = grammars
         self.device = torch.device(config.model.device)
         self.dtype = config.model.torch_dtype
         self.block_size = config.cache.block_size
@@ -158,10 +161,11 @@ class ModelRunner:
             rows.extend((request, request.spec_token_ids[:j]) for j in range(num_logits))
             if num_logits:
                 sampled.append((request, num_drafts))
-        logits = self.forward(chunks)
+        masks = self.grammars.start_masks([(r.grammar, d) for r, d in rows]) if self.grammars else None
+        logits = self.forward(chunks)  # while the grammars' masks are computed
         if not sampled:
             return StepResult([], [], None)
-        batch = self.sampling_batch(rows)
+        batch = self.sampling_batch(rows, None if masks is None else masks.result())
         if len(rows) == len(sampled):  # no drafts: one batched sample
             output = sample(logits, batch, self.shared_generator)
             token_ids = [[t] for t in output.token_ids.tolist()]
@@ -329,9 +333,10 @@ class ModelRunner:
         return DecodeGroup(None if rows is None else torch.tensor(rows, device=to), padded.to(to),
                            lengths_t.to(to), mask)
 
-    def sampling_batch(self, rows: list[tuple[Request, list[int]]]) -> SamplingBatch:
+    def sampling_batch(self, rows: list[tuple[Request, list[int]]], token_bitmask: torch.Tensor | None = None
+                       ) -> SamplingBatch:
         """Sampling parameters of logits rows, each a request and the draft tokens before the row
-        (they count as output tokens for the penalties at that row)."""
+        (they count as output tokens for the penalties at that row), and the rows' grammar masks."""
         requests = [r for r, _ in rows]
         params = [r.sampling_params for r in requests]
         to = self.device
@@ -367,6 +372,7 @@ class ModelRunner:
             output_token_counts=counts,
             prompt_token_mask=prompt_mask,
             logit_bias=logit_bias,
+            token_bitmask=None if token_bitmask is None else token_bitmask.to(to),
             generators=[self._generator(r) for r in requests],
             num_logprobs=max(requested_logprobs) if requested_logprobs else None,
             all_greedy=all(p.is_greedy for p in params),

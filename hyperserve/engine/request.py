@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from hyperserve.engine.detokenizer import IncrementalDetokenizer
+    from hyperserve.engine.structured_output import Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -91,6 +92,7 @@ class Request:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
     detokenizer: IncrementalDetokenizer | None = None
+    grammar: Grammar | None = None  # structured output: where the output stands in its grammar
     metrics: RequestMetrics = field(init=False)
     # Speculative decoding: draft tokens to verify next step (positions num_tokens, num_tokens + 1, ...),
     # their draft distributions (None: deterministic proposals), how many leading tokens have KV in a

@@ -3,7 +3,8 @@
 Order of operations, per row:
   1. log-probabilities of the raw logits (reported logprobs, as vLLM and OpenAI report them)
   2. logit_bias (OpenAI's: added to the logits), then penalties: repetition (prompt and output
-     tokens), frequency and presence (output tokens)
+     tokens), frequency and presence (output tokens), then the structured-output bitmask
+     (tokens the row's grammar disallows go to -inf)
   3. greedy rows (temperature 0) take the argmax here
   4. temperature
   5. min_p, then top_k, then top_p filtering
@@ -32,6 +33,7 @@ class SamplingBatch:
     output_token_counts: torch.Tensor | None  # [B, V] int
     prompt_token_mask: torch.Tensor | None  # [B, V] bool
     logit_bias: torch.Tensor | None  # [B, V] float; None when no row has a bias
+    token_bitmask: torch.Tensor | None  # [B, ceil(V / 32)] int32, bit set = allowed; None: no grammar
     generators: list[torch.Generator | None]  # per row; None: the engine's shared generator
     num_logprobs: int | None  # top-N to return (0: the sampled token's only); None: no logprobs
     all_greedy: bool
@@ -67,6 +69,8 @@ def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Te
         logits = logits + batch.logit_bias
     if batch.repetition_penalty is not None:
         logits = apply_penalties(logits, batch)
+    if batch.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, batch.token_bitmask)
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy, None
@@ -89,6 +93,13 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     logits = torch.where(seen, penalised, logits)
     logits = logits - batch.frequency_penalty.unsqueeze(1) * counts
     return logits - batch.presence_penalty.unsqueeze(1) * (counts > 0)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Logits [B, V] with the tokens a bitmask [B, ceil(V / 32)] disallows at -inf."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, : logits.shape[-1]]
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

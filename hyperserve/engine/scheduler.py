@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
 from hyperserve.config import SchedulerConfig
 from hyperserve.engine.kv_cache_manager import KVCacheManager
 from hyperserve.engine.request import Request, RequestStatus, SpecDecodeStats
+
+logger = logging.getLogger("hyperserve.scheduler")
 
 
 @dataclass(slots=True)
@@ -170,6 +173,12 @@ class Scheduler:
         if request.is_stop_token(token_id):
             request.stop_reason = token_id if token_id in params.stop_token_ids else None  # None: EOS
             return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None:
+            if not request.grammar.accept(token_id):  # the masks make this a bug, not an input error
+                logger.warning("request %s: its grammar rejected token %d; stopping it", request.request_id, token_id)
+                return RequestStatus.FINISHED_STOPPED
+            if request.grammar.is_finished:  # the output is complete: only EOS could follow
+                return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if request.num_tokens >= self.max_model_len:

@@ -2,7 +2,8 @@
 
 A request is cacheable when its answer is reproducible (temperature 0 or a fixed seed) or the
 client opts in. Two keys come from the normalised request and the caller's cache scope:
-- the exact key hashes everything that shapes the answer (model, messages, sampling parameters);
+- the exact key hashes everything that shapes the answer (model, messages with their tool calls,
+  sampling parameters, response_format, tools and tool_choice);
 - the semantic namespace hashes the same minus the last user message (or prompt), whose
   embedding is then matched by cosine similarity. A different system prompt, earlier turn,
   temperature or max_tokens is a different namespace, so it can never produce a hit: the whole
@@ -63,6 +64,16 @@ def _content(message: dict[str, Any]) -> str:
     return " ".join(text.split())
 
 
+def _message(message: dict[str, Any]) -> dict[str, Any]:
+    """What of a message shapes the answer: its role, its text, and an assistant's tool calls or
+    the call a tool result answers."""
+    keyed = {"role": message.get("role"), "content": _content(message)}
+    for field in ("tool_calls", "tool_call_id", "name"):
+        if message.get(field) is not None:
+            keyed[field] = message[field]
+    return keyed
+
+
 def is_deterministic(body: dict[str, Any]) -> bool:
     return body.get("temperature", 1.0) == 0 or body.get("seed") is not None
 
@@ -72,7 +83,7 @@ def cache_key(kind: str, model: str, body: dict[str, Any], scope: str | None = N
     entries may answer (None: an open gateway, one shared scope)."""
     params = {k: v for k, v in body.items() if k not in _TRANSPORT_FIELDS and k not in ("messages", "prompt")}
     if kind == "chat":
-        messages = [{"role": m.get("role"), "content": _content(m)} for m in body.get("messages") or []]
+        messages = [_message(m) for m in body.get("messages") or []]
         exact = _hash([scope, kind, model, params, messages])
         last = messages[-1] if messages else None
         if last is not None and last["role"] == "user":

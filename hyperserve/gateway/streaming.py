@@ -18,8 +18,7 @@ def replay(body: dict[str, Any], chat: bool, include_usage: bool) -> Iterator[st
     if chat:
         yield sse_event({**base, "choices": [{"index": c.get("index", 0), "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None} for c in choices]})
-        yield sse_event({**base, "choices": [{"index": c.get("index", 0),
-                                        "delta": {"content": (c.get("message") or {}).get("content") or ""},
+        yield sse_event({**base, "choices": [{"index": c.get("index", 0), "delta": _delta(c.get("message") or {}),
                                         "logprobs": c.get("logprobs"), "finish_reason": c.get("finish_reason")}
                                        for c in choices]})
     else:
@@ -31,6 +30,14 @@ def replay(body: dict[str, Any], chat: bool, include_usage: bool) -> Iterator[st
     yield sse_event(DONE)
 
 
+def _delta(message: dict[str, Any]) -> dict[str, Any]:
+    """A whole message as one delta: its content and its tool calls, each with its index."""
+    delta: dict[str, Any] = {"content": message.get("content") or ""}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+    return delta
+
+
 class StreamAccumulator:
     """Feed it each SSE chunk; `response()` is the complete answer once every choice finished."""
 
@@ -38,6 +45,7 @@ class StreamAccumulator:
         self.chat = chat
         self.meta: dict[str, Any] = {}
         self.texts: dict[int, list[str]] = {}
+        self.tool_calls: dict[int, dict[int, dict[str, Any]]] = {}  # choice -> call index -> call so far
         self.finish_reasons: dict[int, str | None] = {}
         self.usage: dict[str, Any] | None = None
 
@@ -50,19 +58,37 @@ class StreamAccumulator:
             index = choice.get("index", 0)
             text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
             self.texts.setdefault(index, []).append(text or "")
+            calls = (choice.get("delta") or {}).get("tool_calls") if self.chat else None
+            for call in calls or []:
+                self._add_call(self.tool_calls.setdefault(index, {}), call)
             if choice.get("finish_reason") is not None:
                 self.finish_reasons[index] = choice["finish_reason"]
             else:
                 self.finish_reasons.setdefault(index, None)
 
+    @staticmethod
+    def _add_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
+        """OpenAI streams a call as deltas: the first has its id and name, later ones more arguments."""
+        call = calls.setdefault(delta.get("index", 0), {"id": None, "type": "function",
+                                                        "function": {"name": "", "arguments": ""}})
+        call["id"] = delta.get("id") or call["id"]
+        function = delta.get("function") or {}
+        call["function"]["name"] += function.get("name") or ""
+        call["function"]["arguments"] += function.get("arguments") or ""
+
     def response(self) -> dict[str, Any] | None:
         """None unless every choice finished normally (an interrupted stream is never cached)."""
-        if not self.texts or any(self.finish_reasons.get(i) not in ("stop", "length") for i in self.texts):
+        finished = ("stop", "length", "tool_calls")
+        if not self.texts or any(self.finish_reasons.get(i) not in finished for i in self.texts):
             return None
         choices = []
         for index in sorted(self.texts):
             text = "".join(self.texts[index])
             content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            if index in self.tool_calls:
+                calls = self.tool_calls[index]
+                content["message"]["tool_calls"] = [calls[i] for i in sorted(calls)]
+                content["message"]["content"] = text or None
             choices.append({"index": index, **content, "logprobs": None, "finish_reason": self.finish_reasons[index]})
         return {**self.meta, "object": "chat.completion" if self.chat else "text_completion", "choices": choices,
                 "usage": self.usage}

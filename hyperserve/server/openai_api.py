@@ -16,17 +16,20 @@ from typing import Any
 from hyperserve.common.errors import APIError, unavailable
 from hyperserve.engine.engine import ContextLengthError, EngineDeadError, PinLimitError
 from hyperserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from hyperserve.sampling_params import SamplingParams
+from hyperserve.sampling_params import SamplingParams, StructuredOutputs
+from hyperserve.server import tools
 from hyperserve.server.async_engine import AsyncEngine, RequestFailedError, RequestStream
 from hyperserve.server.protocol import (
     CacheRequest,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    Tool,
     new_id,
     now,
 )
 from hyperserve.server.settings import ServerSettings
+from hyperserve.server.tools import template_calls_tools
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Job:
     priority: int
     include_usage: bool
     chat_logprobs: bool = False
+    tool_names: set[str] | None = None  # chat with tools: answers are parsed for calls to these
     finals: list[RequestOutput | None] = field(default_factory=list)
     streams: list[RequestStream] = field(default_factory=list)
 
@@ -57,6 +61,9 @@ class OpenAIServing:
         self.model_name = settings.model_name
         self.max_model_len = engine.engine.max_model_len
         self.max_sequences = settings.max_fanout_factor * engine.engine.config.scheduler.max_num_seqs
+        tokenizer = engine.engine.tokenizer
+        self.native_tools = template_calls_tools(getattr(tokenizer, "chat_template", None))
+        self.tool_open_is_special = tokenizer is not None and tools.OPEN in tokenizer.get_added_vocab()
 
     # ---- requests -> jobs --------------------------------------------------------------------
 
@@ -65,24 +72,33 @@ class OpenAIServing:
         texts = request.prompts()
         self._check_fanout(len(texts), request.n)
         prompts = await asyncio.to_thread(lambda: [self._prompt_ids(p, "prompt") for p in texts])
-        params = self._params(request, request.max_tokens if request.max_tokens is not None else 16,
-                              request.logprobs, prompts)
+        params = await self._params(request, request.max_tokens if request.max_tokens is not None else 16,
+                                    request.logprobs, prompts, self._constraint(request))
         return Job("completion", new_id("cmpl"), self.model_name, prompts, params, request.priority,
                    bool(request.stream_options and request.stream_options.include_usage))
 
     async def prepare_chat(self, request: ChatCompletionRequest) -> Job:
         self._check_model(request.model)
         self._check_fanout(1, request.n)
-        ids = await asyncio.to_thread(self._chat_ids, request.messages, True)
+        constraint = self._constraint(request)
+        offered = request.tools if request.calls_tools else None
+        if offered and constraint is not None:
+            raise APIError(400, "response_format (or a guided_* constraint) cannot be combined with tools; "
+                                "set tool_choice to 'none' or drop the constraint", param="response_format")
+        if offered:
+            constraint = tools.tool_constraint(offered, request.tool_choice, request.parallel_tool_calls,
+                                               self.tool_open_is_special)
+        ids = await asyncio.to_thread(self._chat_ids, request.messages, True, offered)
         prompts = [self._prompt_ids(ids, "messages")]
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is None:  # bounded, so a forgotten max_tokens cannot hold a slot for the whole context
             max_tokens = min(self.settings.default_max_tokens, self.max_model_len - len(ids))
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self._params(request, max_tokens, logprobs, prompts)
+        params = await self._params(request, max_tokens, logprobs, prompts, constraint)
         return Job("chat", new_id("chatcmpl"), self.model_name, prompts, params, request.priority,
                    bool(request.stream_options and request.stream_options.include_usage),
-                   chat_logprobs=request.logprobs)
+                   chat_logprobs=request.logprobs,
+                   tool_names={tool.function.name for tool in offered} if offered else None)
 
     async def pin(self, request: CacheRequest) -> dict[str, Any]:
         """Compute and pin a prefix's KV; the answer says how many tokens later requests skip.
@@ -117,11 +133,21 @@ class OpenAIServing:
         return {"id": pin_id, "object": "cache", "model": self.model_name, "prompt_tokens": len(ids),
                 "cached_tokens": pin.num_tokens, "expires_at": int(pin.expires_at)}
 
-    def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                  offered: list[Tool] | None = None) -> list[int]:
+        rendered, tool_specs = tools.render_messages([m.for_template() for m in messages], offered,
+                                                     self.native_tools)
         try:
-            return self.engine.engine.apply_chat_template([m.for_template() for m in messages], add_generation_prompt)
+            return self.engine.engine.apply_chat_template(rendered, add_generation_prompt, tool_specs)
         except ValueError as error:  # no template, unsupported content, roles the template rejects
             raise APIError(400, str(error), param="messages") from error
+
+    @staticmethod
+    def _constraint(request) -> StructuredOutputs | None:
+        try:
+            return request.structured_outputs()
+        except ValueError as error:
+            raise APIError(400, str(error), param="response_format") from error
 
     def _check_fanout(self, num_prompts: int, n: int) -> None:
         if num_prompts * n > self.max_sequences:
@@ -143,7 +169,8 @@ class OpenAIServing:
         except ValueError as error:
             raise APIError(400, str(error), param=param) from error
 
-    def _params(self, request, max_tokens: int | None, logprobs: int | None, prompts) -> SamplingParams:
+    async def _params(self, request, max_tokens: int | None, logprobs: int | None, prompts,
+                      constraint: StructuredOutputs | None) -> SamplingParams:
         longest = max(len(p) for p in prompts)
         if max_tokens is None:
             max_tokens = self.max_model_len - longest
@@ -155,10 +182,11 @@ class OpenAIServing:
                 param="max_tokens", code="context_length_exceeded",
             )
         try:
-            params = request.sampling_params(max_tokens, logprobs)
-            self.engine.engine.check_params(params)
+            params = request.sampling_params(max_tokens, logprobs, constraint)
+            # off the event loop: a new grammar compiles here (milliseconds; more for a large schema)
+            await asyncio.to_thread(self.engine.engine.check_params, params)
         except ValueError as error:
-            raise APIError(400, str(error)) from error
+            raise APIError(400, str(error), param="response_format" if constraint else None) from error
         return params
 
     def start(self, job: Job) -> None:
@@ -228,6 +256,7 @@ class OpenAIServing:
     async def stream_chunks(self, job: Job) -> AsyncIterator[dict[str, Any]]:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
+        tool_streams: dict[int, tools.ToolCallStream] = {}
         created = now()
         obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
         base = {"id": job.id, "object": obj, "created": created, "model": job.model}
@@ -243,7 +272,13 @@ class OpenAIServing:
                 if len(c.text) == text_from and len(c.token_ids) == token_from and not c.finished:
                     continue
                 new_logprobs = (c.logprobs or [])[token_from:]
-                choices.append(self._choice(job, index, c, c.text[text_from:], new_logprobs, final=False))
+                text, calls, called = c.text[text_from:], [], False
+                if job.tool_names is not None:
+                    stream = tool_streams.setdefault(index, tools.ToolCallStream(job.tool_names))
+                    text, calls = stream.feed(text, final=c.finished)
+                    called = bool(stream.calls)
+                choices.append(self._choice(job, index, c, text, new_logprobs, final=False, calls=calls,
+                                            called=called))
                 sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
             if choices:
                 yield {**base, "choices": choices}
@@ -262,16 +297,25 @@ class OpenAIServing:
 
     # ---- formatting ----------------------------------------------------------------------------
 
-    def _choice(self, job: Job, index: int, c: CompletionOutput, text: str,
-                logprobs: list[TokenLogprobs], final: bool) -> dict[str, Any]:
+    def _choice(self, job: Job, index: int, c: CompletionOutput, text: str, logprobs: list[TokenLogprobs],
+                final: bool, calls: list[dict[str, Any]] = (), called: bool = False) -> dict[str, Any]:
+        """One choice of a response (final) or of a chunk. With tools, a final answer is parsed for
+        calls here; a chunk comes with the calls completed in it and whether the answer made any."""
         finish_reason = c.finish_reason if c.finished else None
         token_ids = c.token_ids[len(c.token_ids) - len(logprobs):] if logprobs else []
         if job.kind == "chat":
             lp = self._chat_logprobs(token_ids, logprobs, job.params.logprobs) if job.chat_logprobs else None
-            if final:
-                return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                        "finish_reason": finish_reason}
-            return {"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": finish_reason}
+            content: str | None = text
+            if final and job.tool_names is not None:
+                content, calls = tools.parse_tool_calls(text, job.tool_names)
+                called = bool(calls)
+            if called and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            message = {"role": "assistant", "content": content} if final else {"content": content}
+            if calls:
+                message["tool_calls"] = calls
+            key = "message" if final else "delta"
+            return {"index": index, key: message, "logprobs": lp, "finish_reason": finish_reason}
         num_top = job.params.logprobs
         lp = self._completion_logprobs(token_ids, logprobs, num_top) if num_top is not None else None
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,

@@ -8,6 +8,7 @@ logit_bias within [-100, 100], content parts of type text, known roles. What nee
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -15,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hyperserve.common.messages import message_text
-from hyperserve.sampling_params import SamplingParams
+from hyperserve.sampling_params import SamplingParams, StructuredOutputs
 
 
 class ErrorInfo(BaseModel):
@@ -34,6 +35,26 @@ class StreamOptions(BaseModel):
 
 
 _INT32 = 2**31
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(default="response", max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given exactly when type is 'json_schema'")
+        return self
 
 
 class _SamplingRequest(BaseModel):
@@ -63,6 +84,12 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
     priority: int = Field(default=0, ge=-_INT32, lt=_INT32)
     skip_special_tokens: bool = True
+    # structured output: OpenAI's response_format, or one of vLLM's guided_* constraints
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=4096)
+    guided_grammar: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -79,7 +106,23 @@ class _SamplingRequest(BaseModel):
             raise ValueError("best_of other than n is not supported: ask for n samples and pick among them")
         return self
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def structured_outputs(self) -> StructuredOutputs | None:
+        """The output constraint asked for; ValueError if more than one is."""
+        constraints = dict(json=self.guided_json, regex=self.guided_regex, choice=self.guided_choice,
+                           grammar=self.guided_grammar)
+        constraints = {kind: value for kind, value in constraints.items() if value is not None}
+        response_format = self.response_format
+        if response_format is not None and response_format.type != "text":
+            schema = response_format.json_schema.schema_ if response_format.json_schema else None
+            constraints["json" if schema is not None else "json_object"] = schema if schema is not None else True
+        if not constraints:
+            return None
+        if len(constraints) > 1:
+            raise ValueError(f"give one output constraint, not several: {', '.join(constraints)}")
+        return StructuredOutputs(**constraints)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured_outputs: StructuredOutputs | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -97,6 +140,7 @@ class _SamplingRequest(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias={int(token): value for token, value in (self.logit_bias or {}).items()},
+            structured_outputs=structured_outputs,
         )
 
 
@@ -121,11 +165,27 @@ class CompletionRequest(_SamplingRequest):
         return list(self.prompt)
 
 
+class FunctionCall(BaseModel):
+    name: str = Field(max_length=64)
+    arguments: str = Field(max_length=1 << 20)  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = Field(default="", max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)  # an assistant's earlier calls
+    tool_call_id: str | None = Field(default=None, max_length=256)  # a tool message: the call it answers
+    name: str | None = Field(default=None, max_length=64)
 
     @field_validator("content")
     @classmethod
@@ -133,9 +193,49 @@ class ChatMessage(BaseModel):
         message_text(content)  # only text parts are served: anything else is a ValueError that names it
         return content
 
-    def for_template(self) -> dict[str, str]:
-        """As a chat template takes it; `developer` is OpenAI's newer name for `system`."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": message_text(self.content)}
+    def for_template(self) -> dict[str, Any]:
+        """As a chat template takes it (tool calls with their arguments parsed, as Hugging Face's
+        templates read them); `developer` is OpenAI's newer name for `system`."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": message_text(self.content)}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function",
+                                      "function": {"name": call.function.name,
+                                                   "arguments": _json_arguments(call.function.arguments)}}
+                                     for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _json_arguments(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments  # passed on as the client wrote it
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = Field(default=None, max_length=16384)
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # arguments always follow the schema once a call starts
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -143,12 +243,32 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=SamplingParams.MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         return self
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have distinct function names")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not in tools")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may hold tool calls."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class CacheRequest(BaseModel):

@@ -13,7 +13,8 @@ def make_batch(n: int, **overrides) -> SamplingBatch:
     fields = dict(
         temperature=torch.ones(n), top_k=torch.full((n,), V), top_p=torch.ones(n), min_p=torch.zeros(n),
         presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
-        output_token_counts=None, prompt_token_mask=None, logit_bias=None, generators=[None] * n, num_logprobs=None,
+        output_token_counts=None, prompt_token_mask=None, logit_bias=None, token_bitmask=None,
+        generators=[None] * n, num_logprobs=None,
         all_greedy=False, needs_top_k_top_p=True, needs_min_p=True,
     )
     fields.update(overrides)

@@ -47,6 +47,20 @@ def test_keys_ignore_transport_fields_and_whitespace_but_not_sampling():
     assert key.text == QUESTION
 
 
+def test_output_constraints_tools_and_tool_calls_are_part_of_the_key():
+    key = cache_key("chat", "m", _chat(QUESTION))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for extra in ({"response_format": {"type": "json_object"}}, {"guided_regex": "[a-z]+"}, {"tools": tools},
+                  {"tools": tools, "tool_choice": "required"}):
+        assert cache_key("chat", "m", _chat(QUESTION, **extra)).namespace != key.namespace, extra
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    other = {**call, "function": {"name": "f", "arguments": '{"x": 2}'}}
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    changed = [turns[0], {**turns[1], "tool_calls": [other]}, turns[2]]
+    assert cache_key("chat", "m", {"messages": turns}).exact != cache_key("chat", "m", {"messages": changed}).exact
+
+
 def test_the_callers_scope_is_part_of_both_keys():
     alice, bob = (cache_key("chat", "m", _chat(QUESTION), scope) for scope in ("key:alice", "key:bob"))
     assert alice.exact != bob.exact and alice.namespace != bob.namespace

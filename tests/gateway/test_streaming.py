@@ -37,3 +37,25 @@ def test_unfinished_stream_is_not_an_answer():
     folded = StreamAccumulator(chat=True)
     folded.add({"id": "x", "choices": [{"index": 0, "delta": {"content": "Par"}, "finish_reason": None}]})
     assert folded.response() is None
+
+
+def test_tool_calls_replay_and_fold_back():
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"c": "Paris"}'}},
+             {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "CET"}'}}]
+    body = {"id": "x", "created": 1, "model": "m", "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": calls},
+                         "logprobs": None, "finish_reason": "tool_calls"}], "usage": None}
+    assert _fold(list(replay(body, chat=True, include_usage=False)), chat=True) == body
+
+
+def test_tool_call_arguments_streamed_in_pieces_are_joined():
+    folded = StreamAccumulator(chat=True)
+    folded.add({"id": "x", "choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a"'}}]},
+        "finish_reason": None}]})
+    folded.add({"id": "x", "choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "function": {"arguments": ': 1}'}}]}, "finish_reason": "tool_calls"}]})
+    message = folded.response()["choices"][0]["message"]
+    assert message["tool_calls"] == [{"id": "call_1", "type": "function", "function": {"name": "f",
+                                                                                      "arguments": '{"a": 1}'}}]
+    assert message["content"] is None

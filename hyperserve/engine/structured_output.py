@@ -1,0 +1,180 @@
+"""Structured output: each constrained sequence carries a grammar matcher; every step, the rows it
+samples get a token bitmask (1 = allowed) that the sampler applies before choosing.
+
+The grammar engine is llguidance: it computes each step's mask lazily from the grammar's lexer
+and an Earley parser over the tokenizer's trie (10-150 µs per mask for SmolLM2's 49k tokens), so
+a new schema costs milliseconds rather than an ahead-of-time pass over the vocabulary, and its
+wheel has no dependencies to pin (xgrammar's requires its own torch). It reads JSON schemas,
+regexes, Lark and (through its converter) llama.cpp's GBNF.
+
+JSON is constrained to one layout, `{"key": value, "key": [1, 2]}` (what `json.dumps` writes):
+with free whitespace small models can pad a document with newlines until max_tokens. Objects whose
+schema lists properties but does not say `additionalProperties` get none, as in OpenAI's strict
+mode, and unbounded integers stay within ±(2^53 - 1) (`strict_schema`): the answer has the shape the
+schema describes (still valid for the schema as written), and small models do not invent keys or
+digits until max_tokens.
+
+Masks are computed in a worker thread while the forward pass runs (llguidance releases the GIL).
+For speculative decoding a draft row's mask is the grammar's state after the drafts before it;
+rows after a draft the grammar rejects (or an EOS) get any mask, since no token is taken from them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import torch
+
+from hyperserve.sampling_params import StructuredOutputs
+
+MAX_GRAMMAR_CHARS = 256 * 1024  # a schema or grammar's text
+CACHED_GRAMMARS = 256
+MAX_SAFE_INTEGER = 2**53 - 1
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+logger = logging.getLogger("hyperserve.structured_output")
+
+
+@dataclass(eq=False)
+class Grammar:
+    """One sequence's position in its grammar."""
+
+    matcher: llguidance.LLMatcher
+    eos_token_id: int | None  # the end token the grammar allows once complete
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token; False if the grammar does not allow it (then the matcher
+        is in its error state for good)."""
+        return self.matcher.consume_token(token_id)
+
+    @property
+    def is_finished(self) -> bool:
+        """Nothing can follow but the end: the sequence may stop here."""
+        return self.matcher.is_stopped()
+
+    def fill_masks(self, bitmask: torch.Tensor, first_row: int, drafts: list[int]) -> None:
+        """Rows first_row..first_row + len(drafts): the mask after each prefix of the drafts."""
+        consumed = 0
+        for j in range(len(drafts) + 1):
+            row = bitmask[first_row + j]
+            self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+            if j == len(drafts):
+                break
+            token = drafts[j]
+            if token == self.eos_token_id:  # the sequence ends there (and rollback does not count an EOS)
+                break
+            if not (int(row[token // 32]) >> (token % 32)) & 1 or not self.matcher.consume_token(token):
+                break  # verification stops at this draft: later rows keep their all-allowed mask
+            consumed += 1
+        if consumed:
+            self.matcher.rollback(consumed)
+
+
+class GrammarCompiler:
+    """Turns StructuredOutputs into matchers, compiling each distinct constraint once."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self._masks = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+
+    @cached_property
+    def llg_tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the vocabulary (its token trie); built once, ~0.3 s."""
+        if self.tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer, and this model has none")
+        return llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_id)
+
+    def compile(self, constraint: StructuredOutputs) -> llguidance.LLMatcher:
+        """The constraint's compiled matcher, at the start; ValueError saying why if it cannot be
+        (whatever the converters raise on hostile input: deep nesting, malformed grammars)."""
+        try:
+            key = constraint.key
+        except (ValueError, RecursionError) as error:
+            raise ValueError(f"cannot read the constraint: {error}") from error
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
+        if len(key[1]) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the {key[0]} constraint is {len(key[1])} characters; at most {MAX_GRAMMAR_CHARS}")
+        try:
+            matcher = llguidance.LLMatcher(self.llg_tokenizer, _grammar(*key), log_level=0)
+        except ValueError:
+            raise
+        except Exception as error:
+            raise ValueError(f"cannot compile the {key[0]} constraint: {type(error).__name__}: {error}") from error
+        if matcher.is_error():
+            raise ValueError(f"cannot compile the {key[0]} constraint: {matcher.get_error()}")
+        with self._lock:
+            self._compiled[key] = matcher
+            while len(self._compiled) > CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        return matcher
+
+    def grammar(self, constraint: StructuredOutputs) -> Grammar:
+        return Grammar(self.compile(constraint).deep_copy(), self.eos_token_id)
+
+    def start_masks(self, rows: list[tuple[Grammar | None, list[int]]]) -> Future | None:
+        """Bitmasks [len(rows), ceil(V / 32)] int32 for rows (a grammar or None, and the drafts
+        before the row), computed in the background; None when no row is constrained. Rows of one
+        sequence are consecutive, first its own row, then one per draft."""
+        if not any(grammar is not None for grammar, _ in rows):
+            return None
+        return self._masks.submit(self._fill, rows)
+
+    def _fill(self, rows: list[tuple[Grammar | None, list[int]]]) -> torch.Tensor:
+        bitmask = torch.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        for i, (grammar, drafts) in enumerate(rows):
+            if grammar is not None and not drafts:  # a sequence's first row: fill it and its drafts' rows
+                num_drafts = 0
+                while i + num_drafts + 1 < len(rows) and rows[i + num_drafts + 1][0] is grammar:
+                    num_drafts += 1
+                grammar.fill_masks(bitmask, i, rows[i + num_drafts][1])
+        return bitmask
+
+
+def strict_schema(schema: Any) -> Any:
+    """The JSON schema the grammar enforces: additionalProperties false wherever properties are
+    listed and it is unset, and integers without bounds kept to I-JSON's interoperable range
+    (±(2^53 - 1)), so a model cannot write digits until max_tokens. Both are subsets of what
+    the schema allows."""
+    if isinstance(schema, list):
+        return [strict_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    strict = {key: strict_schema(value) if key not in ("const", "enum", "default", "examples") else value
+              for key, value in schema.items()}
+    if "properties" in strict and "additionalProperties" not in strict:
+        strict["additionalProperties"] = False
+    if strict.get("type") == "integer":
+        if "minimum" not in strict and "exclusiveMinimum" not in strict:
+            strict["minimum"] = -MAX_SAFE_INTEGER
+        if "maximum" not in strict and "exclusiveMaximum" not in strict:
+            strict["maximum"] = MAX_SAFE_INTEGER
+    return strict
+
+
+def _grammar(kind: str, text: str) -> str:
+    """llguidance's grammar text for a constraint."""
+    if kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(strict_schema(json.loads(text)), overrides=JSON_LAYOUT)
+    if kind == "regex":  # \d, \w and \s as ASCII classes, as JSON schema patterns read them
+        return llguidance.LLMatcher.grammar_from_lark(f"start: /{llguidance.regex_to_lark(text, 'dw')}/")
+    try:
+        return llguidance.grammar_from(kind, text)
+    except ValueError as error:
+        raise ValueError(f"cannot read the grammar: {error}") from error
+

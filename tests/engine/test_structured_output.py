@@ -1,0 +1,206 @@
+"""Structured output: grammar masks against the grammar itself, and the real model's constrained
+output against the constraint (JSON schemas validated with jsonschema, regexes, choices), alone,
+mixed into batches of free requests, with n > 1 and with speculative decoding."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from hyperserve.engine.sampler import apply_token_bitmask
+from hyperserve.engine.structured_output import GrammarCompiler
+from hyperserve.llm import LLM
+from hyperserve.sampling_params import SamplingParams, StructuredOutputs
+from tests.conftest import FLOAT32, SMOLLM2
+from tests.engine.schemas import schemas
+
+
+@pytest.fixture(scope="module")
+def compiler(smollm2_tokenizer):
+    return GrammarCompiler(smollm2_tokenizer, 49152, smollm2_tokenizer.eos_token_id)
+
+
+def allowed(bitmask_row: torch.Tensor, vocab: int = 49152) -> set[int]:
+    return {t for t in range(vocab) if (int(bitmask_row[t // 32]) >> (t % 32)) & 1}
+
+
+def test_bitmask_sets_exactly_the_disallowed_logits_to_minus_infinity():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 70)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 3), dtype=torch.int32)
+    masked = apply_token_bitmask(logits, bitmask)
+    for row in range(3):
+        for token in range(70):
+            bit = (int(bitmask[row, token // 32]) >> (token % 32)) & 1
+            assert masked[row, token] == (logits[row, token] if bit else float("-inf"))
+
+
+def test_draft_rows_get_the_masks_of_consuming_the_drafts_one_by_one(compiler, smollm2_tokenizer):
+    constraint = StructuredOutputs(json={"type": "object", "properties": {"n": {"type": "integer"}},
+                                         "required": ["n"]})
+    drafts = smollm2_tokenizer.encode('{"n": 12', add_special_tokens=False)
+    grammar = compiler.grammar(constraint)
+    masks = compiler.start_masks([(grammar, drafts[:j]) for j in range(len(drafts) + 1)]).result()
+    reference = compiler.grammar(constraint)
+    for j, token in enumerate(drafts):
+        expected = torch.full((1, masks.shape[1]), -1, dtype=torch.int32)
+        reference.matcher.unsafe_compute_mask_ptr(expected.data_ptr(), expected.numel() * 4)
+        assert torch.equal(masks[j], expected[0]), f"row {j}"
+        assert reference.accept(token)
+    # the matcher itself is back where it started: the drafts were only tried
+    assert allowed(masks[0]) == allowed(compiler.start_masks([(grammar, [])]).result()[0])
+
+
+def test_rows_after_a_rejected_draft_are_left_unconstrained(compiler, smollm2_tokenizer):
+    grammar = compiler.grammar(StructuredOutputs(choice=["yes", "no"]))
+    bad = smollm2_tokenizer.encode("maybe", add_special_tokens=False)[0]
+    masks = compiler.start_masks([(grammar, []), (grammar, [bad]), (grammar, [bad, bad])]).result()
+    assert bad not in allowed(masks[0])
+    assert (masks[1:] == -1).all()
+
+
+def test_trying_drafts_up_to_an_eos_leaves_the_grammar_where_it_was(compiler, smollm2_tokenizer):
+    """llguidance's rollback does not count a consumed EOS: drafts stop before one."""
+    grammar = compiler.grammar(StructuredOutputs(choice=["yes please"]))
+    tokens = smollm2_tokenizer.encode("yes please", add_special_tokens=False)
+    drafts = tokens + [compiler.eos_token_id, tokens[0]]
+    compiler.start_masks([(grammar, drafts[:j]) for j in range(len(drafts) + 1)]).result()
+    assert all(grammar.accept(token) for token in tokens) and grammar.is_finished
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("constraint, reason", [
+    (StructuredOutputs(json={"type": "object", "properties": {"a": {"$ref": "#/nope"}}}), "nope"),
+    (StructuredOutputs(regex="[a-z"), "unclosed"),
+    (StructuredOutputs(grammar="root ::= ("), "grammar"),
+    (StructuredOutputs(json="{not json"), "Expecting property name"),
+    (StructuredOutputs(json={"type": "array", "items": _nested(5000)}), "cannot"),
+    (StructuredOutputs(grammar="root ::= [" * 200), "grammar"),
+])
+def test_a_constraint_that_cannot_compile_is_a_value_error_that_says_why(compiler, constraint, reason):
+    with pytest.raises(ValueError, match=reason):
+        compiler.compile(constraint)
+
+
+def test_constraints_compile_once(compiler):
+    constraint = StructuredOutputs(regex="[0-9]{3}")
+    assert compiler.compile(constraint) is compiler.compile(StructuredOutputs(regex="[0-9]{3}"))
+
+
+def test_structured_outputs_takes_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs()
+
+
+# ---- the real model ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(SMOLLM2)
+
+
+def _chat(llm, what: str) -> list[int]:
+    return llm.apply_chat_template([{"role": "user", "content": f"Reply with {what} as JSON."}])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_output_parses_and_validates_against_its_schema(llm, temperature):
+    cases = schemas()
+    assert len(cases) >= 50
+    for _, schema in cases:  # the schemas are valid JSON schemas themselves
+        jsonschema.Draft202012Validator.check_schema(schema)
+    outputs = llm.generate(
+        [_chat(llm, what) for what, _ in cases],
+        [SamplingParams(temperature=temperature, seed=i, max_tokens=400,
+                        structured_outputs=StructuredOutputs(json=schema)) for i, (_, schema) in enumerate(cases)],
+        use_tqdm=False,
+    )
+    for (what, schema), output in zip(cases, outputs):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", (what, completion.text)
+        jsonschema.validate(json.loads(completion.text), schema)
+
+
+@pytest.mark.slow
+def test_regex_choice_and_grammar_outputs_match(llm):
+    prompts = [_chat(llm, w) for w in ("a date", "a colour", "a sum", "a greeting")]
+    constraints = [
+        StructuredOutputs(regex=r"\d{4}-\d{2}-\d{2}"),
+        StructuredOutputs(choice=["red", "green", "blue"]),
+        StructuredOutputs(grammar='root ::= num " + " num " = " num\nnum ::= [0-9]{1,3}'),  # GBNF
+        StructuredOutputs(grammar='start: GREETING " " NAME\nGREETING: "hello" | "hi"\nNAME: /[A-Z][a-z]{1,9}/'),
+    ]
+    for temperature in (0.0, 1.0):
+        outputs = llm.generate(prompts, [SamplingParams(temperature=temperature, seed=1, max_tokens=40,
+                                                        structured_outputs=c) for c in constraints], use_tqdm=False)
+        texts = [o.outputs[0].text for o in outputs]
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", texts[0]), texts
+        assert texts[1] in ("red", "green", "blue"), texts
+        assert re.fullmatch(r"[0-9]{1,3} \+ [0-9]{1,3} = [0-9]{1,3}", texts[2]), texts
+        assert re.fullmatch(r"(hello|hi) [A-Z][a-z]{1,9}", texts[3]), texts
+
+
+@pytest.mark.slow
+def test_grammar_rows_mixed_into_a_batch_of_free_requests_decode_as_alone(smollm2_tokenizer):
+    """Batch invariance: a constrained request's tokens do not depend on what shares its steps,
+    and free requests are untouched by their neighbours' masks; with chunked prefill and a KV
+    pool small enough that requests are preempted and recomputed (grammar state and all)."""
+    llm = LLM(SMOLLM2, num_kv_blocks=30, block_size=16, max_model_len=480, max_num_batched_tokens=48, **FLOAT32)
+    schema = schemas()[10][1]
+    constrained = SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputs(json=schema))
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    story = "The quick brown fox jumps over the lazy dog while the cat watches from the fence. "
+    prompts = [_chat(llm, "a user with a nested address"), _chat(llm, "a person"),
+               smollm2_tokenizer(story * 8).input_ids, smollm2_tokenizer(story * 16).input_ids]
+    params = [constrained, constrained, free, free]
+    alone = [llm.generate([p], [q], use_tqdm=False)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
+    together = llm.generate(prompts, params, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in together) > 0, "the pool should have forced preemption"
+    assert [o.outputs[0].token_ids for o in together] == alone
+    for output in together[:2]:
+        jsonschema.validate(json.loads(output.outputs[0].text), schema)
+
+
+@pytest.mark.slow
+def test_n_samples_each_follow_the_grammar(llm):
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "shade": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["colour", "shade"], "additionalProperties": False}
+    output = llm.generate([_chat(llm, "a colour and a shade")],
+                          [SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=40,
+                                          structured_outputs=StructuredOutputs(json=schema))], use_tqdm=False)[0]
+    assert len(output.outputs) == 4
+    for completion in output.outputs:
+        jsonschema.validate(json.loads(completion.text), schema)
+
+
+@pytest.mark.slow
+def test_speculative_decoding_with_a_grammar_gives_the_plain_greedy_output():
+    """n-gram drafts are checked against the grammar's masks for their rows: the greedy output is
+    the non-speculative one, and it validates."""
+    schema = {"type": "object", "properties": {"items": {"type": "array", "maxItems": 6, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "qty": {"type": "integer"}},
+        "required": ["name", "qty"], "additionalProperties": False}}}, "required": ["items"]}
+    question = ('Repeat this list as JSON: {"items": [{"name": "apple", "qty": 1}, {"name": "pear", "qty": 2}, '
+                '{"name": "plum", "qty": 3}]}')
+    params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=StructuredOutputs(json=schema))
+    texts = []
+    for options in ({}, {"speculative_method": "ngram", "num_speculative_tokens": 4}):
+        llm = LLM(SMOLLM2, **FLOAT32, **options)
+        prompt = llm.apply_chat_template([{"role": "user", "content": question}])
+        texts.append(llm.generate([prompt], [params], use_tqdm=False)[0].outputs[0])
+    assert texts[1].token_ids == texts[0].token_ids
+    jsonschema.validate(json.loads(texts[1].text), schema)

@@ -1,0 +1,117 @@
+"""Structured output and tool calling through the OpenAI API, with the official client against a
+real server: answers parse and validate, streaming gives what the whole response gives, and a
+constraint that cannot compile is a 400 that says why before any engine work."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a timezone",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 40}}, "required": ["tz"]}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_json_schema_response_format_parses_and_validates(client, server):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"]}
+    for temperature in (0, 1):
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "The largest city of France, as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}},
+            temperature=temperature, seed=7, max_tokens=100)
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    server.wait_idle()
+
+
+def test_json_object_response_format_is_a_json_object(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Give the name and age of a person as JSON."}],
+        response_format={"type": "json_object"}, temperature=0, max_tokens=100)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_vllm_guided_extras_on_completions(client):
+    r = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=10, temperature=0,
+                                  extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].text in ("yes", "no")
+    r = client.completions.create(model=MODEL, prompt="A date:", max_tokens=20, temperature=1, seed=3,
+                                  extra_body={"guided_regex": r"20\d{2}-[01]\d-[0-3]\d"})
+    assert len(r.choices[0].text) == 10 and r.choices[0].text.startswith("20")
+
+
+@pytest.mark.parametrize("body, reason", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}}, "nope"),
+    ({"guided_regex": "[a-z"}, "unclosed character class"),
+    ({"guided_json": {"type": "object"}, "guided_choice": ["a"]}, "one output constraint"),
+    ({"response_format": {"type": "json_object"}, "tools": [WEATHER], "tool_choice": "required"}, "cannot be combined"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools"),
+])
+def test_constraints_that_cannot_be_served_are_400s_that_say_why(client, server, body, reason):
+    with pytest.raises(openai.BadRequestError, match=reason) as info:
+        client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=5, extra_body=body)
+    assert info.value.body["type"] == "invalid_request_error"
+    server.wait_idle()
+
+
+def _calls(message_or_deltas) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message_or_deltas]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_tool_calls_validate_and_stream_as_they_answer(client, server, tool_choice):
+    kwargs = dict(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice=tool_choice,
+                  temperature=0, max_tokens=120)
+    r = client.chat.completions.create(**kwargs)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = _calls(choice.message.tool_calls)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for name, arguments in calls:
+        jsonschema.validate(arguments, schemas[name])
+    if isinstance(tool_choice, dict):
+        assert [name for name, _ in calls] == ["get_time"]
+
+    deltas, content, finish = [], "", None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        delta = chunk.choices[0].delta
+        deltas += delta.tool_calls or []
+        content += delta.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert _calls(deltas) == calls and [d.index for d in deltas] == list(range(len(calls)))
+    assert content == "" and finish == "tool_calls"
+    server.wait_idle()
+
+
+def test_a_tool_result_goes_back_in(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required",
+                                       temperature=0, max_tokens=60)
+    call = r.choices[0].message.tool_calls[0]
+    messages = ASK_WEATHER + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "cloudy"})}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
+                                       temperature=0, max_tokens=30)
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    assert r.usage.prompt_tokens > 100  # the fallback prompt, the call and its result are in the prompt
