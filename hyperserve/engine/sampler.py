@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -71,7 +72,7 @@ def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Te
         logits = apply_penalties(logits, batch)
     if batch.token_bitmask is not None:
         logits = apply_token_bitmask(logits, batch.token_bitmask)
-    greedy = logits.argmax(dim=-1)
+    greedy = row_argmax(logits)
     if batch.all_greedy:
         return greedy, None
     temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature).unsqueeze(1)
@@ -102,6 +103,14 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
+def row_argmax(values: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dimension (the first of equal maxima, as torch's). On the CPU through
+    NumPy: torch's takes 61 µs for one row of SmolLM2's 49k logits, NumPy's 4 (1% of a decode step)."""
+    if values.device.type == "cpu" and values.dtype == torch.float32:
+        return torch.from_numpy(np.argmax(values.numpy(), axis=-1))
+    return values.argmax(dim=-1)
+
+
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = torch.softmax(logits, dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
@@ -127,7 +136,7 @@ def _exponential_race(
     for row, generator in enumerate(generators):
         if generator is not None:
             noise[row].exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
+    return row_argmax(probs / noise)
 
 
 def gather_logprobs(

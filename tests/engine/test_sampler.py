@@ -112,3 +112,16 @@ def test_logprobs_are_of_the_raw_logits_with_ranks():
     assert out.sampled_ranks.tolist() == [1]
     assert out.top_token_ids.tolist() == [[0, 2]]
     assert torch.allclose(out.top_logprobs[0], reference[[0, 2]])
+
+
+def test_row_argmax_is_torchs_argmax_ties_and_infinities_included():
+    from hyperserve.engine.sampler import row_argmax
+
+    torch.manual_seed(0)
+    values = torch.randn(6, 1000)
+    values[1, 10] = values[1, 20] = 99.0  # a tie: the first wins
+    values[2] = float("-inf")
+    values[2, 500] = 0.0
+    values[3, ::2] = float("-inf")
+    assert torch.equal(row_argmax(values), values.argmax(dim=-1))
+    assert row_argmax(values).dtype == torch.long
