@@ -112,7 +112,7 @@ def hf_smollm2(smollm2_source):
 
 def tiny_config(arch: str, **overrides):
     """A small random-weight config of one of the supported architectures."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -120,7 +120,12 @@ def tiny_config(arch: str, **overrides):
         rms_norm_eps=1e-5, tie_word_embeddings=False,
     )
     common.update(overrides)
-    return {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch](**common)
+    if arch == "gemma3":  # one local and one global layer, as Gemma 3 interleaves them (5:1 in the real ones)
+        common.update(head_dim=16, query_pre_attn_scalar=16, tie_word_embeddings=True, sliding_window=8,
+                      layer_types=["sliding_attention", "full_attention"])
+        common.update(overrides)
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "gemma3": Gemma3TextConfig}
+    return classes[arch](**common)
 
 
 @pytest.fixture

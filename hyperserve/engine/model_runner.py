@@ -210,6 +210,8 @@ class ModelRunner:
         compiled = decode_only and self._compiled_decode is not None
         batch = self._prepare(chunks, model.sliding_window, model.attention_backend.ragged_decode,
                               min_blocks=2 if compiled else 1)
+        if model.interleaves_full_attention:
+            batch.attn.full_attention = self._prepare(chunks, None, model.attention_backend.ragged_decode).attn
         if compiled:
             group = batch.attn.decodes[0]  # batch size and context blocks vary; nothing else does
             for tensor, dims in ((batch.input_ids, [0]), (batch.positions, [0]), (batch.attn.slot_mapping, [0]),

@@ -146,6 +146,9 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
     sliding_window: int | None = None
+    # the same step without the window, for the full-attention layers of a model that interleaves
+    # both (Gemma 3); None: every layer uses this metadata
+    full_attention: AttentionMetadata | None = None
 
 
 class AttentionBackend(Protocol):

