@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import uuid
@@ -124,11 +125,21 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from hyperserve.config import EngineConfig, engine_kwargs_from_args
     from hyperserve.engine.engine import LLMEngine
     from hyperserve.server.app import build_app
+    from hyperserve.server.model_pool import ModelEntry
     from hyperserve.server.settings import ServerSettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = EngineConfig.from_kwargs(**engine_kwargs_from_args(args))  # bad flags fail before binding
-    settings = ServerSettings(model_name=args.served_model_name or args.model, max_queue=args.max_queue,
+    names = args.model or ["smollm2-135m"]
+    unknown = set(args.on_demand) - set(names)
+    if unknown or len(set(names)) != len(names):
+        sys.exit(f"error: --on-demand names models given with --model, each once; not {sorted(unknown) or names}")
+    configs = {name: EngineConfig.from_kwargs(**{**engine_kwargs_from_args(args), "model": name})
+               for name in names}  # bad flags fail before binding
+    served = {name: (args.served_model_name if i == 0 and args.served_model_name else name)
+              for i, name in enumerate(names)}
+    models = [ModelEntry(served[name], functools.partial(LLMEngine, configs[name]), name in args.on_demand)
+              for name in names]
+    settings = ServerSettings(model_name=served[names[0]], max_queue=args.max_queue,
                               max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                               max_pin_ttl_s=args.max_pin_ttl_s)
     failed: list[str] = []
@@ -141,11 +152,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     governor = _governor(args)
     cached = args.semantic_cache or args.response_cache
-    app = build_app(lambda: LLMEngine(config), settings, governor=None if cached else governor,
+    app = build_app(models, settings, governor=None if cached else governor,
                     on_load_error=lambda error: stop(f"the model failed to load: {error}"),
-                    on_engine_dead=lambda error: stop(f"the engine stopped: {type(error).__name__}: {error}"))
+                    on_engine_dead=lambda error: stop(f"the engine stopped: {type(error).__name__}: {error}"),
+                    max_loaded_models=args.max_loaded_models, idle_unload_s=args.idle_unload_s)
     if cached:
-        app = _cached_front(app, settings, args, governor)
+        app = _cached_front(app, settings, [m.name for m in models], args, governor)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=args.shutdown_grace_s))
     server.run()
@@ -153,7 +165,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         sys.exit(f"error: {failed[0]}")
 
 
-def _cached_front(engine_app, settings, args: argparse.Namespace, governor):
+def _cached_front(engine_app, settings, model_names: list[str], args: argparse.Namespace, governor):
     """The gateway's response cache in front of this process's own engine (served on a private
     Unix socket), as `hyperserve gateway` would put it in front of a remote one."""
     from hyperserve.gateway.app import build_gateway_app
@@ -161,7 +173,7 @@ def _cached_front(engine_app, settings, args: argparse.Namespace, governor):
 
     config = parse_config({
         "backends": [{"name": "engine", "url": "http://engine"}],
-        "routes": [{"model": settings.model_name, "backends": ["engine"]}],
+        "routes": [{"model": name, "backends": ["engine"]} for name in model_names],
         "cache": {"path": args.response_cache_path, "ttl_s": args.response_cache_ttl_s,
                   "semantic": {"enabled": args.semantic_cache, "threshold": args.semantic_cache_threshold}},
     }, source="serve flags")
@@ -226,8 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--semantic-cache-threshold", type=float, default=0.9, help="cosine similarity for a hit")
     cache.add_argument("--response-cache-path", default=".hyperserve/response-cache.sqlite")
     cache.add_argument("--response-cache-ttl-s", type=float, default=86400.0)
+    models = serve.add_argument_group("several models (--model given more than once)")
+    models.add_argument("--on-demand", nargs="+", default=[], metavar="MODEL",
+                        help="of the --model names, those loaded when first asked for and unloaded when idle")
+    models.add_argument("--idle-unload-s", type=float, default=300.0,
+                        help="an on-demand model unloads after this long without requests")
+    models.add_argument("--max-loaded-models", type=int, default=None,
+                        help="at most this many models loaded at once (the least recently used on-demand one goes)")
     _security_args(serve)
-    add_engine_args(serve)
+    add_engine_args(serve, repeatable=("model",))
     serve.set_defaults(func=cmd_serve)
 
     gateway = commands.add_parser("gateway", help="OpenAI-compatible gateway: caching, routing, fallback, cascades")

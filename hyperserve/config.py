@@ -181,14 +181,18 @@ def _section_types() -> dict[str, type]:
             "speculative": SpeculativeConfig}
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One `--flag` per engine config field, typed from its annotation."""
+def add_engine_args(parser: argparse.ArgumentParser, repeatable: tuple[str, ...] = ()) -> None:
+    """One `--flag` per engine config field, typed from its annotation; the fields named in
+    `repeatable` may be given several times (a list, None when not given)."""
     for section in _section_types().values():
         for f in dataclasses.fields(section):
             flag = "--" + f.name.replace("_", "-")
             kind = _scalar_type(f.type)
             default = f.default if f.default is not dataclasses.MISSING else None
-            if kind is bool:
+            if f.name in repeatable:
+                parser.add_argument(flag, type=kind, action="append", default=None,
+                                    help=f"repeatable (default: {default})")
+            elif kind is bool:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
                 if f.name.startswith("enable_"):  # --no-prefix-caching for --no-enable-prefix-caching
                     short = "--no-" + f.name.removeprefix("enable_").replace("_", "-")

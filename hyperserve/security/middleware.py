@@ -14,6 +14,7 @@ import hmac
 import json
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ logger = logging.getLogger("hyperserve.security")
 # Requests that make the engine work: completions, and prefix pins, which hold KV like a request.
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/cache")
 OPEN_PATHS = ("/health",)
+MODEL_ADMIN_PATH = re.compile(r"/v1/models/([^/]+)/(?:load|unload)")
 DEFAULT_MAX_TOKENS = 256  # the estimate for a request that sets no max_tokens
 
 
@@ -118,12 +120,14 @@ class Governor:
         return self.config.model_guardrails.get(model, self.config.guardrails) if isinstance(model, str) \
             else self.config.guardrails
 
-    def check_request(self, key: KeyEntry | None, body: dict[str, Any], chat: bool) -> int:
-        """Model permission and size limits; returns the estimated prompt tokens."""
-        model = body.get("model")
+    def check_model(self, key: KeyEntry | None, model: Any) -> None:
         if key is not None and key.models is not None and model not in key.models:
             raise APIError(403, f"the key {key.name!r} may not use model {model!r}; allowed: {key.models}",
                            type_="permission_error", param="model", code="model_not_allowed")
+
+    def check_request(self, key: KeyEntry | None, body: dict[str, Any], chat: bool) -> int:
+        """Model permission and size limits; returns the estimated prompt tokens."""
+        self.check_model(key, body.get("model"))
         limits = self.config.request_limits
         messages = body.get("messages") if chat else None
         if isinstance(messages, list) and len(messages) > limits.max_messages:
@@ -195,6 +199,9 @@ class SecurityMiddleware:
         started = time.perf_counter()
         try:
             key = self.governor.authenticate(dict(scope["headers"]))
+            managed = MODEL_ADMIN_PATH.fullmatch(scope["path"])
+            if managed is not None:  # loading or unloading a model takes the right to use it
+                self.governor.check_model(key, managed.group(1))
             if scope["method"] != "POST" or scope["path"] not in COMPLETION_PATHS:
                 return await self.app(scope, receive, send)
             await self._completion(scope, receive, send, key, started)

@@ -1,7 +1,8 @@
 """The HTTP server: FastAPI routes, SSE and WebSocket transports, errors, health and metrics.
 
-The model loads in the background after the socket opens, so /health answers 503 until it is
-ready. Every error leaves as an OpenAI-style body; nothing a client sends produces a 500. If the
+The models load in the background after the socket opens, so /health answers 503 until the
+pinned ones are ready; requests are routed by `model` (server/model_pool.py: several models, some
+loaded on demand). Every error leaves as an OpenAI-style body; nothing a client sends produces a 500. If the
 engine stops for good (a device error, out of memory), /health turns 503 at once, every waiting
 and running request fails with 503, and `on_engine_dead` is called: `hyperserve serve` then
 exits non-zero so that its supervisor (systemd, Kubernetes, Ray) starts a fresh process, since a
@@ -14,7 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +29,8 @@ from hyperserve.common.errors import APIError, install_error_handlers, unavailab
 from hyperserve.common.sse import DONE, sse_event
 from hyperserve.engine.engine import LLMEngine
 from hyperserve.security.middleware import Governor, add_security
-from hyperserve.server.async_engine import AsyncEngine
 from hyperserve.server.metrics import ServerMetrics
+from hyperserve.server.model_pool import ModelEntry, ModelPool, ServedModel
 from hyperserve.server.openai_api import Job, OpenAIServing
 from hyperserve.server.protocol import CacheRequest, ChatCompletionRequest, CompletionRequest, now
 from hyperserve.server.settings import ServerSettings
@@ -39,67 +40,66 @@ logger = logging.getLogger("hyperserve.server")
 
 @dataclass
 class _State:
-    serving: OpenAIServing | None = None
-    async_engine: AsyncEngine | None = None
-    load_error: str | None = None
+    started: bool = False  # the pinned models' loads have finished (or failed)
     shutting_down: bool = False
     websockets: set[asyncio.Task] = field(default_factory=set)
 
 
 def build_app(
-    load_engine: Callable[[], LLMEngine],
+    models: Callable[[], LLMEngine] | list[ModelEntry],
     settings: ServerSettings,
     on_load_error: Callable[[Exception], None] | None = None,
     governor: Governor | None = None,
     on_engine_dead: Callable[[BaseException], None] | None = None,
+    max_loaded_models: int | None = None,
+    idle_unload_s: float | None = 300.0,
 ) -> FastAPI:
+    """`models`: one engine factory (served as settings.model_name), or several named models."""
     state = _State()
-    metrics = ServerMetrics(settings.model_name)
+    metrics = ServerMetrics()
+    entries = [ModelEntry(settings.model_name, models)] if callable(models) else models
+    pool = ModelPool(entries, settings, metrics, on_engine_dead, max_loaded_models, idle_unload_s)
 
-    async def load() -> None:
-        state.async_engine = AsyncEngine(load_engine, on_step=metrics.observe_step, on_dead=on_engine_dead)
-        try:
-            await asyncio.wrap_future(state.async_engine.ready)
-        except Exception as error:
-            logger.exception("model failed to load")
-            state.load_error = f"{type(error).__name__}: {error}"
-            if on_load_error is not None:
-                on_load_error(error)
-            return
-        state.serving = OpenAIServing(state.async_engine, settings)
-        logger.info("model %s ready", settings.model_name)
+    async def start() -> None:
+        await pool.start()
+        state.started = True
+        failed = [m for m in pool.pinned if m.load_error is not None]
+        if failed and on_load_error is not None:
+            on_load_error(RuntimeError(f"{failed[0].name}: {failed[0].load_error}"))
+        while pool.idle_unload_s is not None:
+            await asyncio.sleep(min(pool.idle_unload_s / 4, 5.0))
+            await pool.unload_idle()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        loader = asyncio.create_task(load())
+        background = asyncio.create_task(start())
         yield
         state.shutting_down = True
-        loader.cancel()
-        if state.async_engine is not None:
-            await asyncio.to_thread(state.async_engine.shutdown)
+        background.cancel()
+        await pool.shutdown()
 
     app = FastAPI(title="HyperServe", lifespan=lifespan)
     add_security(app, governor)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)  # added last: outermost
 
-    def serving() -> OpenAIServing:
+    async def serving(model: str | None) -> OpenAIServing:
         if state.shutting_down:
             raise unavailable("the server is shutting down")
-        if state.serving is None:
-            raise unavailable(f"the model failed to load: {state.load_error}" if state.load_error
-                              else "the model is loading")
-        if state.async_engine.dead is not None:
-            raise unavailable(f"the engine stopped and the server is restarting: {state.async_engine.dead}", 10)
-        return state.serving
+        s = await pool.serving(model)
+        if s.engine.dead is not None:
+            raise unavailable(f"the engine stopped and the server is restarting: {s.engine.dead}", 10)
+        return s
 
     install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
-        if state.serving is None or state.shutting_down:
-            return JSONResponse({"status": state.load_error or "loading"}, status_code=503)
-        if state.async_engine.dead is not None:
-            return JSONResponse({"status": f"engine stopped: {state.async_engine.dead}"}, status_code=503)
+        """200 once every pinned model is loaded and running (on-demand ones load when asked for)."""
+        for model in pool.pinned:
+            if model.serving is None or state.shutting_down:
+                return JSONResponse({"status": model.load_error or "loading"}, status_code=503)
+            if model.async_engine.dead is not None:
+                return JSONResponse({"status": f"engine stopped: {model.async_engine.dead}"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -107,28 +107,44 @@ def build_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        s = serving()
-        return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": now(),
-                                            "owned_by": "hyperserve", "max_model_len": s.max_model_len}]}
+    async def list_models() -> dict[str, Any]:
+        """Every model served, with whether it is loaded and how (pinned or on demand)."""
+        return {"object": "list", "data": [_model_card(m) for m in pool.models.values()]}
+
+    @app.post("/v1/models/{name}/load")
+    async def load_model(name: str) -> dict[str, Any]:
+        await serving(name)
+        return _model_card(pool.model(name))
+
+    @app.post("/v1/models/{name}/unload")
+    async def unload_model(name: str) -> dict[str, Any]:
+        model = pool.model(name)
+        if not model.entry.on_demand:
+            raise APIError(400, f"the model {name!r} is pinned (always loaded); only on-demand models unload",
+                           param="model")
+        if model.busy:
+            raise APIError(409, f"the model {name!r} is running requests; unload it once they finish",
+                           type_="conflict", code="model_busy")
+        await model.unload()
+        return _model_card(model)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        s = serving()
+        s = await serving(body.model)
         return await _respond(s, await s.prepare_completion(body), body.stream, request, settings)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        s = serving()
+        s = await serving(body.model)
         return await _respond(s, await s.prepare_chat(body), body.stream, request, settings)
 
     @app.post("/v1/cache")
     async def pin_cache(body: CacheRequest) -> dict[str, Any]:
-        return await serving().pin(body)
+        return await (await serving(body.model)).pin(body)
 
     @app.delete("/v1/cache/{pin_id}")
     async def unpin_cache(pin_id: str) -> dict[str, Any]:
-        if not serving().engine.unpin(pin_id):
+        if not any(m.async_engine.unpin(pin_id) for m in pool.loaded()):
             raise APIError(404, f"no pinned prefix {pin_id!r}", param="id", code="cache_not_found")
         return {"id": pin_id, "object": "cache.deleted", "deleted": True}
 
@@ -137,6 +153,14 @@ def build_app(
         await _serve_websocket(ws, serving)
 
     return app
+
+
+def _model_card(model: ServedModel) -> dict[str, Any]:
+    card = {"id": model.name, "object": "model", "created": now(), "owned_by": "hyperserve",
+            "loaded": model.serving is not None, "on_demand": model.entry.on_demand}
+    if model.serving is not None:
+        card["max_model_len"] = model.serving.max_model_len
+    return card
 
 
 async def _respond(s: OpenAIServing, job: Job, stream: bool, request: Request, settings: ServerSettings) -> Response:
@@ -194,7 +218,7 @@ def _server_timing(job: Job) -> str:
     return ", ".join(f"{name};dur={seconds * 1000:.1f}" for name, seconds in parts.items())
 
 
-async def _serve_websocket(ws: WebSocket, serving: Callable[[], OpenAIServing]) -> None:
+async def _serve_websocket(ws: WebSocket, serving: Callable[[str | None], Awaitable[OpenAIServing]]) -> None:
     """JSON messages in: {"type": "chat.completions" | "completions", "request_id", "body"} or
     {"type": "cancel", "request_id"}. Out: {"type": "chunk" | "done" | "cancelled" | "error", ...}.
     A frame that is not a JSON object, or lacks what its type needs, gets an error event; the
@@ -237,7 +261,8 @@ async def _serve_websocket(ws: WebSocket, serving: Callable[[], OpenAIServing]) 
         body = message.get("body")
         if not isinstance(body, dict):
             raise APIError(400, "body must be a JSON object (the request, as for the HTTP endpoint)", param="body")
-        s = serving()
+        model = body.get("model")
+        s = await serving(model if isinstance(model, str) else None)  # a wrong type fails validation below
         if kind == "chat.completions":
             job = await s.prepare_chat(ChatCompletionRequest.model_validate(body))
         elif kind == "completions":

@@ -13,7 +13,10 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    """The metric families, one registry for every model the server holds (label `model_name`);
+    `for_model` gives each engine its observer."""
+
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -53,20 +56,29 @@ class ServerMetrics:
                                      "Accepted over proposed draft tokens, since start", labels, registry=r)
         self.spec_length = Gauge("hyperserve:spec_decode_mean_accepted_length",
                                  "Tokens emitted per verification step, since start", labels, registry=r)
-        self._counters = {"queries": self.prefix_queries, "hits": self.prefix_hits,
-                          "evictions": self.prefix_evictions, "disk_reads": self.disk_reads,
-                          "disk_writes": self.disk_writes, "spec_drafts": self.spec_drafts,
-                          "spec_draft_tokens": self.spec_draft_tokens, "spec_accepted": self.spec_accepted_tokens}
-        self._seen = dict.fromkeys(self._counters, 0)  # engine totals already exported
-        self.model_name = model_name
+        self.counters = {"queries": self.prefix_queries, "hits": self.prefix_hits,
+                         "evictions": self.prefix_evictions, "disk_reads": self.disk_reads,
+                         "disk_writes": self.disk_writes, "spec_drafts": self.spec_drafts,
+                         "spec_draft_tokens": self.spec_draft_tokens, "spec_accepted": self.spec_accepted_tokens}
+
+    def for_model(self, model_name: str) -> ModelMetrics:
+        return ModelMetrics(self, model_name)
+
+
+class ModelMetrics:
+    """One engine's observer: what it has exported so far and its requests' last token times."""
+
+    def __init__(self, families: ServerMetrics, model_name: str) -> None:
+        self.families, self.model_name = families, model_name
+        self._seen = dict.fromkeys(families.counters, 0)  # engine totals already exported
         self._last_token_time: dict[str, float] = {}  # request id -> when its last token came out
 
     def observe_step(self, engine, outputs: list[RequestOutput]) -> None:
         """Engine-thread hook: gauges every step, request histograms when a request finishes."""
-        m = self.model_name
-        self.running.labels(m).set(engine.num_running)
-        self.waiting.labels(m).set(engine.num_waiting)
-        self.kv_usage.labels(m).set(engine.kv_cache.usage)
+        f, m = self.families, self.model_name
+        f.running.labels(m).set(engine.num_running)
+        f.waiting.labels(m).set(engine.num_waiting)
+        f.kv_usage.labels(m).set(engine.kv_cache.usage)
         kv = engine.kv_cache
         disk = kv.lower_tier.store if kv.lower_tier is not None else None
         spec = engine.scheduler.spec_stats
@@ -74,31 +86,36 @@ class ServerMetrics:
                   "disk_reads": disk.num_reads if disk else 0, "disk_writes": disk.num_writes if disk else 0,
                   "spec_drafts": spec.num_drafts, "spec_draft_tokens": spec.num_draft_tokens,
                   "spec_accepted": spec.num_accepted_tokens}
-        self.spec_acceptance.labels(m).set(spec.acceptance_rate)
-        self.spec_length.labels(m).set(spec.mean_accepted_length)
-        for key, counter in self._counters.items():
+        f.spec_acceptance.labels(m).set(spec.acceptance_rate)
+        f.spec_length.labels(m).set(spec.mean_accepted_length)
+        for key, counter in f.counters.items():
             counter.labels(m).inc(totals[key] - self._seen[key])
         self._seen = totals
         now = time.time()
         for output in outputs:
             last = self._last_token_time.get(output.request_id)
             if last is not None:
-                self.itl.labels(m).observe(now - last)
+                f.itl.labels(m).observe(now - last)
             self._last_token_time[output.request_id] = now
             if output.finished:
                 del self._last_token_time[output.request_id]
                 self.observe_finished(output)
 
     def observe_finished(self, output: RequestOutput) -> None:
-        m, t = self.model_name, output.metrics
+        f, m, t = self.families, self.model_name, output.metrics
         if t.first_token_time is not None:
-            self.ttft.labels(m).observe(t.first_token_time - t.arrival_time)
+            f.ttft.labels(m).observe(t.first_token_time - t.arrival_time)
         if t.first_scheduled_time is not None:
-            self.queue.labels(m).observe(t.first_scheduled_time - t.arrival_time)
+            f.queue.labels(m).observe(t.first_scheduled_time - t.arrival_time)
         if t.finished_time is not None:
-            self.e2e.labels(m).observe(t.finished_time - t.arrival_time)
-        self.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
-        self.generation_tokens.labels(m).inc(sum(len(c.token_ids) for c in output.outputs))
-        self.preemptions.labels(m).inc(t.num_preemptions)
+            f.e2e.labels(m).observe(t.finished_time - t.arrival_time)
+        f.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
+        f.generation_tokens.labels(m).inc(sum(len(c.token_ids) for c in output.outputs))
+        f.preemptions.labels(m).inc(t.num_preemptions)
         for c in output.outputs:
-            self.request_success.labels(m, c.finish_reason or "abort").inc()
+            f.request_success.labels(m, c.finish_reason or "abort").inc()
+
+    def clear_gauges(self) -> None:
+        """The model was unloaded: its gauges say nothing runs."""
+        for gauge in (self.families.running, self.families.waiting, self.families.kv_usage):
+            gauge.labels(self.model_name).set(0)

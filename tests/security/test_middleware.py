@@ -81,6 +81,10 @@ def test_keys_are_required_except_for_health(secured):
     assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer admin-secret"}).status_code == 200
     assert httpx.get(f"{url}/v1/models").status_code == 401
     assert chat(url, "admin").json()["choices"][0]["message"]["content"] == "a says: hello"
+    for action in ("load", "unload"):  # managing a model needs a key, and one allowed that model
+        assert_error(httpx.post(f"{url}/v1/models/m/{action}"), 401, "missing_api_key")
+        assert_error(httpx.post(f"{url}/v1/models/m/{action}", headers={"Authorization": "Bearer other-model-secret"}),
+                     403, "model_not_allowed", "may not use model 'm'")
 
 
 def test_rejections_happen_before_any_model_work(secured):

@@ -20,10 +20,11 @@ def fake_engine():
 
 
 def test_finished_and_aborted_requests_leave_no_per_request_state():
-    metrics, engine = ServerMetrics("m"), fake_engine()
+    families, engine = ServerMetrics(), fake_engine()
+    metrics = families.for_model("m")
     metrics.observe_step(engine, [output("a", None), output("b", None)])
     assert set(metrics._last_token_time) == {"a", "b"}
     metrics.observe_step(engine, [output("a", "stop")])
     metrics.observe_step(engine, [output("b", "abort")])  # AsyncEngine reports aborts through the same hook
     assert metrics._last_token_time == {}
-    assert metrics.request_success.labels("m", "abort")._value.get() == 1
+    assert families.request_success.labels("m", "abort")._value.get() == 1

@@ -1,0 +1,177 @@
+"""Several models behind one endpoint: each with its own engine and KV pool, routed by `model`.
+
+A pinned model loads when the server starts and stays. An on-demand model loads when a request
+(or POST /v1/models/{name}/load) first names it, that request waiting for the load, and unloads
+after `idle_unload_s` without requests, or earlier when loading another would exceed
+`max_loaded_models`: then the least recently used idle on-demand model goes first. If every
+loaded model is pinned or busy, the request gets 503 with the reason. Unloading stops the
+engine's thread, drops its weights and KV pool and hands the freed heap back to the OS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from hyperserve.common.errors import APIError, unavailable
+from hyperserve.engine.engine import LLMEngine
+from hyperserve.engine.memory import return_freed_heap
+from hyperserve.server.async_engine import AsyncEngine
+from hyperserve.server.metrics import ModelMetrics, ServerMetrics
+from hyperserve.server.openai_api import OpenAIServing
+from hyperserve.server.settings import ServerSettings
+
+logger = logging.getLogger("hyperserve.models")
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    load_engine: Callable[[], LLMEngine]
+    on_demand: bool = False  # False: loaded at start, never unloaded
+
+
+class ServedModel:
+    """One model's engine, loaded or not."""
+
+    def __init__(self, entry: ModelEntry, settings: ServerSettings, metrics: ModelMetrics,
+                 on_engine_dead: Callable[[BaseException], None] | None) -> None:
+        self.entry, self.metrics, self.on_engine_dead = entry, metrics, on_engine_dead
+        self.settings = replace(settings, model_name=entry.name)
+        self.async_engine: AsyncEngine | None = None
+        self.serving: OpenAIServing | None = None
+        self.load_error: str | None = None
+        self.last_used = time.monotonic()
+        self._loading: asyncio.Future | None = None
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def busy(self) -> bool:
+        """Requests queued or running (an idle model can be unloaded)."""
+        engine = self.async_engine
+        return engine is not None and (engine.num_waiting > 0 or engine.engine.num_running > 0)
+
+    async def load(self) -> OpenAIServing:
+        """Loaded (waiting for a load in progress, or starting one); raises what loading raised."""
+        if self.serving is not None:
+            return self.serving
+        if self._loading is None:
+            self._loading = asyncio.ensure_future(self._load())
+        return await asyncio.shield(self._loading)
+
+    async def _load(self) -> OpenAIServing:
+        started = time.perf_counter()
+        engine = AsyncEngine(self.entry.load_engine, on_step=self.metrics.observe_step, on_dead=self.on_engine_dead)
+        try:
+            await asyncio.wrap_future(engine.ready)
+        except Exception as error:
+            self.load_error = f"{type(error).__name__}: {error}"
+            logger.exception("model %s failed to load", self.name)
+            raise
+        finally:
+            self._loading = None
+        self.load_error = None
+        self.async_engine, self.serving = engine, OpenAIServing(engine, self.settings)
+        self.last_used = time.monotonic()
+        logger.info("model %s ready (loaded in %.1f s)", self.name, time.perf_counter() - started)
+        return self.serving
+
+    async def unload(self) -> None:
+        engine, self.async_engine, self.serving = self.async_engine, None, None
+        if engine is None:
+            return
+        await asyncio.to_thread(engine.shutdown)
+        del engine
+        gc.collect()  # the engine's tensors go with their last reference...
+        return_freed_heap()  # ...and the heap pages they held back to the OS
+        self.metrics.clear_gauges()
+        logger.info("model %s unloaded", self.name)
+
+
+class ModelPool:
+    def __init__(self, entries: list[ModelEntry], settings: ServerSettings, metrics: ServerMetrics,
+                 on_engine_dead: Callable[[BaseException], None] | None = None,
+                 max_loaded_models: int | None = None, idle_unload_s: float | None = 300.0) -> None:
+        if not entries or len({e.name for e in entries}) != len(entries):
+            raise ValueError("give at least one model, each under its own name")
+        self.models = {e.name: ServedModel(e, settings, metrics.for_model(e.name), on_engine_dead) for e in entries}
+        self.default = entries[0].name  # serves requests that name no model
+        self.max_loaded_models = max_loaded_models
+        self.idle_unload_s = idle_unload_s
+        self._admission = asyncio.Lock()  # one load decision at a time
+
+    @property
+    def pinned(self) -> list[ServedModel]:
+        return [m for m in self.models.values() if not m.entry.on_demand]
+
+    def loaded(self) -> list[ServedModel]:
+        return [m for m in self.models.values() if m.serving is not None]
+
+    def model(self, name: str | None) -> ServedModel:
+        model = self.models.get(self.default if name is None else name)
+        if model is None:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {sorted(self.models)}",
+                           param="model", code="model_not_found")
+        return model
+
+    async def serving(self, name: str | None) -> OpenAIServing:
+        """The model's OpenAIServing, loading an on-demand model first (and making room for it)."""
+        model = self.model(name)
+        model.last_used = time.monotonic()
+        if model.serving is not None:
+            return model.serving
+        if not model.entry.on_demand:  # pinned: loading at start, or failed there
+            raise unavailable(f"the model {model.name!r} failed to load: {model.load_error}" if model.load_error
+                              else f"the model {model.name!r} is loading")
+        async with self._admission:
+            if model.serving is None and model._loading is None:
+                await self._make_room(model)
+        try:
+            return await model.load()
+        except Exception as error:
+            raise unavailable(f"the model {model.name!r} failed to load: {type(error).__name__}: {error}",
+                              retry_after_s=10) from error
+
+    async def _make_room(self, model: ServedModel) -> None:
+        """Unload least recently used idle on-demand models until one more fits."""
+        limit = self.max_loaded_models
+        while limit is not None and len(self.loaded()) + self._num_loading() >= limit:
+            now = time.monotonic()  # a model handed out this last second has a request on its way
+            idle = sorted((m for m in self.loaded() if m.entry.on_demand and not m.busy and now - m.last_used > 1),
+                          key=lambda m: m.last_used)
+            if not idle:
+                raise unavailable(f"cannot load {model.name!r}: {limit} models are loaded (max_loaded_models) and "
+                                  "none of them can be unloaded now (pinned or busy)", retry_after_s=5)
+            await idle[0].unload()
+
+    def _num_loading(self) -> int:
+        return sum(m._loading is not None for m in self.models.values())
+
+    async def start(self) -> None:
+        """Load the pinned models; then unload idle on-demand models as they time out."""
+        for model in self.pinned:
+            with contextlib.suppress(Exception):  # recorded in load_error; the caller checks
+                await model.load()
+
+    async def unload_idle(self, now: float | None = None) -> list[str]:
+        if self.idle_unload_s is None:
+            return []
+        now = time.monotonic() if now is None else now
+        unloaded = []
+        for model in self.loaded():
+            if model.entry.on_demand and not model.busy and now - model.last_used >= self.idle_unload_s:
+                await model.unload()
+                unloaded.append(model.name)
+        return unloaded
+
+    async def shutdown(self) -> None:
+        for model in self.loaded():
+            await asyncio.to_thread(model.async_engine.shutdown)

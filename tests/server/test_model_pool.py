@@ -1,0 +1,156 @@
+"""Several models in one server: requests routed by `model`, each model answering as it does
+alone; on-demand models loaded by the first request that names them, unloaded when idle or to
+make room, and loaded again; and (with the real models) memory back to where it was after an
+unload."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from hyperserve import LLM, SamplingParams
+from hyperserve.engine.engine import LLMEngine
+from hyperserve.server.app import build_app
+from hyperserve.server.model_pool import ModelEntry
+from hyperserve.server.settings import ServerSettings
+from tests.conftest import tiny_config
+from tests.server.conftest import start_server, stop_server
+
+ENGINE = dict(num_kv_blocks=64, block_size=4, max_model_len=128, dtype="float32")
+PROMPTS = [[1, 2, 3], [7, 8, 9, 10], [5, 4, 3, 2, 1]]
+
+
+@pytest.fixture
+def tiny_models(tmp_path_factory):
+    """Three tiny random models (a Llama, a Gemma 3, another Llama) saved as Hugging Face folders."""
+    from transformers import AutoModelForCausalLM
+
+    paths = {}
+    for name, arch, seed in (("llama-a", "llama", 0), ("gemma", "gemma3", 1), ("llama-b", "llama", 2)):
+        path = tmp_path_factory.mktemp(name)
+        import torch
+
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if "norm" not in param_name:
+                    param.normal_(0, 0.15)
+        model.save_pretrained(path)
+        paths[name] = str(path)
+    return paths
+
+
+def _alone(path: str) -> list[list[float]]:
+    """Each prompt's sampled-token log-probabilities from the model alone (tiny models have no
+    tokenizer, so answers are compared by these: equal only for the same tokens and arithmetic)."""
+    llm = LLM(model=path, **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    return [[entries[t].logprob for t, entries in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+            for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def _serve(entries: list[ModelEntry], **options) -> TestClient:
+    client = TestClient(build_app(entries, ServerSettings(model_name=entries[0].name), **options))
+    client.__enter__()
+    deadline = time.time() + 60
+    while client.get("/health").status_code != 200:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    return client
+
+
+def _entry(name: str, path: str, on_demand: bool = False) -> ModelEntry:
+    return ModelEntry(name, lambda: LLMEngine.from_kwargs(model=path, **ENGINE), on_demand)
+
+
+def _answer(client: TestClient, model: str | None, prompt: list[int]) -> list[float]:
+    body = {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def loaded(client: TestClient) -> dict[str, bool]:
+    return {card["id"]: card["loaded"] for card in client.get("/v1/models").json()["data"]}
+
+
+def test_requests_are_routed_by_model_and_answer_as_each_model_alone(tiny_models):
+    expected = {name: _alone(tiny_models[name]) for name in ("llama-a", "gemma")}
+    client = _serve([_entry("llama-a", tiny_models["llama-a"]), _entry("gemma", tiny_models["gemma"])])
+    try:
+        work = [(name, i) for i in range(len(PROMPTS)) for name in expected]  # interleaved, concurrent
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda job: _answer(client, job[0], PROMPTS[job[1]]), work))
+        for (name, i), answer in zip(work, answers):
+            assert answer == pytest.approx(expected[name][i], abs=1e-5), (name, i)
+        assert _answer(client, None, PROMPTS[0]) == pytest.approx(expected["llama-a"][0], abs=1e-5)  # the first
+        assert client.post("/v1/completions", json={"model": "nope", "prompt": [1]}).status_code == 404
+    finally:
+        client.__exit__(None, None, None)
+
+
+def test_on_demand_models_load_when_asked_unload_when_idle_or_for_room_and_come_back(tiny_models):
+    expected = _alone(tiny_models["gemma"])
+    client = _serve([_entry("llama-a", tiny_models["llama-a"]), _entry("gemma", tiny_models["gemma"], True),
+                     _entry("llama-b", tiny_models["llama-b"], True)], max_loaded_models=2, idle_unload_s=None)
+    try:
+        assert loaded(client) == {"llama-a": True, "gemma": False, "llama-b": False}
+        assert _answer(client, "gemma", PROMPTS[1]) == pytest.approx(expected[1], abs=1e-5)  # loads it first
+        assert loaded(client)["gemma"]
+        time.sleep(1.1)  # the pool keeps a model handed out within the last second
+        _answer(client, "llama-b", PROMPTS[0])  # room for it: gemma, idle, goes
+        assert loaded(client) == {"llama-a": True, "gemma": False, "llama-b": True}
+        time.sleep(1.1)
+        assert _answer(client, "gemma", PROMPTS[2]) == pytest.approx(expected[2], abs=1e-5)  # back, the same
+
+        unload = client.post("/v1/models/llama-a/unload")
+        assert unload.status_code == 400 and "pinned" in unload.json()["error"]["message"]
+        assert client.post("/v1/models/gemma/unload").json()["loaded"] is False
+        assert client.post("/v1/models/gemma/load").json()["loaded"] is True
+    finally:
+        client.__exit__(None, None, None)
+
+
+def test_idle_on_demand_models_unload_after_the_timeout(tiny_models):
+    client = _serve([_entry("llama-a", tiny_models["llama-a"]), _entry("gemma", tiny_models["gemma"], True)],
+                    idle_unload_s=0.5)
+    try:
+        _answer(client, "gemma", PROMPTS[0])
+        deadline = time.time() + 10
+        while loaded(client)["gemma"]:
+            assert time.time() < deadline, "the idle model was not unloaded"
+            time.sleep(0.1)
+        assert loaded(client)["llama-a"]  # pinned models stay
+    finally:
+        client.__exit__(None, None, None)
+
+
+@pytest.mark.slow
+def test_unloading_gives_the_memory_back():
+    """Real models: smollm2 pinned, gemma3 on demand; after gemma3 is unloaded the server's
+    resident memory is within 5% of what it was before gemma3 loaded."""
+    server = start_server("--model", "smollm2-135m", "--model", "gemma3-270m", "--on-demand", "gemma3-270m",
+                          log_name="multi-model")
+    try:
+        def rss_mb() -> float:
+            status = open(f"/proc/{server.process.pid}/status").read()
+            return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+        def ask(model: str) -> str:
+            body = {"model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+            return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+
+        first = ask("smollm2-135m")
+        baseline = rss_mb()
+        answer = ask("gemma3-270m")
+        assert rss_mb() > baseline + 500  # float32 Gemma 3 270M: about a gigabyte
+        assert httpx.post(f"{server.url}/v1/models/gemma3-270m/unload", timeout=60).json()["loaded"] is False
+        assert rss_mb() < baseline * 1.05
+        assert ask("gemma3-270m") == answer and ask("smollm2-135m") == first  # reloaded, the same answers
+    finally:
+        stop_server(server)
