@@ -7,6 +7,7 @@ import functools
 import os
 import sys
 import uuid
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded at run time
 
@@ -133,12 +134,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
     unknown = set(args.on_demand) - set(names)
     if unknown or len(set(names)) != len(names):
         sys.exit(f"error: --on-demand names models given with --model, each once; not {sorted(unknown) or names}")
-    configs = {name: EngineConfig.from_kwargs(**{**engine_kwargs_from_args(args), "model": name})
-               for name in names}  # bad flags fail before binding
+    adapters = _lora_modules(args.lora_modules)
+    with_lora = bool(adapters) or args.lora_dir is not None
+    configs = {name: EngineConfig.from_kwargs(**{**engine_kwargs_from_args(args), "model": name,
+                                                 "enable_lora": args.enable_lora or (with_lora and i == 0)})
+               for i, name in enumerate(names)}  # bad flags fail before binding
     served = {name: (args.served_model_name if i == 0 and args.served_model_name else name)
               for i, name in enumerate(names)}
-    models = [ModelEntry(served[name], functools.partial(LLMEngine, configs[name]), name in args.on_demand)
-              for name in names]
+    models = [ModelEntry(served[name], functools.partial(LLMEngine, configs[name]), name in args.on_demand,
+                         adapters if i == 0 else {})
+              for i, name in enumerate(names)]
     settings = ServerSettings(model_name=served[names[0]], max_queue=args.max_queue,
                               max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                               max_pin_ttl_s=args.max_pin_ttl_s)
@@ -155,7 +160,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     app = build_app(models, settings, governor=None if cached else governor,
                     on_load_error=lambda error: stop(f"the model failed to load: {error}"),
                     on_engine_dead=lambda error: stop(f"the engine stopped: {type(error).__name__}: {error}"),
-                    max_loaded_models=args.max_loaded_models, idle_unload_s=args.idle_unload_s)
+                    max_loaded_models=args.max_loaded_models, idle_unload_s=args.idle_unload_s,
+                    lora_dir=Path(args.lora_dir) if args.lora_dir else None)
     if cached:
         app = _cached_front(app, settings, [m.name for m in models], args, governor)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
@@ -163,6 +169,19 @@ def cmd_serve(args: argparse.Namespace) -> None:
     server.run()
     if failed:
         sys.exit(f"error: {failed[0]}")
+
+
+def _lora_modules(specs: list[str]) -> dict:
+    """--lora-modules NAME=PATH ... -> {NAME: LoRARequest}."""
+    from hyperserve.layers.lora import LoRARequest
+
+    adapters = {}
+    for i, spec in enumerate(specs, start=1):
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            sys.exit(f"error: --lora-modules takes NAME=PATH, got {spec!r}")
+        adapters[name] = LoRARequest(name, i, path)
+    return adapters
 
 
 def _cached_front(engine_app, settings, model_names: list[str], args: argparse.Namespace, governor):
@@ -245,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="an on-demand model unloads after this long without requests")
     models.add_argument("--max-loaded-models", type=int, default=None,
                         help="at most this many models loaded at once (the least recently used on-demand one goes)")
+    models.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT folders) on the first model, each served as model NAME")
+    models.add_argument("--lora-dir", default=None,
+                        help="the folder POST /v1/load_lora_adapter may load adapters from")
     _security_args(serve)
     add_engine_args(serve, repeatable=("model",))
     serve.set_defaults(func=cmd_serve)

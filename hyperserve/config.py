@@ -141,6 +141,17 @@ class SpeculativeConfig:
             raise ValueError(f"self_draft_layers must be at least 1, got {self.self_draft_layers}")
 
 
+@dataclass
+class LoRAConfig:
+    enable_lora: bool = False  # wrap the projections so requests can carry an adapter
+    max_lora_rank: int = 64  # adapters of a higher rank are refused
+    max_cpu_loras: int = 32  # adapters kept loaded in memory (least recently used evicted; reloaded from disk)
+
+    def __post_init__(self) -> None:
+        if self.max_lora_rank < 1 or self.max_cpu_loras < 1:
+            raise ValueError("max_lora_rank and max_cpu_loras must be at least 1")
+
+
 # LLM(speculative={"method": ..., "num_tokens": ...}): the dict's short keys -> SpeculativeConfig fields
 _SPECULATIVE_KEYS = {"method": "speculative_method", "num_tokens": "num_speculative_tokens",
                      "model": "draft_model", "draft_model": "draft_model", "num_layers": "self_draft_layers",
@@ -153,8 +164,9 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
-    SECTIONS = ("model", "cache", "scheduler", "speculative")
+    SECTIONS = ("model", "cache", "scheduler", "speculative", "lora")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -178,7 +190,7 @@ class EngineConfig:
 
 def _section_types() -> dict[str, type]:
     return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-            "speculative": SpeculativeConfig}
+            "speculative": SpeculativeConfig, "lora": LoRAConfig}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, repeatable: tuple[str, ...] = ()) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from hyperserve.engine.engine import LLMEngine
+from hyperserve.layers.lora import LoRARequest
 from hyperserve.outputs import RequestOutput
 from hyperserve.sampling_params import SamplingParams
 
@@ -32,20 +33,26 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. A prompt is text or a list of token ids."""
+        """Outputs in the order of `prompts`. A prompt is text or a list of token ids.
+        `lora_request`: one adapter for every prompt, or one per prompt (None: the base model);
+        the engine needs enable_lora=True."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
         # Validate everything before queueing anything, so a bad prompt leaves the engine untouched.
         request_ids = [str(next(self._ids)) for _ in prompts]
         added = []
         try:
-            for request_id, prompt, p in zip(request_ids, prompts, params_list):
-                self.engine.add_request(request_id, prompt, p)
+            for request_id, prompt, p, lora in zip(request_ids, prompts, params_list, loras):
+                self.engine.add_request(request_id, prompt, p, lora_request=lora)
                 added.append(request_id)
         except ValueError:
             for request_id in added:

@@ -28,6 +28,7 @@ from hyperserve.config import EngineConfig
 from hyperserve.engine.detokenizer import IncrementalDetokenizer
 from hyperserve.engine.disk_cache import DiskKVStore, DiskTier
 from hyperserve.engine.kv_cache_manager import KVCacheManager
+from hyperserve.engine.lora_manager import LoRAManager
 from hyperserve.engine.memory import cuda_kv_cache_budget, return_freed_heap
 from hyperserve.engine.model_runner import ModelRunner, StepResult
 from hyperserve.engine.request import Request, RequestStatus
@@ -35,6 +36,7 @@ from hyperserve.engine.scheduler import Scheduler, SchedulerOutput
 from hyperserve.engine.speculative import build_proposer, num_tokens_to_propose
 from hyperserve.engine.structured_output import GrammarCompiler
 from hyperserve.layers.attention import AttentionBackend, attention_backend
+from hyperserve.layers.lora import LoRARequest
 from hyperserve.models import loader
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
 from hyperserve.models.registry import resolve_model
@@ -91,9 +93,11 @@ class LLMEngine:
             quantization=config.model.quantization,
         )
         num_blocks = self._num_kv_blocks(model)
+        # before the runner, which looks through the LoRA wrappers for its fused int4 decode
+        self.lora = LoRAManager(model, config.lora, model.model.norm.weight.dtype) if config.lora.enable_lora else None
         self.eos_token_ids = loader.load_eos_token_ids(source, self.hf_config, self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, self._grammar_eos_token_id())
-        self.runner = ModelRunner(model, config, num_blocks, self.grammars)
+        self.runner = ModelRunner(model, config, num_blocks, self.grammars, self.lora)
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                        self._disk_tier(), config.cache.max_pinned_fraction)
         if self.kv_cache.lower_tier is not None:
@@ -150,13 +154,16 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request; raises ValueError (and changes nothing) if it cannot be served."""
+        """Queue a request (with an adapter: `lora_request`); raises ValueError (and changes
+        nothing) if it cannot be served."""
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self.process_prompt(prompt)
         self.check_params(params)
+        cache_salt = self.check_lora(lora_request) if lora_request is not None else b""
         arrival_time = time.time() if arrival_time is None else arrival_time
         samples = []
         for index in range(params.n):
@@ -171,6 +178,8 @@ class LLMEngine:
                 parent_id=request_id,
                 index=index,
                 seed=None if params.seed is None else params.seed + index,
+                lora_request=lora_request,
+                cache_salt=cache_salt,
             )
             if params.structured_outputs is not None:
                 request.grammar = self.grammars.grammar(params.structured_outputs)
@@ -360,6 +369,12 @@ class LLMEngine:
         if len(group.samples) > 1:  # the group's first token and last finish
             metrics = _merge_metrics([r.metrics for r in group.samples])
         return RequestOutput(group_id, group.prompt, first.prompt_token_ids, completions, finished, metrics)
+
+    def check_lora(self, lora_request: LoRARequest) -> bytes:
+        """Load the adapter now (ValueError if it is unusable); its prefix-cache salt."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora (--enable-lora)")
+        return self.lora.check(lora_request)
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check without the model: token ids in its vocabulary, and

@@ -183,6 +183,6 @@ class KVCacheManager:
         tokens, size = request.all_token_ids, self.block_size
         while (len(hashes) + 1) * size <= len(tokens):
             start = len(hashes) * size
-            parent = hashes[-1] if hashes else b""
+            parent = hashes[-1] if hashes else request.cache_salt
             hashes.append(hashlib.sha256(parent + array("q", tokens[start : start + size]).tobytes()).digest())
         return hashes

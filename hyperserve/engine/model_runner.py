@@ -24,6 +24,7 @@ import torch
 from hyperserve.config import EngineConfig
 from hyperserve.engine.cuda_graphs import DecodeGraphs
 from hyperserve.engine.kv_cache_manager import KVCacheManager
+from hyperserve.engine.lora_manager import LoRAManager
 from hyperserve.engine.rejection_sampler import verify_greedy, verify_sampled
 from hyperserve.engine.request import Request
 from hyperserve.engine.sampler import SamplerOutput, SamplingBatch, gather_logprobs, sample, sampling_probs
@@ -31,6 +32,7 @@ from hyperserve.engine.scheduler import SchedulerOutput
 from hyperserve.engine.structured_output import GrammarCompiler
 from hyperserve.layers.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillSpan, allowed_keys
 from hyperserve.layers.fused_decode import FusedDecode
+from hyperserve.layers.lora import LoRARequest
 from hyperserve.layers.quantization import QUANTIZED_MAX_ROWS
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
 
@@ -49,6 +51,7 @@ class SeqChunk:
     start: int
     block_table: list[int]
     num_logits: int  # logits are wanted for this many of its last tokens (0: none)
+    lora: LoRARequest | None = None  # the adapter its tokens run with
 
 
 @dataclass(slots=True)
@@ -71,9 +74,10 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig, num_blocks: int,
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler | None = None, lora: LoRAManager | None = None) -> None:
         self.model = model
         self.grammars = grammars
+        self.lora = lora
         self.device = torch.device(config.model.device)
         self.dtype = config.model.torch_dtype
         self.block_size = config.cache.block_size
@@ -157,7 +161,8 @@ class ModelRunner:
             num_logits = num_drafts + 1 if end >= request.num_tokens else 0
             if num_drafts:
                 tokens += request.spec_token_ids[:num_drafts]
-            chunks.append(SeqChunk(tokens, start, kv_cache.block_table(request.request_id), num_logits))
+            chunks.append(SeqChunk(tokens, start, kv_cache.block_table(request.request_id), num_logits,
+                                   request.lora_request))
             rows.extend((request, request.spec_token_ids[:j]) for j in range(num_logits))
             if num_logits:
                 sampled.append((request, num_drafts))
@@ -199,12 +204,13 @@ class ModelRunner:
         """Logits [sum of num_logits, V] of a flattened batch of chunks; the target model and its
         KV by default, a draft model (and its own KV, or a prefix of the target's layers) otherwise."""
         model = model or self.model
-        decode_only = (model is self.model and kv_caches is None
+        with_lora = self.lora is not None and model is self.model and any(c.lora for c in chunks)
+        decode_only = (model is self.model and kv_caches is None and not with_lora
                        and all(len(c.token_ids) == c.num_logits == 1 for c in chunks))
         if decode_only and self.decode_graphs is not None and len(chunks) <= self.decode_graphs.max_batch:
             return self.decode_graphs.run([c.token_ids[0] for c in chunks], [c.start for c in chunks],
                                           [c.block_table for c in chunks])
-        if (self.fused_decode is not None and model is self.model and kv_caches is None
+        if (self.fused_decode is not None and model is self.model and kv_caches is None and not with_lora
                 and sum(len(c.token_ids) for c in chunks) <= QUANTIZED_MAX_ROWS):
             return self._fused_forward(chunks)
         compiled = decode_only and self._compiled_decode is not None
@@ -219,8 +225,14 @@ class ModelRunner:
                 if tensor is not None:
                     torch._dynamo.maybe_mark_dynamic(tensor, dims)
             return self._compiled_decode(batch.input_ids, batch.positions, batch.attn)
-        hidden = model(batch.input_ids, batch.positions, self.kv_caches if kv_caches is None else kv_caches,
-                       batch.attn)
+        if with_lora:
+            self.lora.set_rows([c.lora for c in chunks for _ in c.token_ids])
+        try:
+            hidden = model(batch.input_ids, batch.positions, self.kv_caches if kv_caches is None else kv_caches,
+                           batch.attn)
+        finally:
+            if with_lora:
+                self.lora.clear()
         return model.compute_logits(hidden[batch.logit_rows])
 
     def _fused_forward(self, chunks: list[SeqChunk]) -> torch.Tensor:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from hyperserve.engine.detokenizer import IncrementalDetokenizer
     from hyperserve.engine.structured_output import Grammar
+    from hyperserve.layers.lora import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -84,6 +85,8 @@ class Request:
     seed: int | None = None
     wait_for: Request | None = None  # start after this request has computed its prompt (n > 1)
     pin_until: float | None = None  # on finishing, keep the prompt's KV cached until then
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    cache_salt: bytes = b""  # starts its prefix-cache hash chain: KV differs per adapter
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)

@@ -17,6 +17,7 @@ import torch
 
 from hyperserve import kernels
 from hyperserve.layers.attention import KVCache
+from hyperserve.layers.lora import unwrapped
 from hyperserve.layers.quantization import Int4Linear
 
 
@@ -42,7 +43,8 @@ class FusedDecode:
         if model.sliding_window is not None:
             return "sliding-window attention"
         for layer in model.model.layers:
-            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            linears = [unwrapped(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]
             if not all(isinstance(m, Int4Linear) and m.native and not m.has_bias for m in linears):
                 return "projections that are not bias-free native int4"
         return None
@@ -50,9 +52,9 @@ class FusedDecode:
     @staticmethod
     def _weights(layer: torch.nn.Module) -> list[torch.Tensor]:
         attn, mlp = layer.self_attn, layer.mlp
-        return [layer.input_layernorm.weight.detach().float().contiguous(), attn.qkv_proj.q41, attn.o_proj.q41,
-                layer.post_attention_layernorm.weight.detach().float().contiguous(), mlp.gate_up_proj.q41,
-                mlp.down_proj.q41]
+        return [layer.input_layernorm.weight.detach().float().contiguous(), unwrapped(attn.qkv_proj).q41,
+                unwrapped(attn.o_proj).q41, layer.post_attention_layernorm.weight.detach().float().contiguous(),
+                unwrapped(mlp.gate_up_proj).q41, unwrapped(mlp.down_proj).q41]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  block_tables: torch.Tensor, lengths: torch.Tensor, kv_caches: list[KVCache]) -> torch.Tensor:

@@ -17,6 +17,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
@@ -28,11 +29,19 @@ from hyperserve.common.body_limit import BodyLimit
 from hyperserve.common.errors import APIError, install_error_handlers, unavailable, validation_body
 from hyperserve.common.sse import DONE, sse_event
 from hyperserve.engine.engine import LLMEngine
+from hyperserve.layers.lora import LoRARequest
 from hyperserve.security.middleware import Governor, add_security
 from hyperserve.server.metrics import ServerMetrics
 from hyperserve.server.model_pool import ModelEntry, ModelPool, ServedModel
 from hyperserve.server.openai_api import Job, OpenAIServing
-from hyperserve.server.protocol import CacheRequest, ChatCompletionRequest, CompletionRequest, now
+from hyperserve.server.protocol import (
+    CacheRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRARequest,
+    UnloadLoRARequest,
+    now,
+)
 from hyperserve.server.settings import ServerSettings
 
 logger = logging.getLogger("hyperserve.server")
@@ -53,8 +62,10 @@ def build_app(
     on_engine_dead: Callable[[BaseException], None] | None = None,
     max_loaded_models: int | None = None,
     idle_unload_s: float | None = 300.0,
+    lora_dir: Path | None = None,
 ) -> FastAPI:
-    """`models`: one engine factory (served as settings.model_name), or several named models."""
+    """`models`: one engine factory (served as settings.model_name), or several named models.
+    `lora_dir`: the directory /v1/load_lora_adapter may load adapters from (None: none)."""
     state = _State()
     metrics = ServerMetrics()
     entries = [ModelEntry(settings.model_name, models)] if callable(models) else models
@@ -108,8 +119,43 @@ def build_app(
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        """Every model served, with whether it is loaded and how (pinned or on demand)."""
-        return {"object": "list", "data": [_model_card(m) for m in pool.models.values()]}
+        """Every model served, with whether it is loaded and how (pinned or on demand), and the
+        LoRA adapters on each (`parent`: its base model)."""
+        cards = []
+        for model in pool.models.values():
+            cards.append(_model_card(model))
+            cards += [{"id": name, "object": "model", "created": now(), "owned_by": "hyperserve",
+                       "parent": model.name, "root": lora.lora_path} for name, lora in model.entry.adapters.items()]
+        return {"object": "list", "data": cards}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRARequest) -> dict[str, Any]:
+        """Serve another adapter (on the first model), from inside --lora-dir only."""
+        model = pool.model(None)
+        if body.lora_name in pool.models or any(body.lora_name in m.entry.adapters for m in pool.models.values()):
+            raise APIError(400, f"the name {body.lora_name!r} is already served", param="lora_name")
+        if lora_dir is None:
+            raise APIError(400, "this server loads no adapters at run time: start it with --lora-dir",
+                           param="lora_path")
+        path = Path(body.lora_path).resolve()
+        if not path.is_relative_to(lora_dir.resolve()):
+            raise APIError(400, "lora_path must be inside the server's --lora-dir", param="lora_path")
+        lora = LoRARequest(body.lora_name, 1 + max((a.lora_int_id for a in model.entry.adapters.values()), default=0),
+                           str(path))
+        s = await serving(model.name)
+        try:
+            await asyncio.to_thread(s.engine.engine.check_lora, lora)
+        except ValueError as error:
+            raise APIError(400, str(error), param="lora_path") from error
+        model.entry.adapters[body.lora_name] = lora
+        return {"id": body.lora_name, "object": "model", "parent": model.name, "root": lora.lora_path}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRARequest) -> dict[str, Any]:
+        model = pool.model(body.lora_name)
+        if model.entry.adapters.pop(body.lora_name, None) is None:
+            raise APIError(404, f"no adapter {body.lora_name!r}", param="lora_name", code="model_not_found")
+        return {"id": body.lora_name, "object": "model", "deleted": True}
 
     @app.post("/v1/models/{name}/load")
     async def load_model(name: str) -> dict[str, Any]:

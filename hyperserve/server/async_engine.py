@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hyperserve.engine.engine import EngineDeadError, LLMEngine
+from hyperserve.layers.lora import LoRARequest
 from hyperserve.outputs import RequestOutput
 from hyperserve.sampling_params import SamplingParams
 
@@ -47,6 +48,7 @@ class _Add:
     priority: int
     arrival_time: float
     pin_ttl_s: float | None = None  # a prefix to pin rather than a completion
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -86,7 +88,7 @@ class AsyncEngine:
 
     def submit(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
-        pin_ttl_s: float | None = None,
+        pin_ttl_s: float | None = None, lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request now (so admission control counts it at once); stream it from the result.
         With `pin_ttl_s`, the request pins its prompt's KV instead (see LLMEngine.pin_prefix)."""
@@ -98,7 +100,7 @@ class AsyncEngine:
                 raise RuntimeError("the engine is shutting down")
             self._streams[request_id] = (asyncio.get_running_loop(), outputs)
             self._pending += 1
-        self._commands.put(_Add(request_id, prompt_ids, params, priority, time.time(), pin_ttl_s))
+        self._commands.put(_Add(request_id, prompt_ids, params, priority, time.time(), pin_ttl_s, lora_request))
         return RequestStream(self, request_id, outputs)
 
     def unpin(self, pin_id: str) -> bool:
@@ -166,9 +168,8 @@ class AsyncEngine:
             if command.pin_ttl_s is not None:
                 self.engine.pin_prefix(command.request_id, command.prompt_ids, command.pin_ttl_s)
             else:
-                self.engine.add_request(
-                    command.request_id, command.prompt_ids, command.params, command.priority, command.arrival_time
-                )
+                self.engine.add_request(command.request_id, command.prompt_ids, command.params, command.priority,
+                                        command.arrival_time, command.lora_request)
         except Exception as error:  # ValueError: the client's mistake; anything else fails this request only
             if not isinstance(error, ValueError):
                 logger.exception("adding request %s failed", command.request_id)

@@ -16,11 +16,12 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from hyperserve.common.errors import APIError, unavailable
 from hyperserve.engine.engine import LLMEngine
 from hyperserve.engine.memory import return_freed_heap
+from hyperserve.layers.lora import LoRARequest
 from hyperserve.server.async_engine import AsyncEngine
 from hyperserve.server.metrics import ModelMetrics, ServerMetrics
 from hyperserve.server.openai_api import OpenAIServing
@@ -34,6 +35,7 @@ class ModelEntry:
     name: str
     load_engine: Callable[[], LLMEngine]
     on_demand: bool = False  # False: loaded at start, never unloaded
+    adapters: dict[str, LoRARequest] = field(default_factory=dict)  # LoRA adapters served as models, by name
 
 
 class ServedModel:
@@ -79,7 +81,7 @@ class ServedModel:
         finally:
             self._loading = None
         self.load_error = None
-        self.async_engine, self.serving = engine, OpenAIServing(engine, self.settings)
+        self.async_engine, self.serving = engine, OpenAIServing(engine, self.settings, self.entry.adapters)
         self.last_used = time.monotonic()
         logger.info("model %s ready (loaded in %.1f s)", self.name, time.perf_counter() - started)
         return self.serving
@@ -116,7 +118,9 @@ class ModelPool:
         return [m for m in self.models.values() if m.serving is not None]
 
     def model(self, name: str | None) -> ServedModel:
-        model = self.models.get(self.default if name is None else name)
+        """The model a request's `model` names: a model, or the base of a LoRA adapter."""
+        name = self.default if name is None else name
+        model = self.models.get(name) or next((m for m in self.models.values() if name in m.entry.adapters), None)
         if model is None:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {sorted(self.models)}",
                            param="model", code="model_not_found")

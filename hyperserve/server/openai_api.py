@@ -15,6 +15,7 @@ from typing import Any
 
 from hyperserve.common.errors import APIError, unavailable
 from hyperserve.engine.engine import ContextLengthError, EngineDeadError, PinLimitError
+from hyperserve.layers.lora import LoRARequest
 from hyperserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from hyperserve.sampling_params import SamplingParams, StructuredOutputs
 from hyperserve.server import tools
@@ -45,6 +46,7 @@ class Job:
     include_usage: bool
     chat_logprobs: bool = False
     tool_names: set[str] | None = None  # chat with tools: answers are parsed for calls to these
+    lora: LoRARequest | None = None  # the adapter `model` named
     finals: list[RequestOutput | None] = field(default_factory=list)
     streams: list[RequestStream] = field(default_factory=list)
 
@@ -55,10 +57,12 @@ class Job:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings,
+                 adapters: dict[str, LoRARequest] | None = None) -> None:
         self.engine = engine
         self.settings = settings
         self.model_name = settings.model_name
+        self.adapters = adapters if adapters is not None else {}  # LoRA adapters served as models, by name
         self.max_model_len = engine.engine.max_model_len
         self.max_sequences = settings.max_fanout_factor * engine.engine.config.scheduler.max_num_seqs
         tokenizer = engine.engine.tokenizer
@@ -68,17 +72,17 @@ class OpenAIServing:
     # ---- requests -> jobs --------------------------------------------------------------------
 
     async def prepare_completion(self, request: CompletionRequest) -> Job:
-        self._check_model(request.model)
+        lora = await self._adapter(request.model)
         texts = request.prompts()
         self._check_fanout(len(texts), request.n)
         prompts = await asyncio.to_thread(lambda: [self._prompt_ids(p, "prompt") for p in texts])
         params = await self._params(request, request.max_tokens if request.max_tokens is not None else 16,
                                     request.logprobs, prompts, self._constraint(request))
-        return Job("completion", new_id("cmpl"), self.model_name, prompts, params, request.priority,
-                   bool(request.stream_options and request.stream_options.include_usage))
+        return Job("completion", new_id("cmpl"), request.model or self.model_name, prompts, params, request.priority,
+                   bool(request.stream_options and request.stream_options.include_usage), lora=lora)
 
     async def prepare_chat(self, request: ChatCompletionRequest) -> Job:
-        self._check_model(request.model)
+        lora = await self._adapter(request.model)
         self._check_fanout(1, request.n)
         constraint = self._constraint(request)
         offered = request.tools if request.calls_tools else None
@@ -95,10 +99,10 @@ class OpenAIServing:
             max_tokens = min(self.settings.default_max_tokens, self.max_model_len - len(ids))
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = await self._params(request, max_tokens, logprobs, prompts, constraint)
-        return Job("chat", new_id("chatcmpl"), self.model_name, prompts, params, request.priority,
+        return Job("chat", new_id("chatcmpl"), request.model or self.model_name, prompts, params, request.priority,
                    bool(request.stream_options and request.stream_options.include_usage),
                    chat_logprobs=request.logprobs,
-                   tool_names={tool.function.name for tool in offered} if offered else None)
+                   tool_names={tool.function.name for tool in offered} if offered else None, lora=lora)
 
     async def pin(self, request: CacheRequest) -> dict[str, Any]:
         """Compute and pin a prefix's KV; the answer says how many tokens later requests skip.
@@ -157,9 +161,21 @@ class OpenAIServing:
                            param="n" if n > 1 else "prompt", code="request_too_large")
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.adapters:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
+
+    async def _adapter(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model), loaded now, off the event loop:
+        an adapter that cannot serve is a 400 before any engine work."""
+        self._check_model(model)
+        lora = self.adapters.get(model) if model is not None else None
+        if lora is not None:
+            try:
+                await asyncio.to_thread(self.engine.engine.check_lora, lora)
+            except ValueError as error:
+                raise APIError(400, str(error), param="model") from error
+        return lora
 
     def _prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
         try:
@@ -196,7 +212,7 @@ class OpenAIServing:
         job.streams = []
         try:
             for i, prompt in enumerate(job.prompts):
-                job.streams.append(self._submit(f"{job.id}-{i}", prompt, job.params, job.priority))
+                job.streams.append(self._submit(f"{job.id}-{i}", prompt, job.params, job.priority, lora=job.lora))
         except APIError:
             job.close()
             raise
@@ -207,9 +223,9 @@ class OpenAIServing:
                                 "retry later", type_="rate_limit_error", headers={"Retry-After": "1"})
 
     def _submit(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0,
-                pin_ttl_s: float | None = None) -> RequestStream:
+                pin_ttl_s: float | None = None, lora: LoRARequest | None = None) -> RequestStream:
         try:
-            return self.engine.submit(request_id, prompt, params, priority, pin_ttl_s)
+            return self.engine.submit(request_id, prompt, params, priority, pin_ttl_s, lora)
         except (EngineDeadError, RuntimeError) as error:
             raise _api_error(error) from error
 

@@ -289,6 +289,17 @@ class CacheRequest(BaseModel):
         return self
 
 
+class LoadLoRARequest(BaseModel):
+    """POST /v1/load_lora_adapter, as vLLM's."""
+
+    lora_name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRARequest(BaseModel):
+    lora_name: str = Field(min_length=1, max_length=128)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

@@ -69,6 +69,19 @@ def start_server(*flags: str, log_name: str = "server") -> Server:
     raise RuntimeError("server did not become healthy")
 
 
+def serve_in_process(app, timeout: float = 60):
+    """A TestClient of an app, its lifespan entered and /health answering 200 (the caller exits it)."""
+    from fastapi.testclient import TestClient
+
+    client = TestClient(app)
+    client.__enter__()
+    deadline = time.time() + timeout
+    while client.get("/health").status_code != 200:
+        assert time.time() < deadline, "the app did not become healthy"
+        time.sleep(0.05)
+    return client
+
+
 def stop_server(server: Server) -> None:
     server.process.send_signal(signal.SIGTERM)
     try:

@@ -15,6 +15,7 @@ from hyperserve.engine.engine import LLMEngine
 from hyperserve.server.app import build_app
 from hyperserve.server.settings import ServerSettings
 from tests.conftest import tiny_config
+from tests.server.conftest import serve_in_process
 
 BODY = {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
@@ -28,13 +29,7 @@ def engine(save_hf_model):
 def serve(engine: LLMEngine, dead: list | None = None) -> TestClient:
     app = build_app(lambda: engine, ServerSettings(model_name="tiny"),
                     on_engine_dead=(dead.append if dead is not None else None))
-    client = TestClient(app)
-    client.__enter__()
-    deadline = time.time() + 30
-    while client.get("/health").status_code != 200:
-        assert time.time() < deadline
-        time.sleep(0.05)
-    return client
+    return serve_in_process(app)
 
 
 def break_runner(engine: LLMEngine, error: BaseException, when=lambda out: True) -> None:

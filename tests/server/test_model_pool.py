@@ -18,7 +18,7 @@ from hyperserve.server.app import build_app
 from hyperserve.server.model_pool import ModelEntry
 from hyperserve.server.settings import ServerSettings
 from tests.conftest import tiny_config
-from tests.server.conftest import start_server, stop_server
+from tests.server.conftest import serve_in_process, start_server, stop_server
 
 ENGINE = dict(num_kv_blocks=64, block_size=4, max_model_len=128, dtype="float32")
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10], [5, 4, 3, 2, 1]]
@@ -55,13 +55,7 @@ def _alone(path: str) -> list[list[float]]:
 
 
 def _serve(entries: list[ModelEntry], **options) -> TestClient:
-    client = TestClient(build_app(entries, ServerSettings(model_name=entries[0].name), **options))
-    client.__enter__()
-    deadline = time.time() + 60
-    while client.get("/health").status_code != 200:
-        assert time.time() < deadline
-        time.sleep(0.05)
-    return client
+    return serve_in_process(build_app(entries, ServerSettings(model_name=entries[0].name), **options))
 
 
 def _entry(name: str, path: str, on_demand: bool = False) -> ModelEntry:

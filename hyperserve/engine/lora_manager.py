@@ -1,0 +1,77 @@
+"""LoRAManager: which adapters are loaded, and each step's rows for each adapter.
+
+Adapters load from disk the first time a request names them and stay in memory, least recently
+used evicted beyond `max_cpu_loras` (a request whose adapter was evicted reloads it before its
+step). A request's prefix-cache hashes start from its adapter's identity, so KV computed under one
+adapter is never reused under another or by the base model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+
+import torch
+
+from hyperserve.config import LoRAConfig
+from hyperserve.layers.lora import LoRAAdapter, LoRABatch, LoRARequest, load_adapter, wrap_projections
+
+logger = logging.getLogger("hyperserve.lora")
+
+
+class LoRAManager:
+    def __init__(self, model: torch.nn.Module, config: LoRAConfig, dtype: torch.dtype) -> None:
+        self.model, self.config, self.dtype = model, config, dtype
+        self.batch = LoRABatch()
+        wrap_projections(model, self.batch)
+        self._loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self._requests: dict[str, LoRARequest] = {}  # every adapter seen, to reload evicted ones
+        self._lock = threading.Lock()  # the server checks adapters off the engine thread
+        self.num_loads = 0
+        self.load_seconds = 0.0
+
+    def check(self, request: LoRARequest) -> bytes:
+        """Load (or find) the adapter, raising ValueError if it is unusable; returns the salt that
+        starts its requests' prefix-cache hash chains."""
+        known = self._requests.get(request.lora_name)
+        if known is not None and known.lora_path != request.lora_path:
+            raise ValueError(f"adapter name {request.lora_name!r} is already used for {known.lora_path}")
+        self.adapter(request)
+        return hashlib.sha256(f"lora:{request.lora_name}:{request.lora_path}".encode()).digest()
+
+    def adapter(self, request: LoRARequest) -> LoRAAdapter:
+        with self._lock:
+            adapter = self._loaded.get(request.lora_name)
+            if adapter is not None:
+                self._loaded.move_to_end(request.lora_name)
+                return adapter
+        started = time.perf_counter()
+        adapter = load_adapter(request, self.model, self.config.max_lora_rank, self.dtype)
+        with self._lock:
+            self.load_seconds += time.perf_counter() - started
+            self.num_loads += 1
+            self._requests[request.lora_name] = request
+            self._loaded[request.lora_name] = adapter
+            while len(self._loaded) > self.config.max_cpu_loras:
+                evicted, _ = self._loaded.popitem(last=False)
+                logger.info("adapter %s evicted (max_cpu_loras=%d)", evicted, self.config.max_cpu_loras)
+        return adapter
+
+    @property
+    def num_loaded(self) -> int:
+        return len(self._loaded)
+
+    def set_rows(self, row_adapters: list[LoRARequest | None]) -> None:
+        """Each flat-batch row's adapter (None: the base model) for the coming forward pass."""
+        position: dict[str, int] = {}
+        for request in row_adapters:
+            if request is not None:
+                position.setdefault(request.lora_name, len(position))
+        adapters = [self.adapter(self._requests[name]) for name in position]
+        self.batch.set(adapters, [-1 if r is None else position[r.lora_name] for r in row_adapters])
+
+    def clear(self) -> None:
+        self.batch.clear()

@@ -1,0 +1,137 @@
+"""LoRA adapters at run time against PEFT: each adapter's log-probabilities and greedy tokens equal
+PEFT's merged model in transformers; a batch mixing adapters and the base model equals each
+request run alone; adapters that do not fit are refused with the reason; KV computed under one
+adapter is never reused under another."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hyperserve import LLM, LoRARequest, SamplingParams
+from tests.conftest import tiny_config
+
+ENGINE = dict(num_kv_blocks=128, block_size=4, max_model_len=128, dtype="float32", enable_lora=True)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [[int(t) for t in torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))]
+           for n in (5, 23, 40)]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny random Llama saved as a Hugging Face folder."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("base")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0, 0.15)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def make_adapter(base: str, directory, seed: int, rank: int = 4, targets=TARGETS, rslora: bool = False):
+    """A PEFT adapter with random A and B (B is zero at PEFT's init: no effect to test)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, use_rslora=rslora,
+                        init_lora_weights=False, lora_dropout=0.0)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.3)
+    peft_model.save_pretrained(directory)
+    return peft_model.merge_and_unload().eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(base, tmp_path_factory):
+    """name -> (LoRARequest, PEFT's merged model): different ranks, targets and scalings."""
+    variants = [dict(rank=4), dict(rank=8, rslora=True), dict(rank=2, targets=["q_proj", "v_proj"]),
+                dict(rank=16, targets=["gate_proj", "down_proj", "o_proj"])]
+    out = {}
+    for i, variant in enumerate(variants * 2):  # 8 adapters
+        directory = tmp_path_factory.mktemp(f"adapter{i}")
+        merged = make_adapter(base, directory, seed=100 + i, **variant)
+        out[f"a{i}"] = (LoRARequest(f"a{i}", i + 1, str(directory)), merged)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm(base):
+    return LLM(model=base, **ENGINE)
+
+
+def _logprobs(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0].log_softmax(-1)
+
+
+@pytest.mark.parametrize("name", ["a0", "a1", "a2", "a3"])
+def test_each_adapter_matches_peft_merged_in_transformers(llm, adapters, name):
+    request, merged = adapters[name]
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=5, ignore_eos=True)
+    for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False, lora_request=request)):
+        completion = output.outputs[0]
+        reference = _logprobs(merged, prompt + completion.token_ids)
+        for step, (token, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            expected = reference[len(prompt) - 1 + step]
+            assert token == int(expected.argmax()), f"step {step}"
+            for token_id, entry in entries.items():
+                assert entry.logprob == pytest.approx(float(expected[token_id]), abs=2e-4)
+
+
+def test_a_batch_mixing_eight_adapters_and_the_base_equals_each_alone(llm, adapters):
+    loras = [None] + [request for request, _ in adapters.values()]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(loras))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = [llm.generate([p], params, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids
+             for p, lora in zip(prompts, loras)]
+    together = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in together] == alone
+    assert len({tuple(tokens) for tokens in alone}) > 4, "the adapters should change the answers"
+
+
+def test_kv_cached_under_one_adapter_is_not_reused_under_another(llm, adapters):
+    prompt = list(range(1, 41))
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False, lora_request=adapters["a0"][0])
+    other = llm.generate([prompt], params, use_tqdm=False, lora_request=adapters["a1"][0])[0]
+    again = llm.generate([prompt], params, use_tqdm=False, lora_request=adapters["a0"][0])[0]
+    assert other.metrics.num_cached_tokens == 0
+    assert again.metrics.num_cached_tokens > 0
+
+
+def test_adapters_that_do_not_fit_are_refused_with_the_reason(llm, base, adapters, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    wide = tmp_path / "wide"
+    AutoModelForCausalLM.from_config(tiny_config("llama", hidden_size=96), dtype=torch.float32).save_pretrained(wide)
+    wrong_base = tmp_path / "wrong"
+    make_adapter(str(wide), wrong_base, seed=1)
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
+    (corrupt / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    too_big = tmp_path / "big"
+    make_adapter(base, too_big, seed=2, rank=128)
+    cases = {wrong_base: "another base model", corrupt: "cannot read", tmp_path / "missing": "missing",
+             too_big: "max_lora_rank"}
+    for i, (path, reason) in enumerate(cases.items()):
+        with pytest.raises(ValueError, match=reason):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False,
+                         lora_request=LoRARequest(f"bad{i}", 100 + i, str(path)))
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.pool.num_blocks
+    with pytest.raises(ValueError, match="enable_lora"):
+        LLM(model=base, **{**ENGINE, "enable_lora": False}).generate(
+            [[1, 2]], SamplingParams(max_tokens=1), use_tqdm=False, lora_request=adapters["a0"][0])

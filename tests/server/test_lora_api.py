@@ -1,0 +1,84 @@
+"""LoRA adapters through the OpenAI API (in process, a tiny model): `model` names the adapter and
+the answer is the adapter's; /v1/models lists adapters under their base; adapters load and
+unload at run time from the configured folder only; an unusable adapter is a 400."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from hyperserve import LLM, LoRARequest, SamplingParams
+from hyperserve.engine.engine import LLMEngine
+from hyperserve.server.app import build_app
+from hyperserve.server.model_pool import ModelEntry
+from hyperserve.server.settings import ServerSettings
+from tests.engine.test_lora import ENGINE, base, make_adapter  # noqa: F401 (base is a fixture)
+from tests.server.conftest import serve_in_process
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+@pytest.fixture(scope="module")
+def lora_dir(base, tmp_path_factory):  # noqa: F811
+    root = tmp_path_factory.mktemp("adapters")
+    for i, name in enumerate(("alpha", "beta")):
+        make_adapter(base, root / name, seed=i)
+    (root / "broken").mkdir()
+    (root / "broken" / "adapter_config.json").write_text(json.dumps({"r": 4}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def client(base, lora_dir):  # noqa: F811
+    adapters = {"alpha": LoRARequest("alpha", 1, str(lora_dir / "alpha")),
+                "broken": LoRARequest("broken", 2, str(lora_dir / "broken"))}
+    entry = ModelEntry("tiny", lambda: LLMEngine.from_kwargs(model=base, **ENGINE), adapters=adapters)
+    client = serve_in_process(build_app([entry], ServerSettings(model_name="tiny"), lora_dir=lora_dir))
+    yield client
+    client.__exit__(None, None, None)
+
+
+def _offline(base: str, lora: LoRARequest | None) -> list[float]:  # noqa: F811
+    llm = LLM(model=base, **ENGINE)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0),
+                       use_tqdm=False, lora_request=lora)[0].outputs[0]
+    return [entries[t].logprob for t, entries in zip(out.token_ids, out.logprobs)]
+
+
+def _answer(client: TestClient, model: str) -> list[float]:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == model
+    return response.json()["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def test_model_names_the_adapter_and_the_answer_is_the_adapters(client, base, lora_dir):  # noqa: F811
+    alpha = LoRARequest("alpha", 1, str(lora_dir / "alpha"))
+    assert _answer(client, "alpha") == pytest.approx(_offline(base, alpha), abs=1e-5)
+    assert _answer(client, "tiny") == pytest.approx(_offline(base, None), abs=1e-5)
+    cards = {card["id"]: card for card in client.get("/v1/models").json()["data"]}
+    assert cards["alpha"]["parent"] == "tiny" and cards["alpha"]["root"].endswith("alpha")
+
+
+def test_an_unusable_adapter_is_a_400_and_the_server_goes_on(client):
+    response = client.post("/v1/completions", json={"model": "broken", "prompt": PROMPT, "max_tokens": 2})
+    assert response.status_code == 400 and "adapter_model.safetensors" in response.json()["error"]["message"]
+    _answer(client, "alpha")
+
+
+def test_adapters_load_at_run_time_from_the_lora_dir_only(client, lora_dir, tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    refused = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(outside)})
+    assert refused.status_code == 400 and "--lora-dir" in refused.json()["error"]["message"]
+    escape = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(lora_dir / ".." / "x")})
+    assert escape.status_code == 400
+    loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "beta", "lora_path": str(lora_dir / "beta")})
+    assert loaded.status_code == 200, loaded.text
+    assert _answer(client, "beta") != pytest.approx(_answer(client, "alpha"), abs=1e-3)
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "beta"}).status_code == 200
+    gone = client.post("/v1/completions", json={"model": "beta", "prompt": PROMPT, "max_tokens": 2})
+    assert gone.status_code == 404
