@@ -6,7 +6,8 @@ with speculation also the rows of its draft tokens, which are verified against t
 
 For int4 models on the CPU, steps of up to QUANTIZED_MAX_ROWS tokens run the fused native
 decoder layers (layers/fused_decode.py): one call per layer, every token a row with its own slot,
-block table and context length. Otherwise, with `compile`, steps that only decode (one new token
+block table and context length. Steps with LoRA rows run the PyTorch layers, whose projections
+add each row's adapter delta (layers/lora.py). Otherwise, with `compile`, steps that only decode (one new token
 per sequence, the common step of continuous batching) run a torch.compile'd forward: elementwise
 ops fuse and most per-op Python goes away, which at one token per step is as much time as the
 matmuls. Its decodes attend as one group over block tables at least two blocks wide, so only two
