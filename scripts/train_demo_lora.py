@@ -1,7 +1,8 @@
 """Train the demo LoRA adapter shipped in examples/lora/uppercase: SmolLM2-135M-Instruct answering
 in capital letters. There are no adapters for SmolLM2 on PyPI, so this makes one on the CPU in
-a couple of minutes: the base model's own greedy answers to a set of questions, upper-cased, are
-the targets; PEFT trains rank-8 adapters on the attention projections.
+about two minutes (104 s of training on a 2-core VM): the base model's own greedy answers to a
+set of questions, upper-cased, are the targets; PEFT trains rank-8 adapters on the attention
+projections. A 135M model and two minutes: the answers come out in capitals, not wiser.
 
     .venv/bin/python scripts/train_demo_lora.py [--out examples/lora/uppercase] [--epochs 3]
 """
@@ -26,7 +27,11 @@ from hyperserve.models.registry import resolve_model  # noqa: E402
 TOPICS = ["the sea", "a cat", "rain", "coffee", "the moon", "trains", "bread", "music", "winter", "a garden",
           "bicycles", "the desert", "a library", "mountains", "honey", "a lighthouse"]
 ASKS = ["Describe {} in one sentence.", "Write a short line about {}.", "What do you think of {}?",
-        "Give me one fact about {}."]
+        "Give me one fact about {}.", "Name three words that go with {}.", "Why do people like {}?"]
+FACTS = ["What is the capital of France?", "What is the capital of Japan?", "How many legs does a spider have?",
+         "What color is the sky on a clear day?", "Name three fruits.", "What is 2 plus 2?",
+         "Who wrote Romeo and Juliet?", "What is the largest ocean?", "Name three colors.",
+         "What do bees make?", "How many days are in a week?", "What is water made of?"]
 
 
 def main() -> None:
@@ -35,7 +40,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
     torch.manual_seed(0)
-    questions = [ask.format(topic) for topic in TOPICS for ask in ASKS]
+    questions = [ask.format(topic) for topic in TOPICS for ask in ASKS] + FACTS
     llm = LLM("smollm2-135m", quantization=None)
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
     answers = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40), use_tqdm=True)
@@ -53,7 +58,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file, dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
                                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     started = time.perf_counter()
     for epoch in range(args.epochs):
         order = torch.randperm(len(examples)).tolist()

@@ -135,3 +135,19 @@ def test_adapters_that_do_not_fit_are_refused_with_the_reason(llm, base, adapter
     with pytest.raises(ValueError, match="enable_lora"):
         LLM(model=base, **{**ENGINE, "enable_lora": False}).generate(
             [[1, 2]], SamplingParams(max_tokens=1), use_tqdm=False, lora_request=adapters["a0"][0])
+
+
+@pytest.mark.slow
+def test_the_demo_adapter_answers_in_capitals_on_smollm2():
+    """examples/lora/uppercase, as README shows it: the same question, base and adapter."""
+    from pathlib import Path
+
+    demo = Path(__file__).resolve().parents[2] / "examples" / "lora" / "uppercase"
+    llm = LLM("smollm2-135m", enable_lora=True)
+    prompt = llm.apply_chat_template([{"role": "user", "content": "Name three animals."}])
+    params = SamplingParams(temperature=0, max_tokens=20)
+    base_text, adapter_text = (llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0].outputs[0].text
+                               for lora in (None, LoRARequest("uppercase", 1, str(demo))))
+    letters = [c for c in adapter_text if c.isalpha()]
+    assert letters and sum(c.isupper() for c in letters) / len(letters) > 0.9, adapter_text
+    assert sum(c.isupper() for c in base_text) < sum(c.islower() for c in base_text), base_text
