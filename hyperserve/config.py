@@ -144,12 +144,13 @@ class SpeculativeConfig:
 @dataclass
 class LoRAConfig:
     enable_lora: bool = False  # wrap the projections so requests can carry an adapter
+    max_loras: int = 8  # distinct adapters running at once (a step's LoRA cost grows with their number)
     max_lora_rank: int = 64  # adapters of a higher rank are refused
     max_cpu_loras: int = 32  # adapters kept loaded in memory (least recently used evicted; reloaded from disk)
 
     def __post_init__(self) -> None:
-        if self.max_lora_rank < 1 or self.max_cpu_loras < 1:
-            raise ValueError("max_lora_rank and max_cpu_loras must be at least 1")
+        if self.max_loras < 1 or self.max_lora_rank < 1 or self.max_cpu_loras < 1:
+            raise ValueError("max_loras, max_lora_rank and max_cpu_loras must be at least 1")
 
 
 # LLM(speculative={"method": ..., "num_tokens": ...}): the dict's short keys -> SpeculativeConfig fields

@@ -40,8 +40,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
+                 max_loras: int | None = None) -> None:
         self.config = config
+        self.max_loras = max_loras  # distinct LoRA adapters running at once (None: no limit)
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         # Both queues are sorted by (priority, sequence number): lower runs first, FCFS in a tie.
@@ -91,12 +93,21 @@ class Scheduler:
                 i += 1
 
         # Then admit waiting requests while blocks, budget and sequence slots allow. A cached
-        # prefix costs no budget: only the tokens after it are computed.
+        # prefix costs no budget: only the tokens after it are computed. At most max_loras
+        # adapters run at once; once a request waits for an adapter slot, no later request may
+        # bring in another adapter ahead of it (it goes in when a running adapter's requests end).
+        adapters = {r.lora_request.lora_name for r in self.running if r.lora_request is not None}
+        adapter_waiting = False
         for request in list(self.waiting):
             if out.preempted or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if _waits_for_sibling(request):
                 continue
+            adapter = request.lora_request.lora_name if request.lora_request is not None else None
+            if adapter is not None and adapter not in adapters and self.max_loras is not None:
+                if adapter_waiting or len(adapters) >= self.max_loras:
+                    adapter_waiting = True
+                    continue
             cached_blocks, num_from_disk = self.kv_cache.cached_prefix(request)
             num_cached = len(cached_blocks) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_cached, budget)
@@ -108,6 +119,8 @@ class Scheduler:
                 request.metrics.num_disk_cached_tokens = num_from_disk * self.kv_cache.block_size
             request.num_computed_tokens = num_cached
             self.waiting.remove(request)
+            if adapter is not None:
+                adapters.add(adapter)
             request.status = RequestStatus.RUNNING
             self._insert(self.running, request)
             out.requests.append(request)

@@ -133,3 +133,27 @@ def test_rejected_draft_tokens_are_uncomputed_and_their_blocks_returned():
     assert (request.metrics.num_draft_tokens, request.metrics.num_accepted_tokens) == (5, 0)
     s.finish_request("a", RequestStatus.FINISHED_ABORTED)
     assert s.kv_cache.num_free_blocks == 20
+
+
+def test_at_most_max_loras_adapters_run_at_once_and_a_waiting_adapter_is_not_overtaken():
+    from hyperserve.layers.lora import LoRARequest
+
+    kv = KVCacheManager(100, 4)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv, 1000, max_loras=2)
+
+    def request(request_id: str, adapter: str | None, max_tokens: int = 100) -> Request:
+        r = make_request(request_id, 3, max_tokens=max_tokens)
+        r.lora_request = LoRARequest(adapter, 1, "/x") if adapter else None
+        return r
+
+    for r in (request("a1", "a", max_tokens=2), request("b1", "b"), request("c1", "c"), request("base", None),
+              request("a2", "a"), request("d1", "d")):
+        s.add_request(r)
+    admitted = {r.request_id for r in run_step(s).requests}
+    assert admitted == {"a1", "b1", "base", "a2"}  # c waits for a slot; d may not pass it
+    run_step(s)
+    run_step(s)  # a1 finishes; a2 still runs adapter a
+    assert "c1" not in {r.request_id for r in s.running}
+    s.finish_request("a2", RequestStatus.FINISHED_ABORTED)  # adapter a is done: c goes next, not d
+    admitted = {r.request_id for r in run_step(s).requests}
+    assert "c1" in admitted and "d1" not in admitted
