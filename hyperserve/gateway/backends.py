@@ -122,7 +122,10 @@ def build_backend(config: BackendConfig, breaker: BreakerConfig, uds: str | None
         process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     else:
         url = config.url
-    model = config.model or (config.local.model if config.local is not None else None)  # what `serve` calls it
+    # what `serve` calls it; a local server of several models (more --model flags) takes each
+    # request's route name, as a URL backend without `model` does
+    several = config.local is not None and "--model" in config.local.args
+    model = config.model or (config.local.model if config.local is not None and not several else None)
     return Backend(config.name, url, model, config.weight,
                    CircuitBreaker(breaker.failures, breaker.cooldown_s),
                    _session(url, backend_api_key(config), uds), managed=process is not None or uds is not None,
