@@ -56,10 +56,15 @@ class ServerMetrics:
                                      "Accepted over proposed draft tokens, since start", labels, registry=r)
         self.spec_length = Gauge("hyperserve:spec_decode_mean_accepted_length",
                                  "Tokens emitted per verification step, since start", labels, registry=r)
+        self.lora_loaded = Gauge("hyperserve:lora_adapters_loaded", "LoRA adapters held in memory", labels, registry=r)
+        self.lora_loads = Counter("hyperserve:lora_adapter_loads", "LoRA adapters read from disk", labels, registry=r)
+        self.lora_load_seconds = Counter("hyperserve:lora_adapter_load_seconds", "Time spent reading LoRA adapters",
+                                         labels, registry=r)
         self.counters = {"queries": self.prefix_queries, "hits": self.prefix_hits,
                          "evictions": self.prefix_evictions, "disk_reads": self.disk_reads,
                          "disk_writes": self.disk_writes, "spec_drafts": self.spec_drafts,
-                         "spec_draft_tokens": self.spec_draft_tokens, "spec_accepted": self.spec_accepted_tokens}
+                         "spec_draft_tokens": self.spec_draft_tokens, "spec_accepted": self.spec_accepted_tokens,
+                         "lora_loads": self.lora_loads, "lora_load_seconds": self.lora_load_seconds}
 
     def for_model(self, model_name: str) -> ModelMetrics:
         return ModelMetrics(self, model_name)
@@ -82,10 +87,13 @@ class ModelMetrics:
         kv = engine.kv_cache
         disk = kv.lower_tier.store if kv.lower_tier is not None else None
         spec = engine.scheduler.spec_stats
+        lora = engine.lora
         totals = {"queries": kv.num_queried_tokens, "hits": kv.num_hit_tokens, "evictions": kv.pool.num_evictions,
                   "disk_reads": disk.num_reads if disk else 0, "disk_writes": disk.num_writes if disk else 0,
                   "spec_drafts": spec.num_drafts, "spec_draft_tokens": spec.num_draft_tokens,
-                  "spec_accepted": spec.num_accepted_tokens}
+                  "spec_accepted": spec.num_accepted_tokens,
+                  "lora_loads": lora.num_loads if lora else 0, "lora_load_seconds": lora.load_seconds if lora else 0.0}
+        f.lora_loaded.labels(m).set(lora.num_loaded if lora else 0)
         f.spec_acceptance.labels(m).set(spec.acceptance_rate)
         f.spec_length.labels(m).set(spec.mean_accepted_length)
         for key, counter in f.counters.items():

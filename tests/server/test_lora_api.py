@@ -61,6 +61,9 @@ def test_model_names_the_adapter_and_the_answer_is_the_adapters(client, base, lo
     assert _answer(client, "tiny") == pytest.approx(_offline(base, None), abs=1e-5)
     cards = {card["id"]: card for card in client.get("/v1/models").json()["data"]}
     assert cards["alpha"]["parent"] == "tiny" and cards["alpha"]["root"].endswith("alpha")
+    metrics = client.get("/metrics").text
+    assert 'hyperserve:lora_adapters_loaded{model_name="tiny"} 1.0' in metrics
+    assert 'hyperserve:lora_adapter_loads_total{model_name="tiny"} 1.0' in metrics
 
 
 def test_an_unusable_adapter_is_a_400_and_the_server_goes_on(client):
