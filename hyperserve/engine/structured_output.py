@@ -22,7 +22,6 @@ rows after a draft the grammar rejects (or an EOS) get any mask, since no token 
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,8 +39,6 @@ MAX_GRAMMAR_CHARS = 256 * 1024  # a schema or grammar's text
 CACHED_GRAMMARS = 256
 MAX_SAFE_INTEGER = 2**53 - 1
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-logger = logging.getLogger("hyperserve.structured_output")
 
 
 @dataclass(eq=False)

@@ -126,8 +126,9 @@ def test_idle_on_demand_models_unload_after_the_timeout(tiny_models):
 
 @pytest.mark.slow
 def test_unloading_gives_the_memory_back():
-    """Real models: smollm2 pinned, gemma3 on demand; after gemma3 is unloaded the server's
-    resident memory is within 5% of what it was before gemma3 loaded."""
+    """Real models: smollm2 pinned, gemma3 on demand. Once gemma3 has been loaded and unloaded
+    once (a first load leaves one-time costs behind: the code it imported, the allocator's
+    arenas), every further load and unload returns resident memory to within 5%."""
     server = start_server("--model", "smollm2-135m", "--model", "gemma3-270m", "--on-demand", "gemma3-270m",
                           log_name="multi-model")
     try:
@@ -139,12 +140,17 @@ def test_unloading_gives_the_memory_back():
             body = {"model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
             return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
 
-        first = ask("smollm2-135m")
+        def unload() -> None:
+            assert httpx.post(f"{server.url}/v1/models/gemma3-270m/unload", timeout=60).json()["loaded"] is False
+
+        first, answer = ask("smollm2-135m"), ask("gemma3-270m")
+        unload()
         baseline = rss_mb()
-        answer = ask("gemma3-270m")
-        assert rss_mb() > baseline + 500  # float32 Gemma 3 270M: about a gigabyte
-        assert httpx.post(f"{server.url}/v1/models/gemma3-270m/unload", timeout=60).json()["loaded"] is False
-        assert rss_mb() < baseline * 1.05
-        assert ask("gemma3-270m") == answer and ask("smollm2-135m") == first  # reloaded, the same answers
+        for _ in range(2):
+            assert ask("gemma3-270m") == answer  # reloaded: the same answer
+            assert rss_mb() > baseline + 500  # float32 Gemma 3 270M: about a gigabyte
+            unload()
+            assert rss_mb() < baseline * 1.05
+        assert ask("smollm2-135m") == first
     finally:
         stop_server(server)
