@@ -6,9 +6,9 @@ with speculation also the rows of its draft tokens, which are verified against t
 
 For int4 models on the CPU, steps of up to QUANTIZED_MAX_ROWS tokens run the fused native
 decoder layers (layers/fused_decode.py): one call per layer, every token a row with its own slot,
-block table and context length. Steps with LoRA rows run the PyTorch layers, whose projections
-add each row's adapter delta (layers/lora.py). Otherwise, with `compile`, steps that only decode (one new token
-per sequence, the common step of continuous batching) run a torch.compile'd forward: elementwise
+block table and context length; steps with LoRA rows run the PyTorch layers, whose projections
+add each row's adapter delta (layers/lora.py). Otherwise, with `compile`, steps that only decode
+(one new token per sequence, the common step of continuous batching) run a torch.compile'd forward: elementwise
 ops fuse and most per-op Python goes away, which at one token per step is as much time as the
 matmuls. Its decodes attend as one group over block tables at least two blocks wide, so only two
 graphs exist (one sequence; any batch), both compiled at start.
@@ -216,9 +216,7 @@ class ModelRunner:
             return self._fused_forward(chunks)
         compiled = decode_only and self._compiled_decode is not None
         batch = self._prepare(chunks, model.sliding_window, model.attention_backend.ragged_decode,
-                              min_blocks=2 if compiled else 1)
-        if model.interleaves_full_attention:
-            batch.attn.full_attention = self._prepare(chunks, None, model.attention_backend.ragged_decode).attn
+                              min_blocks=2 if compiled else 1, full_attention=model.interleaves_full_attention)
         if compiled:
             group = batch.attn.decodes[0]  # batch size and context blocks vary; nothing else does
             for tensor, dims in ((batch.input_ids, [0]), (batch.positions, [0]), (batch.attn.slot_mapping, [0]),
@@ -257,17 +255,18 @@ class ModelRunner:
         return self.model.compute_logits(hidden[logit_rows])
 
     def _prepare(self, chunks: list[SeqChunk], sliding_window: int | None, ragged_decode: bool,
-                 min_blocks: int = 1) -> ForwardBatch:
+                 min_blocks: int = 1, full_attention: bool = False) -> ForwardBatch:
         """Flat inputs and attention metadata. Decodes form one group when the backend takes ragged
         lengths, or when min_blocks > 1 (the compiled decode: one graph for any batch); otherwise
-        groups of similar lengths, each padded to its longest and masked."""
+        groups of similar lengths, each padded to its longest and masked. `full_attention`: also
+        the metadata without the window, for the global layers of a model that has both."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[torch.Tensor] = []
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lengths: list[int] = []
-        prefills: list[PrefillSpan] = []
+        prefills: list[tuple[int, int, int, list[int]]] = []  # row, start, end, block table
         logit_rows: list[int] = []
         row = 0
         for chunk in chunks:
@@ -281,20 +280,28 @@ class ModelRunner:
                 decode_tables.append(chunk.block_table)
                 decode_lengths.append(end)
             else:
-                prefills.append(self._prefill_span(row, start, end, chunk.block_table, sliding_window))
+                prefills.append((row, start, end, chunk.block_table))
             logit_rows.extend(range(row + num_new - chunk.num_logits, row + num_new))
             row += num_new
 
         to = self.device
-        if not decode_rows:
-            decodes = []
-        elif ragged_decode or min_blocks > 1:
-            rows = None if len(decode_rows) == row else decode_rows
-            decodes = [self._decode_group(rows, decode_tables, decode_lengths, sliding_window, min_blocks,
-                                          with_mask=not ragged_decode)]
-        else:
-            decodes = self._decode_groups(decode_rows, decode_tables, decode_lengths, sliding_window)
-        attn = AttentionMetadata(torch.cat(slot_mapping).to(to), decodes, prefills, sliding_window)
+        slots = torch.cat(slot_mapping).to(to)
+
+        def metadata(window: int | None) -> AttentionMetadata:
+            if not decode_rows:
+                decodes = []
+            elif ragged_decode or min_blocks > 1:
+                rows = None if len(decode_rows) == row else decode_rows
+                decodes = [self._decode_group(rows, decode_tables, decode_lengths, window, min_blocks,
+                                              with_mask=not ragged_decode)]
+            else:
+                decodes = self._decode_groups(decode_rows, decode_tables, decode_lengths, window)
+            spans = [self._prefill_span(*prefill, window) for prefill in prefills]
+            return AttentionMetadata(slots, decodes, spans, window)
+
+        attn = metadata(sliding_window)
+        if full_attention:
+            attn.full_attention = metadata(None)
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=to),
             positions=torch.tensor(positions, dtype=torch.long, device=to),

@@ -56,6 +56,10 @@ class ServedModel:
         return self.entry.name
 
     @property
+    def loading(self) -> bool:
+        return self._loading is not None
+
+    @property
     def busy(self) -> bool:
         """Requests queued or running (an idle model can be unloaded)."""
         engine = self.async_engine
@@ -136,7 +140,7 @@ class ModelPool:
             raise unavailable(f"the model {model.name!r} failed to load: {model.load_error}" if model.load_error
                               else f"the model {model.name!r} is loading")
         async with self._admission:
-            if model.serving is None and model._loading is None:
+            if model.serving is None and not model.loading:
                 await self._make_room(model)
         try:
             return await model.load()
@@ -147,7 +151,7 @@ class ModelPool:
     async def _make_room(self, model: ServedModel) -> None:
         """Unload least recently used idle on-demand models until one more fits."""
         limit = self.max_loaded_models
-        while limit is not None and len(self.loaded()) + self._num_loading() >= limit:
+        while limit is not None and len(self.loaded()) + sum(m.loading for m in self.models.values()) >= limit:
             now = time.monotonic()  # a model handed out this last second has a request on its way
             idle = sorted((m for m in self.loaded() if m.entry.on_demand and not m.busy and now - m.last_used > 1),
                           key=lambda m: m.last_used)
@@ -155,9 +159,6 @@ class ModelPool:
                 raise unavailable(f"cannot load {model.name!r}: {limit} models are loaded (max_loaded_models) and "
                                   "none of them can be unloaded now (pinned or busy)", retry_after_s=5)
             await idle[0].unload()
-
-    def _num_loading(self) -> int:
-        return sum(m._loading is not None for m in self.models.values())
 
     async def start(self) -> None:
         """Load the pinned models; then unload idle on-demand models as they time out."""
