@@ -124,7 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from hyperserve.config import EngineConfig, engine_kwargs_from_args
-    from hyperserve.engine.engine import LLMEngine
+    from hyperserve.engine.engine import LLMEngine, estimate_memory_bytes
     from hyperserve.server.app import build_app
     from hyperserve.server.model_pool import ModelEntry
     from hyperserve.server.settings import ServerSettings
@@ -142,7 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     served = {name: (args.served_model_name if i == 0 and args.served_model_name else name)
               for i, name in enumerate(names)}
     models = [ModelEntry(served[name], functools.partial(LLMEngine, configs[name]), name in args.on_demand,
-                         adapters if i == 0 else {})
+                         adapters if i == 0 else {}, estimate_memory_bytes(configs[name]))
               for i, name in enumerate(names)]
     settings = ServerSettings(model_name=served[names[0]], max_queue=args.max_queue,
                               max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
@@ -161,7 +161,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                     on_load_error=lambda error: stop(f"the model failed to load: {error}"),
                     on_engine_dead=lambda error: stop(f"the engine stopped: {type(error).__name__}: {error}"),
                     max_loaded_models=args.max_loaded_models, idle_unload_s=args.idle_unload_s,
-                    lora_dir=Path(args.lora_dir) if args.lora_dir else None)
+                    lora_dir=Path(args.lora_dir) if args.lora_dir else None,
+                    memory_budget_bytes=int(args.memory_budget_gb * 2**30) if args.memory_budget_gb else None)
     if cached:
         app = _cached_front(app, settings, [m.name for m in models], args, governor)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
@@ -264,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="an on-demand model unloads after this long without requests")
     models.add_argument("--max-loaded-models", type=int, default=None,
                         help="at most this many models loaded at once (the least recently used on-demand one goes)")
+    models.add_argument("--memory-budget-gb", type=float, default=None,
+                        help="the loaded models' weights and KV pools together stay within this (the least "
+                             "recently used on-demand model goes); size each pool with --kv-cache-memory-gb")
     models.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                         help="LoRA adapters (PEFT folders) on the first model, each served as model NAME")
     models.add_argument("--lora-dir", default=None,

@@ -92,14 +92,19 @@ class LLMEngine:
             seed=config.model.seed,
             quantization=config.model.quantization,
         )
-        num_blocks = self._num_kv_blocks(model)
+        num_blocks, window, num_window_blocks = self._kv_groups(model, self._num_kv_blocks(model))
+        if num_blocks * config.cache.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV pool ({num_blocks} blocks of {config.cache.block_size} tokens) cannot hold one "
+                f"sequence of max_model_len={self.max_model_len} tokens: raise num_kv_blocks or "
+                "kv_cache_memory_gb, or lower max_model_len")
         # before the runner, which looks through the LoRA wrappers for its fused int4 decode
         self.lora = LoRAManager(model, config.lora, model.model.norm.weight.dtype) if config.lora.enable_lora else None
         self.eos_token_ids = loader.load_eos_token_ids(source, self.hf_config, self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, self._grammar_eos_token_id())
-        self.runner = ModelRunner(model, config, num_blocks, self.grammars, self.lora)
+        self.runner = ModelRunner(model, config, num_blocks, self.grammars, self.lora, num_window_blocks)
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                       self._disk_tier(), config.cache.max_pinned_fraction)
+                                       self._disk_tier(), config.cache.max_pinned_fraction, window, num_window_blocks)
         if self.kv_cache.lower_tier is not None:
             self.kv_cache.pool.on_evict = self.kv_cache.lower_tier.spill
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
@@ -265,6 +270,18 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def memory_bytes(self) -> int:
+        """What this engine holds at most: every tensor of its model once (packed and memory-mapped
+        ones included) and its KV pool at full size (on the CPU it is touched only as it fills)."""
+        model = self.runner.model
+        tensors = [*model.parameters(), *model.buffers(),
+                   *(v for module in model.modules() for v in vars(module).values() if isinstance(v, torch.Tensor))]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in tensors if t.device.type != "meta"}
+        kv = sum(t.nbytes for cache in self.runner.kv_caches
+                 for t in (cache.key, cache.value, cache.key_scale, cache.value_scale) if t is not None)
+        return sum(storages.values()) + kv
 
     @property
     def num_running(self) -> int:
@@ -442,19 +459,39 @@ class LLMEngine:
             per_block = loader.kv_bytes_per_token(self.hf_config, self.config.model.torch_dtype,
                                                   cache.kv_cache_dtype) * cache.block_size
             num_blocks = budget // per_block
-        if num_blocks * cache.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV pool ({num_blocks} blocks of {cache.block_size} tokens) cannot hold one "
-                f"sequence of max_model_len={self.max_model_len} tokens: raise num_kv_blocks or "
-                "kv_cache_memory_gb, or lower max_model_len"
-            )
         return num_blocks
 
+    def _kv_groups(self, model: LlamaForCausalLM, num_blocks: int) -> tuple[int, int | None, int | None]:
+        """How the pool of num_blocks (blocks of every layer) is laid out: (blocks of the first
+        group, the window its windowed layers release blocks behind, blocks of the windowed layers'
+        own group). Sliding-window layers keep only what their window sees, so memory per sequence
+        stays bounded; not where a disk tier or a drafting model reads whole blocks of every layer.
+        A model that also has full-attention layers (Gemma 3) gives its windowed layers a pool of
+        their own, sized for max_num_seqs sequences each holding a window and a step's tokens, the
+        full-attention layers the rest of the same memory."""
+        cache, scheduler = self.config.cache, self.config.scheduler
+        window = model.sliding_window
+        if (window is None or self._disk_tier_enabled()
+                or self.config.speculative.speculative_method in ("draft", "self")):
+            return num_blocks, None, None
+        if not model.interleaves_full_attention:
+            return num_blocks, window, None
+        num_windowed = sum(model.window_layers)
+        num_full = len(model.window_layers) - num_windowed
+        per_sequence = -(-(window + scheduler.max_num_batched_tokens) // cache.block_size) + 1
+        num_window_blocks = min(scheduler.max_num_seqs * per_sequence, num_blocks)
+        num_full_blocks = (num_blocks * (num_full + num_windowed) - num_window_blocks * num_windowed) // num_full
+        logger.info("KV pool: %d blocks for %d full-attention layers, %d for %d sliding-window layers "
+                    "(window %d tokens)", num_full_blocks, num_full, num_window_blocks, num_windowed, window)
+        return num_full_blocks, window, num_window_blocks
+
+    def _disk_tier_enabled(self) -> bool:
+        return self.config.cache.disk_cache_dir is not None and self.config.cache.enable_prefix_caching
+
     def _disk_tier(self) -> DiskTier | None:
-        cache = self.config.cache
-        if cache.disk_cache_dir is None or not cache.enable_prefix_caching:
+        if not self._disk_tier_enabled():
             return None
-        model = self.config.model
+        cache, model = self.config.cache, self.config.model
         identity = loader.model_identity(
             self.source, self.hf_config, model.load_format, model.seed if model.load_format == "random" else None,
             model.torch_dtype, model.quantization, cache.kv_cache_dtype, cache.block_size)
@@ -483,6 +520,27 @@ class LLMEngine:
             seed=self.config.model.seed + 1,
             quantization=self.config.model.quantization,
         )
+
+
+def estimate_memory_bytes(config: EngineConfig) -> int:
+    """An engine's memory before it is loaded: its weight files (a quantized load holds about as
+    much; float32 from a 4-bit file holds several times more) and its KV pool's budget."""
+    cache = config.cache
+    weights = 0
+    if config.model.load_format != "random":
+        source = resolve_model(config.model.model)
+        files = [source.path] if source.gguf_file else [
+            *source.directory.glob("*.safetensors"), *source.directory.glob("*.bin")]
+        weights = sum(f.stat().st_size for f in files)
+    if cache.num_kv_blocks is not None:
+        hf_config = loader.load_config(resolve_model(config.model.model))
+        kv = cache.num_kv_blocks * cache.block_size * loader.kv_bytes_per_token(
+            hf_config, config.model.torch_dtype, cache.kv_cache_dtype)
+    elif cache.kv_cache_memory_gb is not None:
+        kv = int(cache.kv_cache_memory_gb * 2**30)
+    else:
+        kv = CPU_KV_CACHE_BYTES if config.model.device == "cpu" else 0  # CUDA: sized from what is free
+    return weights + kv
 
 
 def _is_fatal(error: Exception) -> bool:

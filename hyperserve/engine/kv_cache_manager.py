@@ -1,4 +1,4 @@
-"""KVCacheManager: each request's block table, grown lazily from the BlockPool, and prefix reuse.
+"""KVCacheManager: each request's block tables, grown lazily from the BlockPool, and prefix reuse.
 
 With prefix caching on, a request's full blocks are identified by a hash chain: block i's hash
 is a SHA-256 over block i-1's hash and its own tokens, so it covers every token before it, and no
@@ -6,13 +6,22 @@ request can craft tokens whose blocks collide with another's (Python's `hash` is
 built to resist that). A new (or resumed) request
 takes every cached block of its longest cached prefix and computes only the rest; blocks it fills
 are registered once their KV is written.
+
+Layers that attend through a sliding window never read keys behind it, so their KV need not be
+kept: such layers form a group with its own pool and block tables, whose blocks behind the window
+go back to the pool as a sequence advances (still cached, for prefix reuse, until evicted); the
+dropped entries of the table point at the padding block (one past the pool, never read: the
+window masks it). Memory per sequence is then bounded by the window, not the context. A model
+whose every layer is windowed (Mistral) has that one group; Gemma 3 has two, its full-attention
+layers' and its local layers'. A cached prefix counts for a windowed group only if the blocks its
+next token can see are still cached.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from hyperserve.engine.block_pool import BlockPool
@@ -30,22 +39,62 @@ class PrefixTier(Protocol):
 
 @dataclass(slots=True)
 class Pin:
-    """A prefix held in the cache: one reference on each of its full blocks until `expires_at`."""
+    """A prefix held in the cache: one reference on each of its blocks (per group) until `expires_at`."""
 
-    block_ids: list[int]
+    block_ids: list[list[int]]
     num_tokens: int
     expires_at: float
 
 
+@dataclass(slots=True)
+class CachedPrefix:
+    """The longest cached prefix of a request: its blocks in each group (a windowed group's table
+    starts with padding where the window no longer reaches), and how many the lower tier supplied."""
+
+    tables: list[list[int]]
+    num_blocks: int = 0
+    num_from_lower_tier: int = 0
+
+    @property
+    def blocks(self) -> list[int]:
+        return self.tables[0]
+
+
+@dataclass(slots=True)
+class KVGroup:
+    """Layers that share block tables and a pool. `window`: how far back their queries see (None:
+    the whole context); blocks wholly behind it are released."""
+
+    pool: BlockPool
+    window: int | None = None
+    tables: dict[str, list[int]] = field(default_factory=dict)
+    num_released: dict[str, int] = field(default_factory=dict)  # request id -> leading entries dropped
+
+    @property
+    def padding_block(self) -> int:
+        return self.pool.num_blocks
+
+    def held(self, table: list[int]) -> list[int]:
+        return [b for b in table if b != self.padding_block]
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 lower_tier: PrefixTier | None = None, max_pinned_fraction: float = 0.5) -> None:
+                 lower_tier: PrefixTier | None = None, max_pinned_fraction: float = 0.5,
+                 window: int | None = None, num_window_blocks: int | None = None) -> None:
+        """One group of num_blocks, windowed if `window` is given; with num_window_blocks as well,
+        two: the full-attention layers' (num_blocks) and the windowed layers' (num_window_blocks)."""
         self.block_size = block_size
         self.max_pinned_blocks = int(num_blocks * max_pinned_fraction)  # pins never starve running requests
         self.lower_tier = lower_tier
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
-        self._block_tables: dict[str, list[int]] = {}
+        if num_window_blocks is None:
+            self.groups = [KVGroup(BlockPool(num_blocks), window)]
+        else:
+            self.groups = [KVGroup(BlockPool(num_blocks)), KVGroup(BlockPool(num_window_blocks), window)]
+        if lower_tier is not None and window is not None:
+            raise ValueError("the lower prefix tier keeps whole blocks of every layer: not with windowed KV")
+        self.pool = self.groups[0].pool
         self._block_hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its full blocks
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks registered
         self.pins: dict[str, Pin] = {}
@@ -58,32 +107,60 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return self.pool.usage
+        return max(group.pool.usage for group in self.groups)
 
     @property
     def num_pinned_blocks(self) -> int:
-        return sum(len(pin.block_ids) for pin in self.pins.values())
+        return sum(len(pin.block_ids[0]) for pin in self.pins.values())
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def cached_prefix(self, request: Request) -> tuple[list[int], int]:
-        """Blocks of the longest cached prefix of the request's tokens, leaving at least one
-        token to compute (its logits are needed), and how many of them the lower tier supplied."""
+    def first_visible_block(self, group: KVGroup, position: int) -> int:
+        """The first block holding a key that the token at `position` attends to in this group."""
+        return 0 if group.window is None else max(0, (position - group.window + 1) // self.block_size)
+
+    def cached_prefix(self, request: Request) -> CachedPrefix:
+        """The longest cached prefix of the request's tokens, leaving at least one token to compute
+        (its logits are needed)."""
         if not self.enable_prefix_caching:
-            return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
+            return CachedPrefix([[] for _ in self.groups])
+        hashes = self._hashes(request)[: (request.num_tokens - 1) // self.block_size]
+        first = self.groups[0]
         blocks: list[int] = []
         num_promoted = 0
-        for block_hash in self._hashes(request)[:max_blocks]:
-            block_id = self.pool.lookup(block_hash)
-            if block_id is None:
-                block_id = self._promote(block_hash, protect=blocks)
-                num_promoted += block_id is not None
-            if block_id is None:
+        if first.window is None:
+            for block_hash in hashes:
+                block_id = first.pool.lookup(block_hash)
+                if block_id is None:
+                    block_id = self._promote(block_hash, protect=blocks)
+                    num_promoted += block_id is not None
+                if block_id is None:
+                    break
+                blocks.append(block_id)
+        num_blocks = len(blocks) if first.window is None else len(hashes)
+        for group in self.groups:
+            if group.window is not None:
+                num_blocks = self._window_hit(group, hashes, num_blocks)
+        tables = []
+        for group in self.groups:
+            if group.window is None:  # only the first group is unwindowed
+                tables.append(blocks[:num_blocks])
+            else:
+                skip = self.first_visible_block(group, num_blocks * self.block_size)
+                tables.append([group.padding_block] * skip + [group.pool.lookup(h) for h in hashes[skip:num_blocks]])
+        return CachedPrefix(tables, num_blocks, num_promoted)
+
+    def _window_hit(self, group: KVGroup, hashes: list[bytes], num_blocks: int) -> int:
+        """The longest prefix of at most num_blocks blocks whose blocks visible to the next token
+        are all cached in this windowed group."""
+        while num_blocks > 0:
+            visible = range(self.first_visible_block(group, num_blocks * self.block_size), num_blocks)
+            missing = [i for i in visible if group.pool.lookup(hashes[i]) is None]
+            if not missing:
                 break
-            blocks.append(block_id)
-        return blocks, num_promoted
+            num_blocks = missing[-1]  # a prefix that ends before the last missing block
+        return num_blocks
 
     def _promote(self, block_hash: bytes, protect: list[int]) -> int | None:
         """Bring a block back from the lower tier into the pool as an idle cached block, holding
@@ -105,47 +182,77 @@ class KVCacheManager:
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += num_hit_tokens
 
-    def allocate_slots(self, request_id: str, num_tokens: int, cached_blocks: list[int] | None = None) -> bool:
-        """Make room for the first `num_tokens` tokens of a request, starting from `cached_blocks`
-        (from `cached_prefix`) if it has no blocks yet; False, changing nothing, if the pool is short."""
-        table = self._block_tables.setdefault(request_id, [])
-        cached_blocks = cached_blocks or []
-        num_new = self.num_blocks_for(num_tokens) - len(table) - len(cached_blocks)
-        idle_cached = sum(1 for b in cached_blocks if self.pool.is_idle(b))  # in the free queue now
-        if num_new > self.pool.num_free_blocks - idle_cached:
-            if not table:
-                del self._block_tables[request_id]
-            return False
-        if cached_blocks:  # only a request with no blocks yet takes a cached prefix
-            for block_id in cached_blocks:
-                self.pool.touch(block_id)
-            table.extend(cached_blocks)
-            self._num_registered[request_id] = len(cached_blocks)  # already in the cache
-        if num_new > 0:
-            table.extend(self.pool.allocate(num_new))
+    def allocate_slots(self, request_id: str, num_tokens: int, prefix: CachedPrefix | None = None) -> bool:
+        """Make room for the first `num_tokens` tokens of a request, starting from `prefix`
+        (from `cached_prefix`) if it has no blocks yet; False, changing nothing, if a pool is short."""
+        prefix_tables = prefix.tables if prefix is not None else [[] for _ in self.groups]
+        num_new = []
+        for group, cached in zip(self.groups, prefix_tables):
+            n = self.num_blocks_for(num_tokens) - len(group.tables.get(request_id, ())) - len(cached)
+            held = group.held(cached)
+            idle_cached = sum(1 for b in held if group.pool.is_idle(b))  # in the free queue now
+            if n > group.pool.num_free_blocks - idle_cached:
+                return False
+            num_new.append(n)
+        for group, cached, n in zip(self.groups, prefix_tables, num_new):
+            table = group.tables.setdefault(request_id, [])
+            if cached:  # only a request with no blocks yet takes a cached prefix
+                for block_id in group.held(cached):
+                    group.pool.touch(block_id)
+                table.extend(cached)
+                group.num_released[request_id] = len(cached) - len(group.held(cached))
+            if n > 0:
+                table.extend(group.pool.allocate(n))
+        if prefix is not None and prefix.num_blocks:
+            self._num_registered[request_id] = prefix.num_blocks  # already in the cache
         return True
+
+    def release_behind_window(self, request_id: str, num_computed: int) -> None:
+        """Return the windowed groups' blocks that the tokens from position num_computed on can no
+        longer see. Registered ones stay in the prefix cache until evicted."""
+        for group in self.groups:
+            table = group.tables.get(request_id)
+            if group.window is None or table is None:
+                continue
+            end = min(self.first_visible_block(group, num_computed), len(table))
+            start = group.num_released.get(request_id, 0)
+            if end > start:
+                group.pool.free(group.held(table[start:end]))
+                table[start:end] = [group.padding_block] * (end - start)
+                group.num_released[request_id] = end
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Return the blocks past the first `num_tokens` tokens (rejected draft tokens' KV)."""
-        table = self._block_tables[request_id]
         keep = max(self.num_blocks_for(num_tokens), self._num_registered.get(request_id, 0))
-        if len(table) > keep:
-            self.pool.free(table[keep:][::-1])
-            del table[keep:]
+        for group in self.groups:
+            table = group.tables[request_id]
+            if len(table) > keep:
+                group.pool.free(group.held(table[keep:])[::-1])
+                del table[keep:]
 
     def register_computed(self, request: Request) -> None:
         """Offer the request's blocks that are full and computed to the prefix cache."""
         if not self.enable_prefix_caching:
             return
         request_id = request.request_id
-        table, hashes = self._block_tables[request_id], self._hashes(request)
-        num_full = min(request.num_computed_tokens // self.block_size, len(hashes), len(table))
-        for i in range(self._num_registered.get(request_id, 0), num_full):
-            self.pool.cache(table[i], hashes[i])
-        self._num_registered[request_id] = max(num_full, self._num_registered.get(request_id, 0))
+        hashes = self._hashes(request)
+        start = self._num_registered.get(request_id, 0)
+        num_full = start
+        for group in self.groups:
+            table = group.tables[request_id]
+            num_full = min(request.num_computed_tokens // self.block_size, len(hashes), len(table))
+            for i in range(start, num_full):
+                if table[i] != group.padding_block:
+                    group.pool.cache(table[i], hashes[i])
+        self._num_registered[request_id] = max(num_full, start)
 
     def block_table(self, request_id: str) -> list[int]:
-        return self._block_tables[request_id]
+        """The first group's table: the full-attention layers' (or every layer's)."""
+        return self.groups[0].tables[request_id]
+
+    def window_block_table(self, request_id: str) -> list[int] | None:
+        """The windowed layers' table when they have their own group; None otherwise."""
+        return self.groups[1].tables[request_id] if len(self.groups) > 1 else None
 
     def pin(self, request: Request, expires_at: float) -> Pin | None:
         """Keep the request's registered full blocks cached (not evictable) until `expires_at`;
@@ -153,9 +260,12 @@ class KVCacheManager:
         num_blocks = self._num_registered.get(request.request_id, 0)
         if num_blocks > self.max_pinned_blocks - self.num_pinned_blocks:
             return None
-        block_ids = self._block_tables.get(request.request_id, [])[:num_blocks]
-        for block_id in block_ids:
-            self.pool.touch(block_id)
+        block_ids = []
+        for group in self.groups:
+            held = group.held(group.tables.get(request.request_id, [])[:num_blocks])
+            for block_id in held:
+                group.pool.touch(block_id)
+            block_ids.append(held)
         pin = Pin(block_ids, num_blocks * self.block_size, expires_at)
         self.pins[request.request_id] = pin
         return pin
@@ -163,7 +273,8 @@ class KVCacheManager:
     def unpin(self, pin_id: str) -> bool:
         pin = self.pins.pop(pin_id, None)
         if pin is not None:
-            self.pool.free(pin.block_ids[::-1])
+            for group, block_ids in zip(self.groups, pin.block_ids):
+                group.pool.free(block_ids[::-1])
         return pin is not None
 
     def expire_pins(self, now: float) -> None:
@@ -171,11 +282,13 @@ class KVCacheManager:
             self.unpin(pin_id)
 
     def free(self, request_id: str) -> None:
-        table = self._block_tables.pop(request_id, None)
         self._block_hashes.pop(request_id, None)
         self._num_registered.pop(request_id, None)
-        if table:
-            self.pool.free(table[::-1])  # tail first: prefix blocks stay cached the longest
+        for group in self.groups:
+            table = group.tables.pop(request_id, None)
+            group.num_released.pop(request_id, None)
+            if table:
+                group.pool.free(group.held(table)[::-1])  # tail first: prefix blocks stay cached the longest
 
     def _hashes(self, request: Request) -> list[bytes]:
         """The hash chain over the request's full blocks, extended as tokens arrive."""

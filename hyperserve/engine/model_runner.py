@@ -53,6 +53,7 @@ class SeqChunk:
     block_table: list[int]
     num_logits: int  # logits are wanted for this many of its last tokens (0: none)
     lora: LoRARequest | None = None  # the adapter its tokens run with
+    window_block_table: list[int] | None = None  # the windowed layers' own table, where they have one
 
 
 @dataclass(slots=True)
@@ -75,7 +76,10 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig, num_blocks: int,
-                 grammars: GrammarCompiler | None = None, lora: LoRAManager | None = None) -> None:
+                 grammars: GrammarCompiler | None = None, lora: LoRAManager | None = None,
+                 num_window_blocks: int | None = None) -> None:
+        """num_window_blocks: the pool of the sliding-window layers where they have their own
+        (KVCacheManager's second group); None: every layer's KV lives in num_blocks blocks."""
         self.model = model
         self.grammars = grammars
         self.lora = lora
@@ -84,9 +88,10 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.kv_cache_dtype = config.cache.kv_cache_dtype
         self.num_blocks = num_blocks
+        self.num_window_blocks = num_window_blocks
         self.padding_slot = num_blocks * self.block_size  # the first slot of one block past the pool's
         self.vocab_size = model.config.vocab_size
-        self.kv_caches = self.allocate_kv_caches(model.config)
+        self.kv_caches = self.allocate_kv_caches(model.config, model.window_layers)
         self.shared_generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self._generators: dict[str, torch.Generator] = {}
         self._compiled_decode = None
@@ -95,7 +100,8 @@ class ModelRunner:
         if config.model.compile and self.fused_decode is None:
             self._compiled_decode = torch.compile(self._decode_logits, dynamic=False)
             self._compile_decode_graphs()
-        if self.device.type == "cuda" and not config.model.enforce_eager and model.attention_backend.ragged_decode:
+        if (self.device.type == "cuda" and not config.model.enforce_eager and model.attention_backend.ragged_decode
+                and not model.interleaves_full_attention):  # the graphs take one kind of attention metadata
             max_len = config.model.max_model_len or model.config.max_position_embeddings
             self.decode_graphs = DecodeGraphs(self._decode_logits, config.scheduler.max_num_seqs,
                                               -(-max_len // self.block_size), self.block_size, self.padding_slot,
@@ -130,12 +136,16 @@ class ModelRunner:
             self.forward([SeqChunk([0], 0, [0], num_logits=1)] * batch)
         logger.info("decode step compiled in %.1f s", time.perf_counter() - started)
 
-    def allocate_kv_caches(self, hf_config) -> list[KVCache]:
-        """One KVCache per layer of a model of this config: the pool's blocks and one more, which
-        padding rows of CUDA graph batches write into."""
-        return [KVCache.allocate(self.num_blocks + 1, self.block_size, hf_config.num_key_value_heads,
+    def allocate_kv_caches(self, hf_config, window_layers: list[bool] | None = None) -> list[KVCache]:
+        """One KVCache per layer of a model of this config: its pool's blocks and one more, which
+        padding rows of CUDA graph batches write into (and dropped window entries point at)."""
+        def num_blocks(layer: int) -> int:
+            windowed = self.num_window_blocks is not None and window_layers is not None and window_layers[layer]
+            return self.num_window_blocks if windowed else self.num_blocks
+
+        return [KVCache.allocate(num_blocks(layer) + 1, self.block_size, hf_config.num_key_value_heads,
                                  head_dim_of(hf_config), self.dtype, self.kv_cache_dtype, self.device)
-                for _ in range(hf_config.num_hidden_layers)]
+                for layer in range(hf_config.num_hidden_layers)]
 
     def read_block(self, block_id: int) -> dict[str, torch.Tensor]:
         """Every layer's K and V of one block (and scales), stacked over layers."""
@@ -163,7 +173,7 @@ class ModelRunner:
             if num_drafts:
                 tokens += request.spec_token_ids[:num_drafts]
             chunks.append(SeqChunk(tokens, start, kv_cache.block_table(request.request_id), num_logits,
-                                   request.lora_request))
+                                   request.lora_request, kv_cache.window_block_table(request.request_id)))
             rows.extend((request, request.spec_token_ids[:j]) for j in range(num_logits))
             if num_logits:
                 sampled.append((request, num_drafts))
@@ -262,41 +272,42 @@ class ModelRunner:
         the metadata without the window, for the global layers of a model that has both."""
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[torch.Tensor] = []
         decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lengths: list[int] = []
-        prefills: list[tuple[int, int, int, list[int]]] = []  # row, start, end, block table
+        decode_chunks: list[SeqChunk] = []
+        prefills: list[tuple[int, SeqChunk]] = []  # first row, chunk
         logit_rows: list[int] = []
         row = 0
         for chunk in chunks:
             num_new = len(chunk.token_ids)
-            start, end = chunk.start, chunk.start + num_new
             input_ids.extend(chunk.token_ids)
-            positions.extend(range(start, end))
-            slot_mapping.append(self._slots(chunk.block_table, start, end))
+            positions.extend(range(chunk.start, chunk.start + num_new))
             if num_new == 1:
                 decode_rows.append(row)
-                decode_tables.append(chunk.block_table)
-                decode_lengths.append(end)
+                decode_chunks.append(chunk)
             else:
-                prefills.append((row, start, end, chunk.block_table))
+                prefills.append((row, chunk))
             logit_rows.extend(range(row + num_new - chunk.num_logits, row + num_new))
             row += num_new
-
         to = self.device
-        slots = torch.cat(slot_mapping).to(to)
 
         def metadata(window: int | None) -> AttentionMetadata:
+            """The windowed layers read their own tables where they have them; full attention the first."""
+            def table(chunk: SeqChunk) -> list[int]:
+                windowed = window is not None and chunk.window_block_table is not None
+                return chunk.window_block_table if windowed else chunk.block_table
+
+            slots = torch.cat([self._slots(table(c), c.start, c.start + len(c.token_ids)) for c in chunks]).to(to)
+            tables = [table(c) for c in decode_chunks]
+            lengths = [c.start + 1 for c in decode_chunks]
             if not decode_rows:
                 decodes = []
             elif ragged_decode or min_blocks > 1:
                 rows = None if len(decode_rows) == row else decode_rows
-                decodes = [self._decode_group(rows, decode_tables, decode_lengths, window, min_blocks,
-                                              with_mask=not ragged_decode)]
+                decodes = [self._decode_group(rows, tables, lengths, window, min_blocks, with_mask=not ragged_decode)]
             else:
-                decodes = self._decode_groups(decode_rows, decode_tables, decode_lengths, window)
-            spans = [self._prefill_span(*prefill, window) for prefill in prefills]
+                decodes = self._decode_groups(decode_rows, tables, lengths, window)
+            spans = [self._prefill_span(first, c.start, c.start + len(c.token_ids), table(c), window)
+                     for first, c in prefills]
             return AttentionMetadata(slots, decodes, spans, window)
 
         attn = metadata(sliding_window)

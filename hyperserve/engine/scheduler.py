@@ -78,6 +78,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
+            self.kv_cache.release_behind_window(request.request_id, request.num_computed_tokens)
             while not self.kv_cache.allocate_slots(
                 request.request_id, request.num_computed_tokens + num_new
             ):
@@ -108,15 +109,15 @@ class Scheduler:
                 if adapter_waiting or len(adapters) >= self.max_loras:
                     adapter_waiting = True
                     continue
-            cached_blocks, num_from_disk = self.kv_cache.cached_prefix(request)
-            num_cached = len(cached_blocks) * self.kv_cache.block_size
+            prefix = self.kv_cache.cached_prefix(request)
+            num_cached = prefix.num_blocks * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv_cache.allocate_slots(request.request_id, num_cached + num_new, cached_blocks):
+            if not self.kv_cache.allocate_slots(request.request_id, num_cached + num_new, prefix):
                 break
             self.kv_cache.record_lookup(request.num_tokens, num_cached)
             if request.metrics.first_scheduled_time is None:
                 request.metrics.num_cached_tokens = num_cached
-                request.metrics.num_disk_cached_tokens = num_from_disk * self.kv_cache.block_size
+                request.metrics.num_disk_cached_tokens = prefix.num_from_lower_tier * self.kv_cache.block_size
             request.num_computed_tokens = num_cached
             self.waiting.remove(request)
             if adapter is not None:

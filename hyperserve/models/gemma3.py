@@ -131,6 +131,10 @@ class Gemma3ForCausalLM(nn.Module):
     def interleaves_full_attention(self) -> bool:
         return GLOBAL in self.config.layer_types
 
+    @property
+    def window_layers(self) -> list[bool]:
+        return [kind == LOCAL for kind in self.config.layer_types]
+
     def reset_rotary(self) -> None:
         for rotary in self.model.rotary.values():
             rotary.reset_cache()

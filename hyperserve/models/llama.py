@@ -125,6 +125,11 @@ class LlamaForCausalLM(nn.Module):
 
     interleaves_full_attention = False  # every layer attends alike (Gemma 3's alternate)
 
+    @property
+    def window_layers(self) -> list[bool]:
+        """Which layers attend through the sliding window."""
+        return [self.sliding_window is not None] * self.config.num_hidden_layers
+
     def reset_rotary(self) -> None:
         """Fill the rotary tables (the model is built on the meta device, so this runs after)."""
         self.model.rotary.reset_cache()

@@ -63,13 +63,16 @@ def build_app(
     max_loaded_models: int | None = None,
     idle_unload_s: float | None = 300.0,
     lora_dir: Path | None = None,
+    memory_budget_bytes: int | None = None,
 ) -> FastAPI:
     """`models`: one engine factory (served as settings.model_name), or several named models.
-    `lora_dir`: the directory /v1/load_lora_adapter may load adapters from (None: none)."""
+    `lora_dir`: the directory /v1/load_lora_adapter may load adapters from (None: none).
+    `memory_budget_bytes`: what the loaded models' weights and KV pools may hold together."""
     state = _State()
     metrics = ServerMetrics()
     entries = [ModelEntry(settings.model_name, models)] if callable(models) else models
-    pool = ModelPool(entries, settings, metrics, on_engine_dead, max_loaded_models, idle_unload_s)
+    pool = ModelPool(entries, settings, metrics, on_engine_dead, max_loaded_models, idle_unload_s,
+                     memory_budget_bytes)
 
     async def start() -> None:
         await pool.start()
@@ -203,7 +206,8 @@ def build_app(
 
 def _model_card(model: ServedModel) -> dict[str, Any]:
     card = {"id": model.name, "object": "model", "created": now(), "owned_by": "hyperserve",
-            "loaded": model.serving is not None, "on_demand": model.entry.on_demand}
+            "loaded": model.serving is not None, "on_demand": model.entry.on_demand,
+            "memory_bytes": model.memory_bytes}
     if model.serving is not None:
         card["max_model_len"] = model.serving.max_model_len
     return card

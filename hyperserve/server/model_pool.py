@@ -3,9 +3,14 @@
 A pinned model loads when the server starts and stays. An on-demand model loads when a request
 (or POST /v1/models/{name}/load) first names it, that request waiting for the load, and unloads
 after `idle_unload_s` without requests, or earlier when loading another would exceed
-`max_loaded_models`: then the least recently used idle on-demand model goes first. If every
-loaded model is pinned or busy, the request gets 503 with the reason. Unloading stops the
-engine's thread, drops its weights and KV pool and hands the freed heap back to the OS.
+`max_loaded_models` or the memory budget: then the least recently used idle on-demand model goes
+first. If every loaded model is pinned or busy, or the model is larger than the whole budget,
+the request gets 503 with the reason. Unloading stops the engine's thread, drops its weights and
+KV pool and hands the freed heap back to the OS.
+
+A model's size in the budget is its weights and its KV pool at full size (`LLMEngine.memory_bytes`),
+measured at its first load; before that, `ModelEntry.memory_estimate` (weight files and the KV
+pool's budget).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class ModelEntry:
     load_engine: Callable[[], LLMEngine]
     on_demand: bool = False  # False: loaded at start, never unloaded
     adapters: dict[str, LoRARequest] = field(default_factory=dict)  # LoRA adapters served as models, by name
+    memory_estimate: int = 0  # bytes it will hold, until a load measures them
 
 
 class ServedModel:
@@ -49,6 +55,7 @@ class ServedModel:
         self.serving: OpenAIServing | None = None
         self.load_error: str | None = None
         self.last_used = time.monotonic()
+        self.measured_bytes: int | None = None
         self._loading: asyncio.Future | None = None
 
     @property
@@ -58,6 +65,10 @@ class ServedModel:
     @property
     def loading(self) -> bool:
         return self._loading is not None
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.entry.memory_estimate if self.measured_bytes is None else self.measured_bytes
 
     @property
     def busy(self) -> bool:
@@ -87,7 +98,9 @@ class ServedModel:
         self.load_error = None
         self.async_engine, self.serving = engine, OpenAIServing(engine, self.settings, self.entry.adapters)
         self.last_used = time.monotonic()
-        logger.info("model %s ready (loaded in %.1f s)", self.name, time.perf_counter() - started)
+        self.measured_bytes = engine.engine.memory_bytes()
+        logger.info("model %s ready (loaded in %.1f s, %.2f GiB of weights and KV pool)", self.name,
+                    time.perf_counter() - started, self.measured_bytes / 2**30)
         return self.serving
 
     async def unload(self) -> None:
@@ -105,13 +118,15 @@ class ServedModel:
 class ModelPool:
     def __init__(self, entries: list[ModelEntry], settings: ServerSettings, metrics: ServerMetrics,
                  on_engine_dead: Callable[[BaseException], None] | None = None,
-                 max_loaded_models: int | None = None, idle_unload_s: float | None = 300.0) -> None:
+                 max_loaded_models: int | None = None, idle_unload_s: float | None = 300.0,
+                 memory_budget_bytes: int | None = None) -> None:
         if not entries or len({e.name for e in entries}) != len(entries):
             raise ValueError("give at least one model, each under its own name")
         self.models = {e.name: ServedModel(e, settings, metrics.for_model(e.name), on_engine_dead) for e in entries}
         self.default = entries[0].name  # serves requests that name no model
         self.max_loaded_models = max_loaded_models
         self.idle_unload_s = idle_unload_s
+        self.memory_budget_bytes = memory_budget_bytes
         self._admission = asyncio.Lock()  # one load decision at a time
 
     @property
@@ -148,21 +163,44 @@ class ModelPool:
             raise unavailable(f"the model {model.name!r} failed to load: {type(error).__name__}: {error}",
                               retry_after_s=10) from error
 
+    def _held(self) -> list[ServedModel]:
+        return [m for m in self.models.values() if m.serving is not None or m.loading]
+
+    def _shortage(self, model: ServedModel) -> str | None:
+        """Why `model` does not fit beside the loaded (and loading) models now; None: it does."""
+        held = self._held()
+        if self.max_loaded_models is not None and len(held) >= self.max_loaded_models:
+            return f"{self.max_loaded_models} models are loaded (max_loaded_models)"
+        budget, in_use = self.memory_budget_bytes, sum(m.memory_bytes for m in held)
+        if budget is not None and in_use + model.memory_bytes > budget:
+            return (f"it needs {model.memory_bytes / 2**30:.2f} GiB and {in_use / 2**30:.2f} GiB of the "
+                    f"{budget / 2**30:.2f} GiB memory budget are held")
+        return None
+
     async def _make_room(self, model: ServedModel) -> None:
-        """Unload least recently used idle on-demand models until one more fits."""
-        limit = self.max_loaded_models
-        while limit is not None and len(self.loaded()) + sum(m.loading for m in self.models.values()) >= limit:
+        """Unload least recently used idle on-demand models until this one fits."""
+        budget = self.memory_budget_bytes
+        if budget is not None and model.memory_bytes > budget:
+            raise unavailable(f"cannot load {model.name!r}: it needs {model.memory_bytes / 2**30:.2f} GiB, more than "
+                              f"the whole memory budget ({budget / 2**30:.2f} GiB)", retry_after_s=60)
+        while (shortage := self._shortage(model)) is not None:
             now = time.monotonic()  # a model handed out this last second has a request on its way
             idle = sorted((m for m in self.loaded() if m.entry.on_demand and not m.busy and now - m.last_used > 1),
                           key=lambda m: m.last_used)
             if not idle:
-                raise unavailable(f"cannot load {model.name!r}: {limit} models are loaded (max_loaded_models) and "
-                                  "none of them can be unloaded now (pinned or busy)", retry_after_s=5)
+                raise unavailable(f"cannot load {model.name!r}: {shortage}, and none of the loaded models can be "
+                                  "unloaded now (pinned or busy)", retry_after_s=5)
             await idle[0].unload()
 
     async def start(self) -> None:
         """Load the pinned models; then unload idle on-demand models as they time out."""
+        budget = self.memory_budget_bytes
         for model in self.pinned:
+            held = sum(m.memory_bytes for m in self._held())
+            if budget is not None and held + model.memory_bytes > budget:
+                model.load_error = (f"it needs {model.memory_bytes / 2**30:.2f} GiB and the models before it hold "
+                                    f"{held / 2**30:.2f} GiB of the {budget / 2**30:.2f} GiB memory budget")
+                continue
             with contextlib.suppress(Exception):  # recorded in load_error; the caller checks
                 await model.load()
 

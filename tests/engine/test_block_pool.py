@@ -73,8 +73,8 @@ def _request(request_id: str, tokens: list[int]):
 
 def _compute(kv: KVCacheManager, request) -> None:
     """Admit a request with its cached prefix and mark all its tokens computed."""
-    cached = kv.cached_prefix(request)[0]
-    assert kv.allocate_slots(request.request_id, request.num_tokens, cached)
+    prefix = kv.cached_prefix(request)
+    assert kv.allocate_slots(request.request_id, request.num_tokens, prefix)
     request.num_computed_tokens = request.num_tokens
     kv.register_computed(request)
 
@@ -84,17 +84,17 @@ def test_a_shared_prefix_reuses_full_blocks_only():
     first = _request("a", list(range(10)))  # 2 full blocks + 2 tokens
     _compute(kv, first)
     second = _request("b", list(range(9)) + [99, 98])  # shares 9 tokens: 2 full blocks
-    cached = kv.cached_prefix(second)[0]
+    cached = kv.cached_prefix(second).blocks
     assert cached == kv.block_table("a")[:2]
     third = _request("c", [7] + list(range(1, 12)))  # differs in the first token: nothing
-    assert kv.cached_prefix(third)[0] == []
+    assert kv.cached_prefix(third).blocks == []
 
 
 def test_at_least_one_token_is_left_to_compute():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     _compute(kv, _request("a", list(range(8))))
     again = _request("b", list(range(8)))  # identical 2-block prompt
-    assert len(kv.cached_prefix(again)[0]) == 1
+    assert len(kv.cached_prefix(again).blocks) == 1
 
 
 def test_freed_blocks_stay_cached_until_the_pool_needs_them_lru_first():
@@ -106,8 +106,8 @@ def test_freed_blocks_stay_cached_until_the_pool_needs_them_lru_first():
     assert kv.num_free_blocks == 4 and kv.pool.num_cached_blocks == 4
     _compute(kv, _request("x", [3] * 5))  # needs 2 blocks: the least recently freed go
     assert kv.pool.num_evictions == 2
-    assert kv.cached_prefix(_request("q", [1] * 9))[0] == []  # "old" was evicted
-    assert len(kv.cached_prefix(_request("q2", [2] * 9))[0]) == 2  # "new" survived
+    assert kv.cached_prefix(_request("q", [1] * 9)).blocks == []  # "old" was evicted
+    assert len(kv.cached_prefix(_request("q2", [2] * 9)).blocks) == 2  # "new" survived
 
 
 def test_blocks_in_use_are_never_evicted():
@@ -117,7 +117,7 @@ def test_blocks_in_use_are_never_evicted():
     kv.free("other")
     assert not kv.allocate_slots("big", 12)  # 3 blocks: only 2 can be freed up
     assert kv.allocate_slots("fits", 8)
-    assert len(kv.cached_prefix(_request("probe", [5] * 9))[0]) == 2  # still cached and held
+    assert len(kv.cached_prefix(_request("probe", [5] * 9)).blocks) == 2  # still cached and held
 
 
 def test_taking_an_idle_cached_block_counts_against_free_blocks():
@@ -125,7 +125,63 @@ def test_taking_an_idle_cached_block_counts_against_free_blocks():
     _compute(kv, _request("a", [1] * 8))
     kv.free("a")  # 3 free, 2 of them cached
     request = _request("b", [1] * 8 + [2] * 5)
-    cached = kv.cached_prefix(request)[0]
-    assert len(cached) == 2
-    assert not kv.allocate_slots("b", 13, cached)  # needs 2 new + the 2 cached: 4 > 3
+    prefix = kv.cached_prefix(request)
+    assert len(prefix.blocks) == 2
+    assert not kv.allocate_slots("b", 13, prefix)  # needs 2 new + the 2 cached: 4 > 3
     assert kv.num_free_blocks == 3  # nothing was taken
+
+
+def _advance(kv: KVCacheManager, request, num_tokens: int) -> None:
+    """Compute the request's tokens up to num_tokens, as the scheduler would step by step."""
+    kv.release_behind_window(request.request_id, request.num_computed_tokens)
+    assert kv.allocate_slots(request.request_id, num_tokens)
+    request.num_computed_tokens = num_tokens
+    kv.register_computed(request)
+
+
+def test_a_windowed_group_releases_blocks_behind_the_window():
+    kv = KVCacheManager(num_blocks=8, block_size=4, window=6)
+    request = _request("a", list(range(40)))
+    for end in range(1, 41):
+        _advance(kv, request, end)
+        held = [b for b in kv.block_table("a") if b != kv.groups[0].padding_block]
+        assert len(held) <= 3  # the 6-token window and the block being written
+    table = kv.block_table("a")
+    assert len(table) == 10 and table[:7] == [kv.groups[0].padding_block] * 7
+    kv.free("a")
+    assert kv.num_free_blocks == 8
+
+
+def test_full_attention_layers_keep_every_block_and_windowed_ones_only_the_window():
+    kv = KVCacheManager(num_blocks=16, block_size=4, window=6, num_window_blocks=4)
+    request = _request("a", list(range(40)))
+    for end in range(8, 41, 8):  # chunks of 8 tokens
+        _advance(kv, request, end)
+    assert len(kv.block_table("a")) == 10 and kv.pool.num_free_blocks == 6
+    pad = kv.groups[1].padding_block
+    assert kv.window_block_table("a")[:6] == [pad] * 6  # the last chunk (32..39) saw from token 27 on
+    kv.release_behind_window("a", 40)  # the next token sees from 35 on: block 8 and after
+    assert kv.groups[1].pool.num_free_blocks == 2
+    assert not kv.allocate_slots("b", 13)  # the windowed pool cannot take a 13-token chunk: nothing taken
+    assert kv.pool.num_free_blocks == 6 and "b" not in kv.groups[0].tables
+    kv.free("a")
+    assert kv.pool.num_free_blocks == 16 and kv.groups[1].pool.num_free_blocks == 4
+
+
+def test_a_windowed_prefix_hit_needs_the_blocks_its_next_token_sees():
+    kv = KVCacheManager(num_blocks=16, block_size=4, window=6, num_window_blocks=8)
+    first = _request("a", list(range(33)))
+    for end in range(4, 34, 4):
+        _advance(kv, first, end)
+    kv.free("a")
+    again = _request("b", list(range(33)))  # 8 full blocks to reuse; the next token (32) sees 27..32
+    prefix = kv.cached_prefix(again)
+    assert prefix.num_blocks == 8
+    pad = kv.groups[1].padding_block
+    assert prefix.tables[1][:6] == [pad] * 6 and pad not in prefix.tables[1][6:]
+    assert kv.allocate_slots("b", 33, prefix)
+    kv.free("b")
+    # Evict windowed block 7 (tokens 28..31): a hit must end before it, where blocks 5 and 6 are visible.
+    kv.groups[1].pool._evict(prefix.tables[1][7])
+    prefix = kv.cached_prefix(_request("c", list(range(33))))
+    assert prefix.num_blocks == 7 and prefix.tables[1][5:] == [b for b in prefix.tables[1][5:] if b != pad]

@@ -101,7 +101,11 @@ def start_gateway(config: dict, tmp_path: Path, name: str = "gateway", args: tup
                                 "--port", str(port), "--quiet", *args], stdout=log, stderr=subprocess.STDOUT,
                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
     gateway = Gateway(f"http://127.0.0.1:{port}", process)
-    wait_http(f"{gateway.url}/health", process, timeout=300)
+    try:
+        wait_http(f"{gateway.url}/health", process, timeout=300)
+    except BaseException:
+        gateway.stop()
+        raise
     return gateway
 
 

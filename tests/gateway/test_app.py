@@ -194,3 +194,29 @@ def test_a_redis_cache_that_hangs_or_dies_mid_run_costs_a_timeout_not_an_answer(
             assert reply.json()["choices"][0]["message"]["content"] == f"a says: {PARIS}"
             assert time.perf_counter() - started < 3
         assert stubs[0].count == 3
+
+
+@pytest.mark.slow
+def test_a_cascade_over_two_models_of_one_local_server(tmp_path):
+    """SmolLM2 first, Gemma 3 when it is unsure: both served by one `hyperserve serve` process
+    that the gateway starts, each stage's answer that model's own."""
+    stages = ["smollm2-135m", "gemma3-270m"]
+    config = {
+        "backends": [{"name": "engine", "local": {"model": stages[0], "args": [
+            "--model", stages[1], "--kv-cache-memory-gb", "0.25", "--max-num-seqs", "4", "--max-model-len", "4096"]}}],
+        "routes": [{"model": stages[0], "backends": ["engine"]}, {"model": stages[1], "backends": ["engine"]},
+                   {"model": "sure", "cascade": {"models": stages, "min_confidence": -100.0}},
+                   {"model": "unsure", "cascade": {"models": stages, "min_confidence": 0.0}}],
+        "cache": {"enabled": False},
+        "log": {"path": str(tmp_path / "requests.jsonl")},
+    }
+    question = "What is the capital of France?"
+    with start_gateway(config, tmp_path) as gateway:
+        direct = {model: gateway.chat(question, model=model, max_tokens=12).json() for model in stages}
+        assert direct[stages[0]]["model"] == stages[0] and direct[stages[1]]["model"] == stages[1]
+        for route, answered_by in (("sure", stages[0]), ("unsure", stages[1])):
+            reply = gateway.chat(question, model=route, max_tokens=12)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["message"] == direct[answered_by]["choices"][0]["message"]
+            assert reply.headers["x-hyperserve-cascade"].startswith(f"{stages[0]}:")
+            assert (stages[1] in reply.headers["x-hyperserve-cascade"]) == (answered_by == stages[1])

@@ -13,7 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from hyperserve import LLM, SamplingParams
-from hyperserve.engine.engine import LLMEngine
+from hyperserve.config import EngineConfig
+from hyperserve.engine.engine import LLMEngine, estimate_memory_bytes
 from hyperserve.server.app import build_app
 from hyperserve.server.model_pool import ModelEntry
 from hyperserve.server.settings import ServerSettings
@@ -59,7 +60,8 @@ def _serve(entries: list[ModelEntry], **options) -> TestClient:
 
 
 def _entry(name: str, path: str, on_demand: bool = False) -> ModelEntry:
-    return ModelEntry(name, lambda: LLMEngine.from_kwargs(model=path, **ENGINE), on_demand)
+    config = EngineConfig.from_kwargs(model=path, **ENGINE)
+    return ModelEntry(name, lambda: LLMEngine(config), on_demand, memory_estimate=estimate_memory_bytes(config))
 
 
 def _answer(client: TestClient, model: str | None, prompt: list[int]) -> list[float]:
@@ -108,6 +110,42 @@ def test_on_demand_models_load_when_asked_unload_when_idle_or_for_room_and_come_
         assert client.post("/v1/models/gemma/load").json()["loaded"] is True
     finally:
         client.__exit__(None, None, None)
+
+
+def test_the_memory_budget_unloads_the_least_recently_used_model_and_refuses_what_cannot_fit(tiny_models):
+    sizes = {name: LLMEngine.from_kwargs(model=tiny_models[name], **ENGINE).memory_bytes() for name in tiny_models}
+    budget = sizes["llama-a"] + max(sizes["gemma"], sizes["llama-b"])  # the pinned one and one more
+    big = ModelEntry("big", lambda: LLMEngine.from_kwargs(model=tiny_models["llama-b"], **ENGINE), True,
+                     memory_estimate=budget + 1)
+    client = _serve([_entry("llama-a", tiny_models["llama-a"]), _entry("gemma", tiny_models["gemma"], True),
+                     _entry("llama-b", tiny_models["llama-b"], True), big],
+                    idle_unload_s=None, memory_budget_bytes=budget)
+    try:
+        _answer(client, "gemma", PROMPTS[0])
+        cards = {card["id"]: card for card in client.get("/v1/models").json()["data"]}
+        assert cards["gemma"]["loaded"] and cards["gemma"]["memory_bytes"] == sizes["gemma"]  # measured
+        time.sleep(1.1)
+        _answer(client, "llama-b", PROMPTS[0])  # both do not fit beside llama-a: gemma goes
+        assert loaded(client) == {"llama-a": True, "gemma": False, "llama-b": True, "big": False}
+        refused = client.post("/v1/completions", json={"model": "big", "prompt": [1], "max_tokens": 1})
+        assert refused.status_code == 503 and "whole memory budget" in refused.json()["error"]["message"]
+        assert "retry-after" in refused.headers
+        assert loaded(client)["llama-b"]  # nothing was unloaded for it
+    finally:
+        client.__exit__(None, None, None)
+
+
+def test_pinned_models_beyond_the_memory_budget_fail_at_start(tiny_models):
+    errors = []
+    entries = [_entry("llama-a", tiny_models["llama-a"]), _entry("gemma", tiny_models["gemma"])]
+    entries[1].memory_estimate = 2**30
+    with TestClient(build_app(entries, ServerSettings(model_name="llama-a"), on_load_error=errors.append,
+                              memory_budget_bytes=2**29)):
+        deadline = time.time() + 30
+        while not errors:
+            assert time.time() < deadline, "no load error was reported"
+            time.sleep(0.05)
+    assert "gemma" in str(errors[0]) and "memory budget" in str(errors[0])
 
 
 def test_idle_on_demand_models_unload_after_the_timeout(tiny_models):
