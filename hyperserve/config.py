@@ -151,6 +151,8 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         if self.max_loras < 1 or self.max_lora_rank < 1 or self.max_cpu_loras < 1:
             raise ValueError("max_loras, max_lora_rank and max_cpu_loras must be at least 1")
+        if self.max_cpu_loras <= self.max_loras:  # the running adapters and the next one in line
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must exceed max_loras ({self.max_loras})")
 
 
 # LLM(speculative={"method": ..., "num_tokens": ...}): the dict's short keys -> SpeculativeConfig fields

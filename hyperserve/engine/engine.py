@@ -108,7 +108,8 @@ class LLMEngine:
         if self.kv_cache.lower_tier is not None:
             self.kv_cache.pool.on_evict = self.kv_cache.lower_tier.spill
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
-                                   config.lora.max_loras if config.lora.enable_lora else None)
+                                   config.lora.max_loras if config.lora.enable_lora else None,
+                                   self.lora.prefetch if self.lora is not None else None)
         spec = config.speculative
         draft = self._load_draft(spec.draft_model) if spec.speculative_method == "draft" else None
         self.proposer = build_proposer(spec, self.runner, self.kv_cache, draft) if spec.speculative_method else None

@@ -221,9 +221,9 @@ class ModelRunner:
         if decode_only and self.decode_graphs is not None and len(chunks) <= self.decode_graphs.max_batch:
             return self.decode_graphs.run([c.token_ids[0] for c in chunks], [c.start for c in chunks],
                                           [c.block_table for c in chunks])
-        if (self.fused_decode is not None and model is self.model and kv_caches is None and not with_lora
+        if (self.fused_decode is not None and model is self.model and kv_caches is None
                 and sum(len(c.token_ids) for c in chunks) <= QUANTIZED_MAX_ROWS):
-            return self._fused_forward(chunks)
+            return self._fused_forward(chunks, with_lora)
         compiled = decode_only and self._compiled_decode is not None
         batch = self._prepare(chunks, model.sliding_window, model.attention_backend.ragged_decode,
                               min_blocks=2 if compiled else 1, full_attention=model.interleaves_full_attention)
@@ -244,9 +244,9 @@ class ModelRunner:
                 self.lora.clear()
         return model.compute_logits(hidden[batch.logit_rows])
 
-    def _fused_forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
+    def _fused_forward(self, chunks: list[SeqChunk], with_lora: bool) -> torch.Tensor:
         """Logits of a small step through the fused layers: one row per token, each with its slot,
-        its sequence's block table and its context length."""
+        its sequence's block table, its context length and its adapter."""
         bs = self.block_size
         input_ids, positions, slots, tables, lengths, logit_rows = [], [], [], [], [], []
         for chunk in chunks:
@@ -260,8 +260,15 @@ class ModelRunner:
             logit_rows.extend(range(row + len(chunk.token_ids) - chunk.num_logits, row + len(chunk.token_ids)))
         width = max(len(t) for t in tables)
         long = lambda values: torch.tensor(values, dtype=torch.long)
-        hidden = self.fused_decode(long(input_ids), long(positions), long(slots),
-                                   long([t + [0] * (width - len(t)) for t in tables]), long(lengths), self.kv_caches)
+        if with_lora:
+            self.lora.set_rows([c.lora for c in chunks for _ in c.token_ids])
+        try:
+            hidden = self.fused_decode(long(input_ids), long(positions), long(slots),
+                                       long([t + [0] * (width - len(t)) for t in tables]), long(lengths),
+                                       self.kv_caches, self.lora.batch if with_lora else None)
+        finally:
+            if with_lora:
+                self.lora.clear()
         return self.model.compute_logits(hidden[logit_rows])
 
     def _prepare(self, chunks: list[SeqChunk], sliding_window: int | None, ragged_decode: bool,

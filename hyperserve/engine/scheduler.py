@@ -13,11 +13,13 @@ import bisect
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hyperserve.config import SchedulerConfig
 from hyperserve.engine.kv_cache_manager import KVCacheManager
 from hyperserve.engine.request import Request, RequestStatus, SpecDecodeStats
+from hyperserve.layers.lora import LoRARequest
 
 logger = logging.getLogger("hyperserve.scheduler")
 
@@ -41,9 +43,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 max_loras: int | None = None) -> None:
+                 max_loras: int | None = None, lora_ready: Callable[[LoRARequest], bool] | None = None) -> None:
+        """lora_ready: whether an adapter is in memory, starting to load it if not (a request
+        whose adapter is loading waits, while the running ones go on)."""
         self.config = config
         self.max_loras = max_loras  # distinct LoRA adapters running at once (None: no limit)
+        self.lora_ready = lora_ready
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         # Both queues are sorted by (priority, sequence number): lower runs first, FCFS in a tie.
@@ -107,8 +112,12 @@ class Scheduler:
             adapter = request.lora_request.lora_name if request.lora_request is not None else None
             if adapter is not None and adapter not in adapters and self.max_loras is not None:
                 if adapter_waiting or len(adapters) >= self.max_loras:
+                    if not adapter_waiting and self.lora_ready is not None:
+                        self.lora_ready(request.lora_request)  # the next adapter in line: read it meanwhile
                     adapter_waiting = True
                     continue
+            if adapter is not None and self.lora_ready is not None and not self.lora_ready(request.lora_request):
+                continue
             prefix = self.kv_cache.cached_prefix(request)
             num_cached = prefix.num_blocks * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_cached, budget)

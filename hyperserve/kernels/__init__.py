@@ -72,7 +72,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("hyperserve::decode_layer")
     def _(hidden, weights, cos, signed_sin, key_cache, value_cache, slots, block_tables, lengths, block_size,
-          num_heads, num_kv_heads, eps, scale):
+          num_heads, num_kv_heads, eps, scale, lora, lora_rows):
         return None
 
 

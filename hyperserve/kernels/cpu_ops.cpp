@@ -474,6 +474,153 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
   });
 }
 
+// ---- LoRA adapters on a projection, each row its own ----
+
+constexpr int64_t kLoRATile = 64;  // output columns per tile of B
+
+// One adapter's weights on one projection, float32 or bfloat16 (all adapters alike): a [S * r, in]
+// (its A of each shard the projection fuses (q, k, v; gate, up), shard-major, zero for shards it
+// does not target), b: r * out values, B^T [r, out] (row j holds, in each shard's output columns,
+// that shard's B[:, j] times the scaling) cut into tiles of kLoRATile columns (fewer at a shard's
+// end), each tile's [r, width] stored contiguously, tiles in column order, so the tile starting at
+// column c begins at c * r. Shards sit at `offsets` (S + 1 of them). a == nullptr: the adapter
+// leaves the projection alone.
+struct LoRAWeights {
+  const void* a = nullptr;
+  const void* b = nullptr;
+  int64_t rank = 0;
+};
+
+LoRAWeights lora_weights(const at::Tensor& a, const at::Tensor& b, int64_t in, int64_t out, int64_t shards,
+                         at::ScalarType dtype) {
+  if (a.numel() == 0) return {};
+  TORCH_CHECK(a.scalar_type() == dtype && b.scalar_type() == dtype && a.is_contiguous() && b.is_contiguous() &&
+                  a.dim() == 2 && b.dim() == 2 && a.size(1) == in && b.size(1) == out &&
+                  a.size(0) == shards * b.size(0),
+              "decode_layer: LoRA weights must be contiguous A [shards * r, in] and B [r, out] (tiled), of one dtype");
+  return {a.data_ptr(), b.data_ptr(), b.size(0)};
+}
+
+#ifdef HYPERSERVE_X86
+// out[i] = dot(xs[i], w) for R rows at once: each 8 values of w loaded once, R independent chains.
+// A row's sum runs in the same order whatever R, as dot_avx2's.
+template <typename T, int R>
+AVX2 void dots_avx2(const float* const* xs, const T* w, int64_t n, float* out) {
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < n; k += 8) {
+    const __m256 wk = load8(w + k);
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[i] + k), wk, acc[i]);
+  }
+  for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
+}
+
+// y[0..64) += sum_j h[j] * b[j * stride + (0..64)], y held in registers over the rank.
+template <typename T>
+AVX2 void expand64_avx2(const float* h, int64_t rank, const T* b, int64_t stride, float* y) {
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_loadu_ps(y + 8 * i);
+  for (int64_t j = 0; j < rank; ++j) {
+    if (h[j] == 0.f) continue;
+    const __m256 weight = _mm256_set1_ps(h[j]);
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(weight, load8(b + j * stride + 8 * i), acc[i]);
+  }
+  for (int i = 0; i < 8; ++i) _mm256_storeu_ps(y + 8 * i, acc[i]);
+}
+#endif
+
+// out[i] = dot(xs[i], w) for `count` rows.
+template <typename T>
+void lora_dots(const float* const* xs, int64_t count, const T* w, int64_t n, float* out, bool avx2) {
+#ifdef HYPERSERVE_X86
+  if (avx2 && n % 8 == 0) {
+    for (int64_t i = 0; i < count; i += 4) {
+      switch (std::min<int64_t>(4, count - i)) {
+        case 4: dots_avx2<T, 4>(xs + i, w, n, out + i); break;
+        case 3: dots_avx2<T, 3>(xs + i, w, n, out + i); break;
+        case 2: dots_avx2<T, 2>(xs + i, w, n, out + i); break;
+        default: dots_avx2<T, 1>(xs + i, w, n, out + i);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i) out[i] = dot_portable(xs[i], w, n);
+}
+
+// y[0..columns) += sum_j h[j] * b[j * stride + (0..columns)].
+template <typename T>
+void lora_expand(const float* h, int64_t rank, const T* b, int64_t stride, float* y, int64_t columns, bool avx2) {
+#ifdef HYPERSERVE_X86
+  if (avx2 && columns == kLoRATile) return expand64_avx2(h, rank, b, stride, y);
+#endif
+  for (int64_t j = 0; j < rank; ++j) {
+    if (h[j] != 0.f) axpy_portable(h[j], b + j * stride, y, columns);
+  }
+}
+
+// y [rows, out] += each row's adapter delta (row_adapter[r] < 0: the base model, nothing added):
+// h = A x, then y[shard s] += sum_j h[s][j] * B[j][shard s]. Rows are grouped by adapter, so each
+// adapter's weights are read once per step however many rows use it; the work is split over A's
+// rows, then over tiles of output columns, so no two threads write the same place.
+template <typename T>
+void lora_add(const std::vector<LoRAWeights>& adapters, const int64_t* row_adapter, const float* x, int64_t rows,
+              int64_t in, float* y, int64_t out, const std::vector<int64_t>& offsets, bool avx2) {
+  const int64_t shards = static_cast<int64_t>(offsets.size()) - 1;
+  std::vector<std::vector<int64_t>> members(adapters.size());
+  int64_t max_rank = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t adapter = row_adapter[r];
+    if (adapter >= 0 && adapters[adapter].a != nullptr) {
+      members[adapter].push_back(r);
+      max_rank = std::max(max_rank, adapters[adapter].rank);
+    }
+  }
+  if (max_rank == 0) return;
+  const int64_t width = shards * max_rank;  // h's row stride
+  std::vector<float> h(rows * width, 0.f);
+  std::vector<std::pair<int64_t, int64_t>> a_rows;  // (adapter, row of its A)
+  for (size_t i = 0; i < adapters.size(); ++i) {
+    for (int64_t j = 0; !members[i].empty() && j < shards * adapters[i].rank; ++j) a_rows.emplace_back(i, j);
+  }
+  at::parallel_for(0, static_cast<int64_t>(a_rows.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<const float*> xs(rows);
+    std::vector<float> sums(rows);
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [adapter, j] = a_rows[i];
+      const std::vector<int64_t>& own = members[adapter];
+      for (size_t m = 0; m < own.size(); ++m) xs[m] = x + own[m] * in;
+      lora_dots(xs.data(), own.size(), static_cast<const T*>(adapters[adapter].a) + j * in, in, sums.data(), avx2);
+      for (size_t m = 0; m < own.size(); ++m) h[own[m] * width + j] = sums[m];
+    }
+  });
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (shard, first column)
+  for (int64_t s = 0; s < shards; ++s) {
+    for (int64_t c = offsets[s]; c < offsets[s + 1]; c += kLoRATile) tiles.emplace_back(s, c);
+  }
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [s, first] = tiles[i];
+      const int64_t columns = std::min(kLoRATile, offsets[s + 1] - first);
+      for (size_t adapter = 0; adapter < adapters.size(); ++adapter) {
+        const int64_t rank = adapters[adapter].rank;
+        const T* tile = static_cast<const T*>(adapters[adapter].b) + first * rank;
+        for (const int64_t r : members[adapter]) {  // h is 0 where the adapter does not target the shard
+          lora_expand(h.data() + r * width + s * rank, rank, tile, columns, y + r * out + first, columns, avx2);
+        }
+      }
+    }
+  });
+}
+
+void lora_add(const std::vector<LoRAWeights>& adapters, at::ScalarType dtype, const int64_t* row_adapter,
+              const float* x, int64_t rows, int64_t in, float* y, int64_t out, const std::vector<int64_t>& offsets,
+              bool avx2) {
+  if (adapters.empty()) return;
+  if (dtype == at::kBFloat16) return lora_add<at::BFloat16>(adapters, row_adapter, x, rows, in, y, out, offsets, avx2);
+  lora_add<float>(adapters, row_adapter, x, rows, in, y, out, offsets, avx2);
+}
+
 // ---- one Llama decoder layer ----
 
 void rms_norm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps, float* out) {
@@ -490,10 +637,12 @@ void rms_norm(const float* x, const float* weight, int64_t rows, int64_t dim, fl
 // per row. weights: input norm, qkv, o, post-attention norm, gate_up, down (norms float32, the
 // projections Q4_1 as above). K/V caches are [slots, kv_heads, head_dim] in float32, bfloat16 or
 // float16; token t of row r lives at slot block_tables[r][t / block_size] * block_size + t % block_size.
+// lora: for each adapter of the step, A and B (as LoRAWeights says) of qkv, o, gate_up and down;
+// lora_rows: each row's adapter, an index into them (-1: none).
 void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& cos, const at::Tensor& signed_sin,
                   at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slots, const at::Tensor& block_tables,
                   const at::Tensor& lengths, int64_t block_size, int64_t num_heads, int64_t num_kv_heads, double eps,
-                  double scale) {
+                  double scale, at::TensorList lora, const at::Tensor& lora_rows) {
   TORCH_CHECK(weights.size() == 6, "decode_layer: expected 6 weights (norm, qkv, o, norm, gate_up, down)");
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && hidden.dim() == 2,
               "decode_layer: hidden must be contiguous float32 [rows, dim]");
@@ -538,6 +687,34 @@ void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& c
     }
   }
 
+  TORCH_CHECK(lora.size() % 8 == 0, "decode_layer: LoRA takes A and B of the four projections per adapter");
+  std::vector<LoRAWeights> lora_qkv, lora_o, lora_gate_up, lora_down;
+  at::ScalarType lora_dtype = at::kFloat;
+  const int64_t* row_adapter = nullptr;
+  const std::vector<int64_t> qkv_offsets{0, num_heads * head_dim, (num_heads + num_kv_heads) * head_dim,
+                                         qkv_features};
+  if (!lora.empty()) {
+    const int64_t num_adapters = static_cast<int64_t>(lora.size()) / 8;
+    TORCH_CHECK(lora_rows.scalar_type() == at::kLong && lora_rows.is_contiguous() && lora_rows.numel() == rows,
+                "decode_layer: lora_rows must be contiguous int64, one per row");
+    row_adapter = lora_rows.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(row_adapter[r] < num_adapters, "decode_layer: a row's adapter is out of range");
+    }
+    for (const at::Tensor& t : lora) {
+      if (t.numel() > 0) lora_dtype = t.scalar_type();
+    }
+    TORCH_CHECK(lora_dtype == at::kFloat || lora_dtype == at::kBFloat16,
+                "decode_layer: LoRA weights must be float32 or bfloat16");
+    for (int64_t i = 0; i < num_adapters; ++i) {
+      const at::Tensor* t = lora.data() + 8 * i;
+      lora_qkv.push_back(lora_weights(t[0], t[1], dim, qkv_features, 3, lora_dtype));
+      lora_o.push_back(lora_weights(t[2], t[3], num_heads * head_dim, dim, 1, lora_dtype));
+      lora_gate_up.push_back(lora_weights(t[4], t[5], dim, 2 * intermediate, 2, lora_dtype));
+      lora_down.push_back(lora_weights(t[6], t[7], intermediate, dim, 1, lora_dtype));
+    }
+  }
+
   const bool avx2 = cpu_has_avx2();
   float* h = hidden.data_ptr<float>();
   std::vector<float> x(rows * std::max(dim, intermediate));
@@ -546,6 +723,7 @@ void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& c
 
   rms_norm(h, weights[0].data_ptr<float>(), rows, dim, static_cast<float>(eps), x.data());
   quantized_matmul(qkv, x.data(), rows, wide.data(), avx2);
+  lora_add(lora_qkv, lora_dtype, row_adapter, x.data(), rows, dim, wide.data(), qkv_features, qkv_offsets, avx2);
   const auto attend_all = [&](auto* keys, auto* values) {
     decode_attention(wide.data(), rows, num_heads, num_kv_heads, head_dim, cos.data_ptr<float>(),
                      signed_sin.data_ptr<float>(), static_cast<float>(scale), keys, values, batch, attended.data(),
@@ -560,10 +738,14 @@ void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& c
     default: TORCH_CHECK(false, "decode_layer: K/V caches must be float32, bfloat16 or float16");
   }
   quantized_matmul(o, attended.data(), rows, projected.data(), avx2);
+  lora_add(lora_o, lora_dtype, row_adapter, attended.data(), rows, num_heads * head_dim, projected.data(), dim,
+           {0, dim}, avx2);
   for (int64_t i = 0; i < rows * dim; ++i) h[i] += projected[i];
 
   rms_norm(h, weights[3].data_ptr<float>(), rows, dim, static_cast<float>(eps), x.data());
   quantized_matmul(gate_up, x.data(), rows, wide.data(), avx2);
+  lora_add(lora_gate_up, lora_dtype, row_adapter, x.data(), rows, dim, wide.data(), 2 * intermediate,
+           {0, intermediate, 2 * intermediate}, avx2);
   for (int64_t r = 0; r < rows; ++r) {  // silu(gate) * up
     const float* gate = wide.data() + r * 2 * intermediate;
     for (int64_t j = 0; j < intermediate; ++j) {
@@ -571,6 +753,7 @@ void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& c
     }
   }
   quantized_matmul(down, x.data(), rows, projected.data(), avx2);
+  lora_add(lora_down, lora_dtype, row_adapter, x.data(), rows, intermediate, projected.data(), dim, {0, dim}, avx2);
   for (int64_t i = 0; i < rows * dim; ++i) h[i] += projected[i];
 }
 
@@ -583,7 +766,7 @@ TORCH_LIBRARY(hyperserve, m) {
   m.def("dequantize(Tensor weight, int in_features, str format) -> Tensor");
   m.def("decode_layer(Tensor(a!) hidden, Tensor[] weights, Tensor cos, Tensor signed_sin, Tensor(b!) key_cache, "
         "Tensor(c!) value_cache, Tensor slots, Tensor block_tables, Tensor lengths, int block_size, int num_heads, "
-        "int num_kv_heads, float eps, float scale) -> ()");
+        "int num_kv_heads, float eps, float scale, Tensor[] lora, Tensor lora_rows) -> ()");
   m.def("isa() -> str", &isa);
 }
 

@@ -17,7 +17,7 @@ import torch
 
 from hyperserve import kernels
 from hyperserve.layers.attention import KVCache
-from hyperserve.layers.lora import unwrapped
+from hyperserve.layers.lora import LoRABatch, unwrapped
 from hyperserve.layers.quantization import Int4Linear
 
 
@@ -32,6 +32,7 @@ class FusedDecode:
         self.scale = model.model.layers[0].self_attn.scale
         self.dtype = model.model.norm.weight.dtype
         self.layers = [self._weights(layer) for layer in model.model.layers]
+        self._no_rows = torch.empty(0, dtype=torch.long)
 
     @staticmethod
     def unsupported(model: torch.nn.Module, kv_caches: list[KVCache]) -> str | None:
@@ -57,14 +58,18 @@ class FusedDecode:
                 unwrapped(mlp.gate_up_proj).q41, unwrapped(mlp.down_proj).q41]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 block_tables: torch.Tensor, lengths: torch.Tensor, kv_caches: list[KVCache]) -> torch.Tensor:
+                 block_tables: torch.Tensor, lengths: torch.Tensor, kv_caches: list[KVCache],
+                 lora: LoRABatch | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] (in the model's dtype, before the final norm) of T tokens, each
         with its cache slot, its sequence's block table (a row of block_tables, padded) and the
-        length of context it attends to, itself included."""
+        length of context it attends to, itself included; with `lora`, each row's adapter too."""
         hidden = self.model.model.embed_tokens(input_ids).float()
         cos, signed_sin = self.model.model.rotary.cos_sin_for(positions, torch.float32)
-        for weights, cache in zip(self.layers, kv_caches):
+        with_lora = lora is not None and bool(lora.adapters)
+        rows = lora.rows if with_lora else self._no_rows
+        for index, (layer, weights, cache) in enumerate(zip(self.model.model.layers, self.layers, kv_caches)):
+            adapters = lora.native(index, layer) if with_lora else []
             torch.ops.hyperserve.decode_layer(hidden, weights, cos, signed_sin, cache.key, cache.value, slots,
                                               block_tables, lengths, cache.block_size, self.num_heads,
-                                              self.num_kv_heads, self.eps, self.scale)
+                                              self.num_kv_heads, self.eps, self.scale, adapters, rows)
         return hidden.to(self.dtype)

@@ -3,8 +3,11 @@
 With LoRA enabled, each projection (fused q/k/v, o, fused gate/up, down) is wrapped in a
 LoRALinear: the base output, plus on each row its own adapter's x A^T (B scaling)^T for each
 shard the adapter targets. Rows of other adapters and of the base model are untouched, so one
-forward pass serves a batch that mixes them (LoRABatch stacks the step's adapters so that this
-is two matmuls per shard, whatever their number). The runner sets the batch before each pass.
+forward pass serves a batch that mixes them. LoRABatch stacks the step's adapters on the model's
+device (the device tier of the adapter cache; LoRAManager keeps the host tier): on the GPU two
+Triton kernels then apply each row's own adapter (layers/triton_lora.py); on the CPU it is two
+matmuls per shard over all of them, masked, whatever their number; the native int4 decode layers
+take them too (FusedDecode). The runner sets the batch before each pass.
 
 Adapters are PEFT's format: adapter_config.json (r, lora_alpha, use_rslora, target_modules) and
 adapter_model.safetensors (`...layers.{i}.self_attn.q_proj.lora_A.weight` [r, in] and
@@ -49,11 +52,37 @@ class LoRAAdapter:
     dtype: torch.dtype
     # (layer, our module) -> per shard (A [r, in], B * scaling [out, r]) or None where not targeted
     weights: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]] = field(default_factory=dict)
+    _native: dict[int, list[torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    def native(self, index: int, layer: nn.Module) -> list[torch.Tensor]:
+        """Its weights on one layer as the native decode layer takes them (kernels/cpu_ops.cpp,
+        LoRAWeights): per projection, A of every shard stacked [S * r, in] and B^T [r, out] with each
+        shard's B^T in its own columns, stored in tiles of NATIVE_TILE columns, in its dtype; empty
+        tensors where it targets none. Built once."""
+        if index not in self._native:
+            tensors = []
+            for name in WRAPPED:
+                shards = self.weights.get((index, name))
+                if shards is None:
+                    tensors += [torch.empty(0), torch.empty(0)]
+                    continue
+                sizes, in_features = _shard_sizes(layer, name), layer.get_submodule(name).in_features
+                a = torch.zeros(len(sizes) * self.rank, in_features, dtype=self.dtype)
+                b = torch.zeros(self.rank, sum(sizes), dtype=self.dtype)
+                for shard, pair in enumerate(shards):
+                    if pair is not None:
+                        offset = sum(sizes[:shard])
+                        a[shard * self.rank : (shard + 1) * self.rank] = pair[0]
+                        b[:, offset : offset + sizes[shard]] = pair[1].T
+                tensors += [a, _tiled(b, sizes)]
+            self._native[index] = tensors
+        return self._native[index]
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for shards in self.weights.values() for ab in shards if ab
-                   for t in ab)
+        """Its weights in memory, the native decode layers' copy included once built."""
+        return (sum(t.nbytes for shards in self.weights.values() for ab in shards if ab for t in ab)
+                + sum(t.nbytes for tensors in self._native.values() for t in tensors))
 
 
 def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
@@ -107,6 +136,20 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int, dtype: t
     return adapter
 
 
+NATIVE_TILE = 64  # kLoRATile in kernels/cpu_ops.cpp
+
+
+def _tiled(b: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """B^T [r, out] with each shard's columns cut into tiles of NATIVE_TILE (the last of a shard
+    narrower), each tile's [r, width] contiguous, tiles in column order; shape kept [r, out]."""
+    tiles, start = [], 0
+    for size in sizes:
+        for first in range(start, start + size, NATIVE_TILE):
+            tiles.append(b[:, first : min(first + NATIVE_TILE, start + size)].reshape(-1))
+        start += size
+    return torch.cat(tiles).view(b.shape)
+
+
 def _shard_sizes(layer: nn.Module, name: str) -> list[int]:
     """Output sizes of a fused projection's parts (q, k, v or gate, up), as its parent module says."""
     if name in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
@@ -123,27 +166,41 @@ class LoRABatch:
     however many adapters share the step (an adapter's part of h is zero on other rows). The
     stacks are kept while the same adapters run together, as consecutive decode steps do."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.kernel = "triton" if self.device.type == "cuda" else "torch"  # tests may ask for triton on the CPU
         self.adapters: list[LoRAAdapter] = []
+        self.rows: torch.Tensor | None = None  # [T] each row's position in `adapters`, -1 for the base model
         self.mask: torch.Tensor | None = None  # [T, n * r] 1 where the row's adapter owns the column
         self._stacks: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        self._native: dict[int, list[torch.Tensor]] = {}
         self._names: tuple[str, ...] = ()
 
     def set(self, adapters: list[LoRAAdapter], row_adapter: list[int]) -> None:
         """row_adapter: each row's position in `adapters`, -1 for the base model."""
         names = tuple(a.name for a in adapters)
         if names != self._names:
-            self._stacks, self._names = {}, names
+            self._stacks, self._native, self._names = {}, {}, names
         self.adapters = adapters
+        self.rows = torch.tensor(row_adapter, dtype=torch.long)
+        if self.kernel == "triton":
+            self.rows, self.mask = self.rows.to(self.device), None
+            return
         if len(adapters) == 1 and all(i == 0 for i in row_adapter):
             self.mask = None  # every row runs the one adapter
             return
         rank = max(a.rank for a in adapters)
         columns = torch.arange(len(adapters)).repeat_interleave(rank)
-        self.mask = (torch.tensor(row_adapter)[:, None] == columns[None, :]).to(adapters[0].dtype)
+        self.mask = (self.rows[:, None] == columns[None, :]).to(self.device, adapters[0].dtype)
 
     def clear(self) -> None:
-        self.adapters, self.mask = [], None
+        self.adapters, self.rows, self.mask = [], None, None
+
+    def native(self, index: int, layer: nn.Module) -> list[torch.Tensor]:
+        """The step's adapters' weights on one layer for the native decode layer, in their order."""
+        if index not in self._native:
+            self._native[index] = [t for adapter in self.adapters for t in adapter.native(index, layer)]
+        return self._native[index]
 
     def stacked(self, key: tuple[int, str], shard: int, out_size: int, in_size: int
                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -156,8 +213,8 @@ class LoRABatch:
                 self._stacks[cache_key] = None
             else:
                 dtype = self.adapters[0].dtype
-                a_all = torch.zeros(len(parts) * rank, in_size, dtype=dtype)
-                b_all = torch.zeros(len(parts) * rank, out_size, dtype=dtype)
+                a_all = torch.zeros(len(parts) * rank, in_size, dtype=dtype, device=self.device)
+                b_all = torch.zeros(len(parts) * rank, out_size, dtype=dtype, device=self.device)
                 for i, part in enumerate(parts):
                     if part:
                         a, b = part
@@ -186,6 +243,13 @@ class LoRALinear(nn.Module):
             if stacked is None:
                 continue
             a_all, b_all = stacked
+            if self.batch.kernel == "triton":
+                from hyperserve.layers.triton_lora import lora_expand, lora_shrink
+
+                n = len(self.batch.adapters)
+                h = lora_shrink(x, a_all.view(n, -1, self.in_features), self.batch.rows)
+                lora_expand(h, b_all.view(n, -1, size), self.batch.rows, y[:, offset : offset + size])
+                continue
             h = x.to(a_all.dtype) @ a_all.T  # [T, n * r]
             if self.batch.mask is not None:
                 h = h * self.batch.mask

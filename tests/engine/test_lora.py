@@ -101,6 +101,37 @@ def test_a_batch_mixing_eight_adapters_and_the_base_equals_each_alone(llm, adapt
     assert len({tuple(tokens) for tokens in alone}) > 4, "the adapters should change the answers"
 
 
+def test_speculative_decoding_verifies_each_request_under_its_adapter(llm, base, adapters):
+    loras = [None, adapters["a0"][0], adapters["a3"][0]]
+    prompts = [list(range(10, 30)) * 2] * 3  # repetitive: the n-gram proposer finds drafts
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=loras)]
+    speculative = LLM(model=base, **ENGINE, speculative={"method": "ngram", "num_tokens": 3})
+    outputs = speculative.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in outputs] == plain
+    assert speculative.engine.scheduler.spec_stats.num_draft_tokens > 0
+
+
+def test_evicted_adapters_are_read_again_on_the_loader_thread_while_others_decode(llm, base, adapters, monkeypatch):
+    import threading
+
+    from hyperserve.engine import lora_manager
+
+    loaders, load = [], lora_manager.load_adapter
+    monkeypatch.setattr(lora_manager, "load_adapter", lambda *args: loaders.append(
+        threading.current_thread().name) or load(*args))
+    loras = [adapters[f"a{i % 4}"][0] for i in range(8)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=loras)]
+    small = LLM(model=base, **ENGINE, max_loras=1, max_cpu_loras=2, max_num_seqs=2)  # 2 in memory, 4 needed
+    loaders.clear()
+    outputs = small.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert loaders.count("MainThread") == 8  # each request's check at submission
+    assert any(name.startswith("lora-loader") for name in loaders)  # evicted ones, read again in the background
+
+
 def test_kv_cached_under_one_adapter_is_not_reused_under_another(llm, adapters):
     prompt = list(range(1, 41))
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

@@ -10,19 +10,21 @@ from tests.conftest import tiny_config
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels could not be built here")
 
 
-def _decode_both_ways(llm: LLM) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_both_ways(llm: LLM, loras: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of one step, fused and then layer by layer (which rewrites the same slots with the
     same K/V): three sequences of different lengths in scattered blocks, two decoding one token,
-    one verifying four (each attends to those before it)."""
+    one verifying four (each attends to those before it); each with its adapter from `loras`."""
     runner = llm.engine.runner
     assert runner.fused_decode is not None
     tables, lengths, new = [[5, 2], [0], [7, 3, 9]], [20, 7, 40], [1, 1, 4]
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n + k,), generator=generator).tolist() for n, k in zip(lengths, new)]
+    loras = loras or [None] * len(prompts)
     with torch.inference_mode():
-        for prompt, table, n in zip(prompts, tables, lengths):
-            runner.forward([SeqChunk(prompt[:n], 0, table, 1)])  # prefill through PyTorch
-        step = [SeqChunk(prompt[n:], n, table, k) for prompt, table, n, k in zip(prompts, tables, lengths, new)]
+        for prompt, table, n, lora in zip(prompts, tables, lengths, loras):
+            runner.forward([SeqChunk(prompt[:n], 0, table, 1, lora)])  # prefill through PyTorch
+        step = [SeqChunk(prompt[n:], n, table, k, lora)
+                for prompt, table, n, k, lora in zip(prompts, tables, lengths, new, loras)]
         fused = runner.forward(step)
         runner.fused_decode, fused_decode = None, runner.fused_decode
         plain = runner.forward(step)
@@ -38,6 +40,26 @@ def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, num_h
     assert fused.shape == (6, 256)
     assert (fused - plain).abs().max() <= 1e-3 * plain.abs().max()  # float rounding, 16-bit activations
     assert not torch.equal(fused[0], fused[1])  # the rows are different sequences
+
+
+def test_fused_decode_applies_each_rows_lora_adapter_as_the_pytorch_layers_do(save_hf_model, tmp_path):
+    from hyperserve import LoRARequest
+    from tests.engine.test_lora import make_adapter
+
+    _, path = save_hf_model(tiny_config("llama"))
+    llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01, enable_lora=True)
+    variants = [dict(rank=4), dict(rank=8, rslora=True), dict(rank=2, targets=["q_proj", "v_proj"])]
+    loras = []
+    for i, variant in enumerate(variants):
+        make_adapter(path, tmp_path / f"a{i}", seed=i, **variant)
+        loras.append(LoRARequest(f"a{i}", i + 1, str(tmp_path / f"a{i}")))
+        llm.engine.check_lora(loras[-1])
+    base, _ = _decode_both_ways(llm)
+    for mix in ([loras[0], None, loras[1]], [loras[2], loras[1], loras[0]]):
+        fused, plain = _decode_both_ways(llm, mix)
+        assert (fused - plain).abs().max() <= 1e-3 * plain.abs().max()
+        unchanged = [torch.allclose(fused[row], base[row], atol=1e-3) for row in (0, 1, 5)]
+        assert unchanged == [lora is None for lora in mix]  # adapters change their rows, the base row stays
 
 
 def test_fused_decode_reads_a_bfloat16_cache(save_hf_model):
