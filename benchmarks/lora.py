@@ -66,6 +66,30 @@ def throughput(llm: LLM, loras: list[LoRARequest | None], max_tokens: int) -> fl
     return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - started)
 
 
+def decode_step_ms(llm: LLM, loras: list[LoRARequest | None]) -> float:
+    """Median time of one fused decode step of len(loras) rows (context 100 each), each row with
+    its adapter: the int4 layers only, no scheduling or sampling. It writes K/V into blocks 1-128,
+    so the prefix cache is emptied first (no later request may read them)."""
+    runner, manager = llm.engine.runner, llm.engine.lora
+    llm.engine.kv_cache.pool.reset_cache()
+    bs, rows = runner.block_size, len(loras)
+    tables = torch.tensor([list(range(1 + 8 * i, 9 + 8 * i)) for i in range(rows)])
+    positions = torch.full((rows,), 100)
+    slots = tables[:, 100 // bs] * bs + 100 % bs
+    inputs = (torch.randint(0, 1000, (rows,)), positions, slots, tables, positions + 1, runner.kv_caches)
+    batch = None
+    if any(loras):
+        manager.set_rows(loras)
+        batch = manager.batch
+    times = []
+    for _ in range(25):
+        started = time.perf_counter()
+        runner.fused_decode(*inputs, batch)
+        times.append(time.perf_counter() - started)
+    manager.clear()
+    return sorted(times[5:])[10] * 1e3
+
+
 def first_token_s(llm: LLM, lora: LoRARequest) -> float:
     started = time.perf_counter()
     llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1), use_tqdm=False, lora_request=lora)
@@ -102,6 +126,9 @@ def main() -> None:
             results[f"{distinct} adapters: loads from disk"] = llm.engine.lora.num_loads - loads
             if distinct == 1:  # its weights and the fused decode layers' copy of them
                 results["memory per adapter: MB"] = llm.engine.lora.adapter(adapters[0]).num_bytes / 2**20
+        for distinct in (0, 1, 8):
+            loras = [adapters[i % distinct] if distinct else None for i in range(CONCURRENCY)]
+            results[f"decode step of {CONCURRENCY} rows, {distinct} adapters: ms"] = decode_step_ms(llm, loras)
     base = results["base, LoRA enabled: tok/s"]
     for name, value in results.items():
         ratio = f"  ({value / base:.2f}x base)" if name.endswith("tok/s") else ""

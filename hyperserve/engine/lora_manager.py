@@ -35,6 +35,10 @@ class LoRAManager:
         self._lock = threading.Lock()  # the server checks adapters off the engine thread
         self._pending: dict[str, Future] = {}  # adapters being read by the loader thread
         self._running: set[str] = set()  # the last step's adapters and those admitted since: evicted last
+        self._last_step: set[str] = set()
+        # each step's adapters by the tier that had them: the previous step's batch (on the GPU,
+        # on the device), host memory, or the disk (read then, on the engine thread)
+        self.hits = {"step": 0, "memory": 0, "disk": 0}
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="lora-loader")
         self.num_loads = 0
         self.load_seconds = 0.0
@@ -93,9 +97,11 @@ class LoRAManager:
         adapters in name order: the batch's stacks are rebuilt only when the set changes."""
         names = sorted({r.lora_name for r in row_adapters if r is not None})
         position = {name: i for i, name in enumerate(names)}
+        for name in names:
+            self.hits["step" if name in self._last_step else "memory" if name in self._loaded else "disk"] += 1
         adapters = [self.adapter(self._requests[name]) for name in position]
         with self._lock:
-            self._running = set(position)
+            self._running = self._last_step = set(position)
         self.batch.set(adapters, [-1 if r is None else position[r.lora_name] for r in row_adapters])
 
     def clear(self) -> None:

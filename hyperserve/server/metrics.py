@@ -60,6 +60,9 @@ class ServerMetrics:
         self.lora_loads = Counter("hyperserve:lora_adapter_loads", "LoRA adapters read from disk", labels, registry=r)
         self.lora_load_seconds = Counter("hyperserve:lora_adapter_load_seconds", "Time spent reading LoRA adapters",
                                          labels, registry=r)
+        self.lora_hits = Counter("hyperserve:lora_adapter_hits", "Adapters of each step by the tier that had them: "
+                                 "step (the previous step's batch; on the GPU, on the device), memory, disk",
+                                 [*labels, "tier"], registry=r)
         self.counters = {"queries": self.prefix_queries, "hits": self.prefix_hits,
                          "evictions": self.prefix_evictions, "disk_reads": self.disk_reads,
                          "disk_writes": self.disk_writes, "spec_drafts": self.spec_drafts,
@@ -76,6 +79,7 @@ class ModelMetrics:
     def __init__(self, families: ServerMetrics, model_name: str) -> None:
         self.families, self.model_name = families, model_name
         self._seen = dict.fromkeys(families.counters, 0)  # engine totals already exported
+        self._seen_lora_hits = {"step": 0, "memory": 0, "disk": 0}
         self._last_token_time: dict[str, float] = {}  # request id -> when its last token came out
 
     def observe_step(self, engine, outputs: list[RequestOutput]) -> None:
@@ -94,6 +98,10 @@ class ModelMetrics:
                   "spec_accepted": spec.num_accepted_tokens,
                   "lora_loads": lora.num_loads if lora else 0, "lora_load_seconds": lora.load_seconds if lora else 0.0}
         f.lora_loaded.labels(m).set(lora.num_loaded if lora else 0)
+        if lora is not None:
+            for tier, count in lora.hits.items():
+                f.lora_hits.labels(m, tier).inc(count - self._seen_lora_hits[tier])
+            self._seen_lora_hits = dict(lora.hits)
         f.spec_acceptance.labels(m).set(spec.acceptance_rate)
         f.spec_length.labels(m).set(spec.mean_accepted_length)
         for key, counter in f.counters.items():

@@ -64,6 +64,9 @@ def test_model_names_the_adapter_and_the_answer_is_the_adapters(client, base, lo
     metrics = client.get("/metrics").text
     assert 'hyperserve:lora_adapters_loaded{model_name="tiny"} 1.0' in metrics
     assert 'hyperserve:lora_adapter_loads_total{model_name="tiny"} 1.0' in metrics
+    hits = 'hyperserve:lora_adapter_hits_total{model_name="tiny",tier="%s"} %s'
+    assert hits % ("memory", "1.0") in metrics and hits % ("step", "5.0") in metrics  # a prefill, 5 decodes
+    assert hits % ("disk", "0.0") in metrics  # read at its check, before its first step
 
 
 def test_an_unusable_adapter_is_a_400_and_the_server_goes_on(client):
