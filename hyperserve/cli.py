@@ -1,4 +1,4 @@
-"""The `hyperserve` command: generate, chat, serve, gateway, bench."""
+"""The `hyperserve` command: generate, chat, serve, ray-serve, gateway, bench."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import sys
 import uuid
 from pathlib import Path
+from typing import get_args
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded at run time
 
@@ -106,6 +107,36 @@ def _governor(args: argparse.Namespace):
     config = load_security_config(args.security_config, args.api_key, protect_metrics=args.protect_metrics,
                                   audit_log=args.audit_log)
     return Governor(config)
+
+
+def _ray_serve_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per RayServeConfig field (replicas, autoscaling, resources, routing, keys)."""
+    from hyperserve.ray_serve import RayServeConfig
+
+    for name, field in RayServeConfig.model_fields.items():
+        if name in ("model", "engine"):  # --model and the engine's flags come from add_engine_args
+            continue
+        flag = "--" + name.replace("_", "-")
+        if field.annotation is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
+                                help=field.description)
+            continue
+        kind = next(t for t in (int, float, str) if t is field.annotation or t in get_args(field.annotation))
+        parser.add_argument(flag, type=kind, default=field.default, help=field.description)
+
+
+def cmd_ray_serve(args: argparse.Namespace) -> None:
+    import logging
+
+    from hyperserve.config import EngineConfig, engine_kwargs_from_args
+    from hyperserve.ray_serve import RayServeConfig, run
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = {k: v for k, v in engine_kwargs_from_args(args).items() if k != "model"}
+    EngineConfig.from_kwargs(**engine)  # bad engine flags fail here, before Ray starts
+    options = {name: getattr(args, name) for name in RayServeConfig.model_fields if name not in ("model", "engine")}
+    run(RayServeConfig(model=args.model or "smollm2-135m", engine=engine, **options), args.address, args.host,
+        args.port)
 
 
 def cmd_keys(args: argparse.Namespace) -> None:
@@ -285,6 +316,15 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--quiet", action="store_true", help="no access log")
     _security_args(gateway)
     gateway.set_defaults(func=cmd_gateway)
+
+    ray = commands.add_parser("ray-serve", help="replicas on a Ray cluster: autoscaled, routed by prompt prefix")
+    ray.add_argument("--address", default=None,
+                     help="a Ray cluster to join ('auto': the one `ray start` made on this machine); none: start one")
+    ray.add_argument("--host", default="127.0.0.1")
+    ray.add_argument("--port", type=int, default=8000)
+    _ray_serve_args(ray)
+    add_engine_args(ray)
+    ray.set_defaults(func=cmd_ray_serve)
 
     keys = commands.add_parser("keys", help="make an API key and its keys-file entry (only the hash is stored)")
     keys.add_argument("action", choices=["new"])

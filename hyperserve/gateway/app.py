@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from hyperserve.common.affinity import affinity_text
 from hyperserve.common.body_limit import BodyLimit
 from hyperserve.common.errors import APIError, install_error_handlers
 from hyperserve.common.request_log import RequestLog
@@ -213,7 +214,7 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
                                              headers=headers)
                 return JSONResponse(answer, headers=headers)
         cache_state = "miss" if key is not None else "bypass"
-        affinity = _affinity_text(body, chat)[: route.config.affinity_prefix_chars]
+        affinity = affinity_text(body, chat)[: route.config.affinity_prefix_chars]
 
         if stream and route.config.cascade is None:
             upstream = {**body, "stream_options": {"include_usage": True}}  # token counts for the log
@@ -331,13 +332,6 @@ def _default_route(router: Router) -> str:
     if len(router.routes) == 1:
         return next(iter(router.routes))
     raise APIError(400, f"model is required; this gateway serves {sorted(router.routes)}", param="model")
-
-
-def _affinity_text(body: dict[str, Any], chat: bool) -> str:
-    if chat:
-        return json.dumps(body.get("messages"), separators=(",", ":"))
-    prompt = body.get("prompt")
-    return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
 
 def _finished(body: dict[str, Any]) -> bool:

@@ -13,9 +13,7 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -23,6 +21,7 @@ from typing import Any
 
 import aiohttp
 
+from hyperserve.common.affinity import rendezvous_score
 from hyperserve.common.errors import APIError
 from hyperserve.gateway.backends import Backend
 from hyperserve.gateway.config import RouteConfig
@@ -38,12 +37,6 @@ class Reply:
     backend: str
     backend_s: float
     cascade: list[str] = field(default_factory=list)  # "model:confidence" per cascade stage tried
-
-
-def _rendezvous_score(key: str, backend: Backend, weight: float) -> float:
-    digest = hashlib.blake2b(f"{key}\x00{backend.name}".encode(), digest_size=8).digest()
-    uniform = (int.from_bytes(digest, "big") + 0.5) / 2**64  # in (0, 1)
-    return -weight / math.log(uniform)  # weighted rendezvous: each backend wins a `weight` share of keys
 
 
 class Route:
@@ -67,7 +60,7 @@ class Route:
             return probe
         least, least_weight = min(candidates, key=lambda bw: (bw[0].outstanding + 1) / bw[1])
         if self.config.balance == "prefix-affinity" and affinity_key is not None:
-            preferred, _ = max(candidates, key=lambda bw: _rendezvous_score(affinity_key, *bw))
+            preferred, _ = max(candidates, key=lambda bw: rendezvous_score(affinity_key, bw[0].name, bw[1]))
             if preferred.outstanding <= least.outstanding + self.config.affinity_max_imbalance:
                 return preferred
         return least

@@ -1,0 +1,328 @@
+"""HyperServe on Ray Serve: engine replicas across a cluster, autoscaled on load, routed by prefix.
+
+`hyperserve ray-serve` (or `serve run hyperserve.ray_serve:build`, or `serve deploy` with a config
+whose import_path is that builder) deploys two Ray Serve deployments:
+
+- Engine: one HyperServe engine per replica with its OpenAI app, the very `build_app` that
+  `hyperserve serve` runs, called in-process (ASGI) for each request, so every endpoint, streaming
+  and error of the plain server behaves the same. A replica declares its CPUs, GPUs and memory and
+  is ready once its model is loaded; Ray Serve autoscales the replicas on ongoing requests (min and
+  max replicas, a target per replica, up and down delays; with min 0 the first request waits for a
+  replica to start) and restarts a replica whose process dies or whose engine stops.
+- Ingress: the HTTP front, a FastAPI app with the security layer (API keys, limits, guardrails)
+  that hands each request to an Engine replica through a DeploymentHandle and streams its bytes
+  back. A replica that dies before answering: the request goes to another, once; after the first
+  byte: a stream ends with an error event and a body is cut short, never a hang.
+
+PrefixAffinityRouter (ray_router.py, Ray Serve's request-router API) picks the replica: requests whose prompts
+begin alike (the first `affinity_prefix_chars` characters: the system prompt, a shared document)
+go to the same replica by rendezvous hashing, so that replica's prefix cache holds their KV,
+unless it has `max_imbalance` more requests in flight than the least loaded replica: then the
+least loaded. Routing decisions and requests in flight per replica are on the ingress's /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from hyperserve import ray_metrics
+from hyperserve.common.affinity import affinity_text
+
+logger = logging.getLogger("hyperserve.ray")
+
+APP_NAME = "hyperserve"
+HOP_BY_HOP = {"content-length", "transfer-encoding", "connection"}
+
+
+class RayServeConfig(BaseModel):
+    """What `hyperserve ray-serve` flags and a `serve deploy` config's `args` set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "smollm2-135m"
+    served_model_name: str | None = Field(None, description="the name clients send as `model`")
+    engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig fields for every replica")
+    min_replicas: int = Field(1, ge=0, description="replicas kept however idle (0: scale to zero)")
+    max_replicas: int = Field(1, ge=1, description="replicas at most")
+    initial_replicas: int | None = Field(None, ge=0, description="replicas at start (default: min_replicas)")
+    target_ongoing_requests: float = Field(8.0, gt=0, description="requests per replica that autoscaling aims at")
+    upscale_delay_s: float = Field(10.0, ge=0, description="load above target this long adds replicas")
+    downscale_delay_s: float = Field(60.0, ge=0, description="load below target this long removes replicas")
+    look_back_period_s: float = Field(30.0, gt=0, description="autoscaling averages the load over this window")
+    metrics_interval_s: float = Field(10.0, gt=0, description="how often replicas report their load")
+    max_ongoing_requests: int = Field(32, ge=1, description="requests per replica at most; more wait at the ingress")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs per replica (its engine's threads)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (give --device cuda with it)")
+    memory_gb: float | None = Field(None, gt=0, description="memory per replica that Ray reserves")
+    prefix_affinity: bool = Field(True, description="route by prompt prefix (off: least loaded replica)")
+    affinity_prefix_chars: int = Field(512, ge=1, description="characters of the prompt that pick its replica")
+    max_imbalance: int = Field(4, ge=0, description="in-flight requests over the least loaded replica's that "
+                               "the prefix's replica may have and still be chosen")
+    api_key: str | None = Field(None, description="one API key for every client")
+    security_config: str | None = Field(None, description="a keys YAML, as `hyperserve serve --security-config`")
+
+    @model_validator(mode="after")
+    def _replicas_in_order(self) -> RayServeConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        return self
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+
+# ---- the engine replica ------------------------------------------------------------------------
+
+
+class EngineReplica:
+    """One engine and its OpenAI app; `handle` runs one HTTP request through the app and yields
+    the response's head ({"status", "headers"}) and then its body, chunk by chunk."""
+
+    async def __init__(self, config: RayServeConfig) -> None:
+        from ray import serve
+
+        from hyperserve.config import EngineConfig
+        from hyperserve.engine.engine import LLMEngine
+        from hyperserve.server.app import build_app
+        from hyperserve.server.settings import ServerSettings
+
+        engine_config = EngineConfig.from_kwargs(model=config.model, **config.engine)
+        errors: list[Exception] = []
+        self.app = build_app(functools.partial(LLMEngine, engine_config), ServerSettings(model_name=config.name),
+                             on_load_error=errors.append)
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self._lifespan = self.app.router.lifespan_context(self.app)
+        await self._lifespan.__aenter__()
+        while (await self._call("GET", "/health"))[0] != 200:  # ready once the model is loaded
+            if errors:
+                raise RuntimeError(f"the model failed to load: {errors[0]}")
+            await asyncio.sleep(0.1)
+        logger.info("replica %s ready", self.replica)
+
+    async def handle(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes,
+                     prefix_key: str | None = None) -> AsyncIterator[dict[str, Any] | bytes]:
+        """prefix_key is for the router (PrefixAffinityRouter reads it from the call)."""
+        async for message in self._asgi(method, path, query, headers, body):
+            if message["type"] == "http.response.start":
+                head = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])]
+                yield {"status": message["status"], "headers": [*head, ("x-hyperserve-replica", self.replica)]}
+            elif message.get("body"):
+                yield message["body"]
+
+    async def check_health(self) -> None:
+        """Ray Serve's periodic check: a replica whose engine stopped is replaced."""
+        status, text = await self._call("GET", "/health")
+        if status != 200:
+            raise RuntimeError(f"replica {self.replica} is unhealthy: {status} {text[:200]}")
+
+    async def _call(self, method: str, path: str) -> tuple[int, str]:
+        status, chunks = 0, []
+        async for message in self._asgi(method, path, "", [], b""):
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            else:
+                chunks.append(message.get("body", b""))
+        return status, b"".join(chunks).decode(errors="replace")
+
+    async def _asgi(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes
+                    ) -> AsyncIterator[dict[str, Any]]:
+        """The app's messages for one request. Leaving early (the caller went away) tells the app the
+        client disconnected and waits for it to finish (it aborts the engine request)."""
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query.encode(),
+                 "root_path": "", "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+                 "client": ("127.0.0.1", 0), "server": ("hyperserve-replica", 80)}
+        messages: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        disconnected = asyncio.Event()
+        pending_body = [body]
+
+        async def receive() -> dict[str, Any]:
+            if pending_body:
+                return {"type": "http.request", "body": pending_body.pop(), "more_body": False}
+            await disconnected.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            await messages.put(message)
+
+        task = asyncio.ensure_future(self.app(scope, receive, send))
+        task.add_done_callback(lambda _: messages.put_nowait(None))
+        try:
+            while (message := await messages.get()) is not None:
+                yield message
+                if message["type"] == "http.response.body" and not message.get("more_body"):
+                    break
+            else:
+                task.result()  # the app ended without a whole response: its error
+        finally:
+            disconnected.set()
+            if not task.done():
+                await asyncio.wait([task], timeout=10)
+
+
+# ---- the ingress -------------------------------------------------------------------------------
+
+
+def _ingress_app(config: RayServeConfig):
+    """The ingress's FastAPI app: security, /metrics of the routing, everything else forwarded."""
+    from ray import serve
+
+    from hyperserve.common.body_limit import BodyLimit
+    from hyperserve.common.errors import install_error_handlers
+    from hyperserve.security.config import load_security_config
+    from hyperserve.security.middleware import Governor, add_security
+    from hyperserve.server.settings import ServerSettings
+
+    app = FastAPI(title="HyperServe on Ray Serve")
+    install_error_handlers(app)
+    if config.api_key is not None or config.security_config is not None:
+        add_security(app, Governor(load_security_config(config.security_config, config.api_key)))
+    app.add_middleware(BodyLimit, max_bytes=ServerSettings(config.name).max_body_bytes)  # added last: outermost
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(ray_metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
+    async def forward(path: str, request: Request) -> Response:
+        body = await request.body()
+        ingress: Ingress = serve.get_replica_context().servable_object
+        head, chunks = await ingress.send(request.method, "/" + path, request.url.query,
+                                          list(request.headers.items()), body, _prefix_key(body, path, config))
+        headers = {k: v for k, v in head["headers"] if k.lower() not in HOP_BY_HOP}
+        streaming = headers.get("content-type", "").startswith("text/event-stream")
+        return StreamingResponse(_guarded(chunks, streaming), status_code=head["status"], headers=headers)
+
+    return app
+
+
+def _prefix_key(body: bytes, path: str, config: RayServeConfig) -> str | None:
+    if not config.prefix_affinity or not path.endswith(("chat/completions", "completions")):
+        return None
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(request, dict):
+        return None
+    return affinity_text(request, chat=path.endswith("chat/completions"))[: config.affinity_prefix_chars] or None
+
+
+async def _guarded(chunks: AsyncIterator[bytes], streaming: bool) -> AsyncIterator[bytes]:
+    """The replica's body; if the replica dies mid-answer, a stream ends with an error event (a
+    plain body is cut short: the client sees an incomplete response, not a hang)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as error:  # RayActorError and kin: the replica went away
+        logger.warning("a replica failed mid-answer: %s", error)
+        if streaming:
+            error_body = {"error": {"message": f"the engine replica failed: {type(error).__name__}",
+                                    "type": "server_error", "code": "replica_failed"}}
+            yield f"data: {json.dumps(error_body)}\n\n".encode()
+
+
+class Ingress:
+    """The ingress deployment: the Engine deployment's handle, and how a request reaches a replica."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    async def send(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes,
+                   prefix_key: str | None) -> tuple[dict[str, Any], AsyncIterator[bytes]]:
+        """The response head and the rest of the body from a replica; a replica that dies before
+        its head is replaced by another, once."""
+        for attempt in range(2):
+            generator = self.engine.options(stream=True).handle.remote(method, path, query, headers, body,
+                                                                     prefix_key=prefix_key)
+            try:
+                head = await generator.__anext__()
+                return head, _rest(generator)
+            except Exception:
+                generator.cancel()
+                if attempt:
+                    raise
+                ray_metrics.RETRIED.inc()
+                logger.warning("a replica failed before answering; sending the request to another", exc_info=True)
+        raise AssertionError("unreachable")
+
+
+async def _rest(generator) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in generator:
+            yield chunk
+    finally:
+        generator.cancel()  # the client left early: the replica's request is cancelled too
+
+
+# ---- the application ---------------------------------------------------------------------------
+
+
+def build(args: dict[str, Any] | RayServeConfig | None = None):
+    """The Ray Serve application (`serve run hyperserve.ray_serve:build model=...`, or a `serve
+    deploy` config's import_path, its `args` RayServeConfig's fields)."""
+    from ray import serve
+    from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+    config = args if isinstance(args, RayServeConfig) else RayServeConfig(**(args or {}))
+    actor_options: dict[str, Any] = {"num_cpus": config.num_cpus, "num_gpus": config.num_gpus}
+    if config.memory_gb is not None:
+        actor_options["memory"] = int(config.memory_gb * 2**30)
+    engine = serve.deployment(
+        EngineReplica, name="Engine", ray_actor_options=actor_options,
+        max_ongoing_requests=config.max_ongoing_requests,
+        autoscaling_config=AutoscalingConfig(
+            min_replicas=config.min_replicas, max_replicas=config.max_replicas,
+            initial_replicas=config.initial_replicas, target_ongoing_requests=config.target_ongoing_requests,
+            upscale_delay_s=config.upscale_delay_s, downscale_delay_s=config.downscale_delay_s,
+            look_back_period_s=config.look_back_period_s, metrics_interval_s=config.metrics_interval_s),
+        request_router_config=RequestRouterConfig(
+            request_router_class="hyperserve.ray_router.PrefixAffinityRouter",
+            request_router_kwargs={"max_imbalance": config.max_imbalance}),
+        health_check_period_s=5, graceful_shutdown_timeout_s=30,
+    ).bind(config)
+    ingress = serve.deployment(serve.ingress(_ingress_app(config))(Ingress), name="Ingress",
+                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)  # I/O only
+    return ingress.bind(engine)
+
+
+def run(config: RayServeConfig, address: str | None = None, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Connect to a Ray cluster (address "auto": the one `ray start` made on this machine; None:
+    start one here, stopped again on exit) and serve the application on host:port until SIGINT or
+    SIGTERM, which delete it (and stop the cluster this started)."""
+    import signal
+
+    import ray
+    from ray import serve
+
+    started = time.perf_counter()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds through the finally below
+    ray.init(address=address, ignore_reinit_error=True, include_dashboard=False)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build(config), name=APP_NAME, route_prefix="/", blocking=False)
+        logger.info("HyperServe on Ray Serve: http://%s:%d (ready in %.1f s)", host, port,
+                    time.perf_counter() - started)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        logger.info("deleting the application")
+        serve.delete(APP_NAME)
+        if address is None:
+            serve.shutdown()
+        ray.shutdown()

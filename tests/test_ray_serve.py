@@ -1,0 +1,154 @@
+"""HyperServe on Ray Serve, on a local Ray cluster this module starts (and stops): two SmolLM2
+replicas behind the ingress (streaming, prefix affinity with the prefix cache's hits, a replica
+killed mid-answer), then an autoscaled deployment growing under load and shrinking when idle."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.server.conftest import free_port
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+ENGINE = {"kv_cache_memory_gb": 0.25, "max_num_seqs": 8, "max_model_len": 2048}
+SYSTEM = "You are the support assistant of the Northwind Trading Company. Answer briefly and politely. " * 6
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray import serve
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def deploy(url: str, **options) -> None:
+    from ray import serve
+
+    from hyperserve.ray_serve import RayServeConfig, build
+
+    serve.run(build(RayServeConfig(engine=ENGINE, **options)), name="hyperserve", route_prefix="/")
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+
+
+def engine_replicas(state: str = "RUNNING") -> int:
+    from ray import serve
+
+    return serve.status().applications["hyperserve"].deployments["Engine"].replica_states.get(state, 0)
+
+
+def chat(url: str, content: str, system: str | None = None, **params) -> httpx.Response:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+    return httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0,
+                                                          **params}, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def two_replicas(cluster):
+    deploy(cluster, min_replicas=2, max_replicas=2, max_imbalance=8)
+    return cluster
+
+
+def test_streaming_through_the_ingress_answers_as_the_plain_server(two_replicas):
+    body = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 12, "temperature": 0}
+    whole = httpx.post(f"{two_replicas}/v1/chat/completions", json=body, timeout=60)
+    assert whole.status_code == 200 and whole.headers["x-hyperserve-replica"]
+    with httpx.stream("POST", f"{two_replicas}/v1/chat/completions", json={**body, "stream": True},
+                      timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and len(lines) > 3
+    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or "" for line in lines[:-1]
+                   if json.loads(line[6:])["choices"])
+    assert text == whole.json()["choices"][0]["message"]["content"]
+    bad = httpx.post(f"{two_replicas}/v1/chat/completions", json={"messages": "nope"}, timeout=30)
+    assert bad.status_code == 400 and "error" in bad.json()  # the server's own validation, through Ray
+
+
+def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_prefix_cache(two_replicas):
+    replicas, cached = {}, []
+    for tenant in range(4):
+        system = f"Tenant {tenant}. {SYSTEM}"
+        answers = [chat(two_replicas, f"Question {i} of tenant {tenant}?", system) for i in range(4)]
+        replicas[tenant] = {a.headers["x-hyperserve-replica"] for a in answers}
+        cached += [a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers[1:]]
+    assert all(len(seen) == 1 for seen in replicas.values()), replicas  # each prefix keeps its replica
+    assert len(set().union(*replicas.values())) == 2  # and the prefixes spread over both
+    assert min(cached) >= 96  # the shared system prompt (about 120 tokens) came from the prefix cache
+    metrics = httpx.get(f"{two_replicas}/metrics").text
+    assert 'hyperserve:ray_routing_decisions_total{decision="affinity"}' in metrics
+
+
+def test_a_replica_killed_mid_answer_ends_the_stream_and_is_replaced(two_replicas):
+    body = {"messages": [{"role": "user", "content": "Write a long story about a dragon."}], "max_tokens": 400,
+            "stream": True, "ignore_eos": True}
+    started = time.time()
+    with httpx.stream("POST", f"{two_replicas}/v1/chat/completions", json=body, timeout=60) as response:
+        replica = response.headers["x-hyperserve-replica"]
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::hyperserve#Engine#{replica}", namespace="serve"))
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert time.time() - started < 60  # ended, not hung
+    assert rest[-1] != "data: [DONE]" and "replica_failed" in rest[-1]  # the client is told
+    assert chat(two_replicas, "Still there?").status_code == 200  # the other replica answers
+    deadline = time.time() + 120
+    while engine_replicas() < 2:  # Ray Serve starts a new one
+        assert time.time() < deadline, "the killed replica was not replaced"
+        time.sleep(1)
+
+
+def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(cluster):
+    deploy(cluster, min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0,
+           downscale_delay_s=2, look_back_period_s=2, metrics_interval_s=0.5)
+    assert engine_replicas() == 1
+    stop = threading.Event()
+
+    def load(i: int) -> None:
+        while not stop.is_set():
+            assert chat(cluster, f"Tell me about topic {i}.", max_tokens=48).status_code == 200
+
+    with ThreadPoolExecutor(4) as pool:
+        workers = [pool.submit(load, i) for i in range(4)]
+        deadline = time.time() + 120
+        while engine_replicas() < 2:
+            assert time.time() < deadline, "no replica was added under load"
+            time.sleep(0.5)
+        stop.set()
+        for worker in workers:
+            worker.result()
+    deadline = time.time() + 120
+    while engine_replicas() > 1:
+        assert time.time() < deadline, "the idle replica was not removed"
+        time.sleep(0.5)
+
+
+def test_the_serve_deploy_example_names_a_builder_and_valid_args():
+    """examples/ray/serve.yaml, as `serve deploy` reads it: its import path resolves and its args
+    are RayServeConfig's (a typo would fail the deploy)."""
+    import importlib
+    from pathlib import Path
+
+    import yaml
+
+    from hyperserve.ray_serve import RayServeConfig
+
+    example = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "ray" / "serve.yaml").read_text())
+    (app,) = example["applications"]
+    module, _, name = app["import_path"].partition(":")
+    assert callable(getattr(importlib.import_module(module), name))
+    config = RayServeConfig(**app["args"])
+    assert config.max_replicas == 4 and config.engine["max_num_seqs"] == 16
+    with pytest.raises(ValueError, match="min_replicas"):
+        RayServeConfig(min_replicas=3, max_replicas=2)
