@@ -1,6 +1,7 @@
 """HyperServe on Ray Serve, on a local Ray cluster this module starts (and stops): two SmolLM2
 replicas behind the ingress (streaming, prefix affinity with the prefix cache's hits, a replica
-killed mid-answer), then an autoscaled deployment growing under load and shrinking when idle."""
+killed mid-answer), then an autoscaled deployment behind an API key growing under load, shrinking
+to zero when idle and starting again for the next request."""
 
 from __future__ import annotations
 
@@ -48,10 +49,10 @@ def engine_replicas(state: str = "RUNNING") -> int:
     return serve.status().applications["hyperserve"].deployments["Engine"].replica_states.get(state, 0)
 
 
-def chat(url: str, content: str, system: str | None = None, **params) -> httpx.Response:
+def chat(url: str, content: str, system: str | None = None, headers: dict | None = None, **params) -> httpx.Response:
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
     return httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0,
-                                                          **params}, timeout=120)
+                                                          **params}, headers=headers, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +110,17 @@ def test_a_replica_killed_mid_answer_ends_the_stream_and_is_replaced(two_replica
         time.sleep(1)
 
 
-def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(cluster):
-    deploy(cluster, min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0,
-           downscale_delay_s=2, look_back_period_s=2, metrics_interval_s=0.5)
+def test_autoscaling_grows_under_load_shrinks_to_zero_when_idle_and_wakes_for_a_request(cluster):
+    deploy(cluster, min_replicas=0, initial_replicas=1, max_replicas=2, target_ongoing_requests=1,
+           upscale_delay_s=0, downscale_delay_s=2, look_back_period_s=2, metrics_interval_s=0.5, api_key="sk-ray")
     assert engine_replicas() == 1
+    assert chat(cluster, "Who are you?").status_code == 401  # the ingress checks keys
+    key = {"Authorization": "Bearer sk-ray"}
     stop = threading.Event()
 
     def load(i: int) -> None:
         while not stop.is_set():
-            assert chat(cluster, f"Tell me about topic {i}.", max_tokens=48).status_code == 200
+            assert chat(cluster, f"Tell me about topic {i}.", max_tokens=48, headers=key).status_code == 200
 
     with ThreadPoolExecutor(4) as pool:
         workers = [pool.submit(load, i) for i in range(4)]
@@ -129,9 +132,10 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(cluster)
         for worker in workers:
             worker.result()
     deadline = time.time() + 120
-    while engine_replicas() > 1:
-        assert time.time() < deadline, "the idle replica was not removed"
+    while engine_replicas() > 0:
+        assert time.time() < deadline, "the idle replicas were not removed"
         time.sleep(0.5)
+    assert chat(cluster, "Anyone there?", headers=key).status_code == 200  # waits for a replica to start
 
 
 def test_the_serve_deploy_example_names_a_builder_and_valid_args():
