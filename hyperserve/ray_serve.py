@@ -122,6 +122,13 @@ class EngineReplica:
             elif message.get("body"):
                 yield message["body"]
 
+    async def __del__(self) -> None:
+        """Ray Serve's graceful shutdown (after the replica's requests have drained): the app's
+        shutdown stops the engine."""
+        lifespan, self._lifespan = getattr(self, "_lifespan", None), None
+        if lifespan is not None:
+            await lifespan.__aexit__(None, None, None)
+
     async def check_health(self) -> None:
         """Ray Serve's periodic check: a replica whose engine stopped is replaced."""
         status, text = await self._call("GET", "/health")

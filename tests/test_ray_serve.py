@@ -156,3 +156,54 @@ def test_the_serve_deploy_example_names_a_builder_and_valid_args():
     assert config.max_replicas == 4 and config.engine["max_num_seqs"] == 16
     with pytest.raises(ValueError, match="min_replicas"):
         RayServeConfig(min_replicas=3, max_replicas=2)
+
+
+def test_a_replica_that_dies_before_answering_has_its_request_sent_to_another():
+    """Ingress.send against a stand-in handle: the first replica's generator fails before its
+    head (as when its process dies), the second answers; a second failure reaches the caller."""
+    import asyncio
+
+    from ray.exceptions import ActorDiedError
+
+    from hyperserve import ray_metrics
+    from hyperserve.ray_serve import Ingress
+
+    class Replica:
+        def __init__(self, fails: bool) -> None:
+            self.fails, self.cancelled = fails, False
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self.fails:
+                raise ActorDiedError()
+            self.fails = True  # the head, then the end of the body
+            return {"status": 200, "headers": []}
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    class Handle:
+        def __init__(self, outcomes: list[bool]) -> None:
+            self.replicas = [Replica(fails) for fails in outcomes]
+            self.sent = 0
+
+        def options(self, stream: bool):
+            return self
+
+        @property
+        def handle(self):
+            return self
+
+        def remote(self, *args, prefix_key=None):
+            self.sent += 1
+            return self.replicas[self.sent - 1]
+
+    retried = ray_metrics.RETRIED._value.get()
+    handle = Handle([True, False])
+    head, _ = asyncio.run(Ingress(handle).send("POST", "/v1/completions", "", [], b"{}", None))
+    assert head["status"] == 200 and handle.sent == 2 and handle.replicas[0].cancelled
+    assert ray_metrics.RETRIED._value.get() == retried + 1
+    with pytest.raises(ActorDiedError):
+        asyncio.run(Ingress(Handle([True, True])).send("POST", "/v1/completions", "", [], b"{}", None))
