@@ -123,6 +123,9 @@ class SpeculativeConfig:
     ngram_max: int = 4  # for method=ngram: the longest suffix looked up in the prompt and output
     ngram_min: int = 1  # ... and the shortest
     speculative_max_batch: int = 4  # no speculation while more requests than this are decoding
+    # one more token's cost to a step, relative to a one-token step (None: timed at start); k per
+    # request is chosen from it and the request's acceptance rate
+    speculative_verify_cost: float | None = None
 
     def __post_init__(self) -> None:
         if self.speculative_method not in (None, *SPECULATIVE_METHODS):
@@ -137,6 +140,8 @@ class SpeculativeConfig:
             raise ValueError("draft_model is only used with speculative_method='draft'")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if self.speculative_verify_cost is not None and self.speculative_verify_cost < 0:
+            raise ValueError(f"speculative_verify_cost must be >= 0, got {self.speculative_verify_cost}")
         if self.self_draft_layers is not None and self.self_draft_layers < 1:
             raise ValueError(f"self_draft_layers must be at least 1, got {self.self_draft_layers}")
 
@@ -158,7 +163,8 @@ class LoRAConfig:
 # LLM(speculative={"method": ..., "num_tokens": ...}): the dict's short keys -> SpeculativeConfig fields
 _SPECULATIVE_KEYS = {"method": "speculative_method", "num_tokens": "num_speculative_tokens",
                      "model": "draft_model", "draft_model": "draft_model", "num_layers": "self_draft_layers",
-                     "ngram_max": "ngram_max", "ngram_min": "ngram_min", "max_batch": "speculative_max_batch"}
+                     "ngram_max": "ngram_max", "ngram_min": "ngram_min", "max_batch": "speculative_max_batch",
+                     "verify_cost": "speculative_verify_cost"}
 
 
 @dataclass

@@ -113,6 +113,9 @@ class LLMEngine:
         spec = config.speculative
         draft = self._load_draft(spec.draft_model) if spec.speculative_method == "draft" else None
         self.proposer = build_proposer(spec, self.runner, self.kv_cache, draft) if spec.speculative_method else None
+        self.verify_cost = spec.speculative_verify_cost
+        if self.verify_cost is None:
+            self.verify_cost = self.runner.verify_row_cost() if self.proposer is not None else 0.0
         self._groups: dict[str, _Group] = {}
         return_freed_heap()
         self._num_failed_steps = 0
@@ -333,7 +336,7 @@ class LLMEngine:
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - request.num_output_tokens - 1)
             limit = min(self.config.speculative.num_speculative_tokens, room)
-            k = num_tokens_to_propose(request.acceptance, limit, self.proposer.draft_cost)
+            k = num_tokens_to_propose(request.acceptance, limit, self.proposer.draft_cost, self.verify_cost)
             if k > 0 and self.kv_cache.allocate_slots(request.request_id, request.num_tokens + k):
                 requests.append(request)
                 num_tokens.append(k)

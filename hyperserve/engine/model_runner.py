@@ -136,6 +136,26 @@ class ModelRunner:
             self.forward([SeqChunk([0], 0, [0], num_logits=1)] * batch)
         logger.info("decode step compiled in %.1f s", time.perf_counter() - started)
 
+    @torch.inference_mode()
+    def verify_row_cost(self, rows: int = 5, repeats: int = 5) -> float:
+        """What one more token in a sequence's step costs, relative to a one-token step, timed here:
+        on a CPU whose matrix kernels do integer work per row it is about 0.6, on a GPU or a
+        bandwidth-bound CPU far less, and speculation pays only below the acceptance it implies.
+        The timed steps write block 0 of the still-empty pool, as the compile warm-up does."""
+        def fastest(num_tokens: int) -> float:
+            chunk = SeqChunk([0] * num_tokens, 0, [0] * -(-num_tokens // self.block_size), num_tokens)
+            times = []
+            for _ in range(repeats + 1):  # the first is a warm-up
+                started = time.perf_counter()
+                self.forward([chunk])
+                times.append(time.perf_counter() - started)
+            return min(times[1:])
+
+        one = fastest(1)
+        cost = max(0.0, (fastest(rows) - one) / (rows - 1) / one)
+        logger.info("speculative decoding: one more token costs a step %.2f of a one-token step", cost)
+        return cost
+
     def allocate_kv_caches(self, hf_config, window_layers: list[bool] | None = None) -> list[KVCache]:
         """One KVCache per layer of a model of this config: its pool's blocks and one more, which
         padding rows of CUDA graph batches write into (and dropped window entries point at)."""

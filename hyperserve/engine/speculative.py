@@ -33,10 +33,6 @@ if TYPE_CHECKING:
     from hyperserve.layers.attention import KVCache
     from hyperserve.models.llama import LlamaForCausalLM
 
-# Cost of verifying one more token, relative to a one-token decode step: a lower estimate (on the
-# 2-core CPU with SmolLM2 a 6-token step costs 1.5-1.7 one-token steps). It keeps k modest when
-# acceptance is middling.
-VERIFY_COST = 0.1
 PROBE_EVERY = 16  # a request that stopped speculating proposes one token this often, to re-measure
 
 
@@ -46,15 +42,16 @@ class Proposal:
     probs: torch.Tensor | None  # [k, V] the draft's distributions; None: deterministic proposals
 
 
-def num_tokens_to_propose(acceptance: Acceptance, max_tokens: int, draft_cost: float) -> int:
+def num_tokens_to_propose(acceptance: Acceptance, max_tokens: int, draft_cost: float, verify_cost: float) -> int:
     """The k that maximises expected tokens per unit of cost: with per-token acceptance a, a step
-    emits (1 - a^(k+1)) / (1 - a) tokens and costs 1 + k * (draft_cost + VERIFY_COST)."""
+    emits (1 - a^(k+1)) / (1 - a) tokens and costs 1 + k * (draft_cost + verify_cost), where
+    verify_cost is what one more token costs a step (ModelRunner.verify_row_cost, measured)."""
     if max_tokens < 1:
         return 0
     a = acceptance.rate
     best_k, best = 0, 1.0
     for k in range(1, max_tokens + 1):
-        value = (1 - a ** (k + 1)) / (1 - a) / (1 + k * (draft_cost + VERIFY_COST))
+        value = (1 - a ** (k + 1)) / (1 - a) / (1 + k * (draft_cost + verify_cost))
         if value > best:
             best_k, best = k, value
     if best_k == 0 and acceptance.steps_without >= PROBE_EVERY:

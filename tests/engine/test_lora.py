@@ -106,7 +106,7 @@ def test_speculative_decoding_verifies_each_request_under_its_adapter(llm, base,
     prompts = [list(range(10, 30)) * 2] * 3  # repetitive: the n-gram proposer finds drafts
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=loras)]
-    speculative = LLM(model=base, **ENGINE, speculative={"method": "ngram", "num_tokens": 3})
+    speculative = LLM(model=base, **ENGINE, speculative={"method": "ngram", "num_tokens": 3, "verify_cost": 0.1})
     outputs = speculative.generate(prompts, params, use_tqdm=False, lora_request=loras)
     assert [o.outputs[0].token_ids for o in outputs] == plain
     assert speculative.engine.scheduler.spec_stats.num_draft_tokens > 0

@@ -49,8 +49,8 @@ def test_greedy_output_is_identical_with_speculation(speculative, plain_llm, gro
         SamplingParams(temperature=0, max_tokens=40, stop=["\n"]),
     ]
     expected = plain_llm.generate(grounded_prompts, params, use_tqdm=False)
-    llm = LLM(num_kv_blocks=NUM_BLOCKS, max_model_len=1024, speculative={**speculative, "max_batch": 8},
-              **FLOAT32)
+    llm = LLM(num_kv_blocks=NUM_BLOCKS, max_model_len=1024,
+              speculative={**speculative, "max_batch": 8, "verify_cost": 0.1}, **FLOAT32)
     outputs = llm.generate(grounded_prompts, params, use_tqdm=False)
     for out, ref in zip(outputs, expected):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
@@ -115,7 +115,7 @@ def tiny_target(save_hf_model, tmp_path_factory):
 def _speculative_llm(path: str, speculative: dict, device: str = "cpu") -> LLM:
     return LLM(model=path, num_kv_blocks=2048, block_size=4, max_model_len=64, max_num_seqs=512, device=device,
                dtype="float32", max_num_batched_tokens=4096,
-               speculative={"num_tokens": 3, "max_batch": 10**6, **speculative})
+               speculative={"num_tokens": 3, "max_batch": 10**6, "verify_cost": 0.1, **speculative})
 
 
 LENGTH, SAMPLES = 3, 3000
@@ -187,3 +187,18 @@ def test_ngram_proposes_the_continuation_of_the_latest_match():
 def test_greedy_verification_stops_at_the_first_mismatch():
     assert rejection_sampler.verify_greedy([4, 5, 6, 7], [4, 5, 6]) == [4, 5, 6, 7]  # all accepted + bonus
     assert rejection_sampler.verify_greedy([4, 8, 6, 7], [4, 5, 6]) == [4, 8]  # second replaced
+
+
+def test_drafts_follow_acceptance_and_what_one_more_token_costs_here(tiny_target):
+    from hyperserve.engine.request import Acceptance
+    from hyperserve.engine.speculative import num_tokens_to_propose
+
+    sure, unsure = Acceptance(accepted=9.5, trials=10), Acceptance(accepted=4.4, trials=10)
+    assert num_tokens_to_propose(sure, 8, 0.0, 0.1) == 8  # cheap verification: draft all that is allowed
+    assert 1 < num_tokens_to_propose(sure, 8, 0.0, 0.5) < 8  # a fused CPU kernel's cost: fewer
+    assert num_tokens_to_propose(unsure, 8, 0.0, 0.5) == 0  # 0.44 acceptance does not pay for it
+    unsure.steps_without = 16
+    assert num_tokens_to_propose(unsure, 8, 0.0, 0.5) == 1  # but is measured again now and then
+    _, path, _ = tiny_target
+    llm = _speculative_llm(path, {"method": "ngram", "verify_cost": None})
+    assert 0 <= llm.engine.verify_cost < 10  # timed on this machine at start
