@@ -140,3 +140,23 @@ def test_sliding_window_layers_hold_only_their_window(name, save_hf_model):
                 assert kv.groups[0].padding_block not in kv.block_table("a")
     assert most_held <= -(-(8 + 7) // 4) + 1  # a window and a step's tokens: not the 100-token context
     assert all(group.pool.num_free_blocks == group.pool.num_blocks for group in kv.groups)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_a_prefix_cached_under_a_window_answers_as_computed_afresh(name, save_hf_model):
+    """A prefix hit past the window reuses only what the next token can see (the rest of the
+    windowed group's blocks were released): the answers equal an engine without prefix caching."""
+    _, path = save_hf_model(tiny_config(name, **ARCHS[name]))
+    engine = dict(model=path, num_kv_blocks=64, block_size=4, max_model_len=128, dtype="float32",
+                  max_num_batched_tokens=7)
+    prompt = list(range(3, 43))
+    prompts = [prompt, prompt, prompt[:30] + [7, 8, 9, 10, 11]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    cached_llm, fresh = LLM(**engine), LLM(**engine, enable_prefix_caching=False)
+    cached = [cached_llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    assert [c.metrics.num_cached_tokens for c in cached] == [0, 36, 28]
+    for out, p in zip(cached, prompts):
+        ref = fresh.generate([p], params, use_tqdm=False)[0].outputs[0]
+        assert out.outputs[0].token_ids == ref.token_ids
+        assert [e[t].logprob for t, e in zip(ref.token_ids, ref.logprobs)] == pytest.approx(
+            [e[t].logprob for t, e in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)], abs=1e-5)
