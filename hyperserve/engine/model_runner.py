@@ -6,8 +6,8 @@ with speculation also the rows of its draft tokens, which are verified against t
 
 For int4 models on the CPU, steps of up to QUANTIZED_MAX_ROWS tokens run the fused native
 decoder layers (layers/fused_decode.py): one call per layer, every token a row with its own slot,
-block table and context length; steps with LoRA rows run the PyTorch layers, whose projections
-add each row's adapter delta (layers/lora.py). Otherwise, with `compile`, steps that only decode
+block table, context length and LoRA adapter (the PyTorch layers' projections add each row's
+adapter delta too: layers/lora.py). Otherwise, with `compile`, steps that only decode
 (one new token per sequence, the common step of continuous batching) run a torch.compile'd forward: elementwise
 ops fuse and most per-op Python goes away, which at one token per step is as much time as the
 matmuls. Its decodes attend as one group over block tables at least two blocks wide, so only two
@@ -16,8 +16,10 @@ graphs exist (one sequence; any batch), both compiled at start.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -254,15 +256,22 @@ class ModelRunner:
                 if tensor is not None:
                     torch._dynamo.maybe_mark_dynamic(tensor, dims)
             return self._compiled_decode(batch.input_ids, batch.positions, batch.attn)
-        if with_lora:
-            self.lora.set_rows([c.lora for c in chunks for _ in c.token_ids])
-        try:
+        with self._adapters(chunks, with_lora):
             hidden = model(batch.input_ids, batch.positions, self.kv_caches if kv_caches is None else kv_caches,
                            batch.attn)
-        finally:
-            if with_lora:
-                self.lora.clear()
         return model.compute_logits(hidden[batch.logit_rows])
+
+    @contextlib.contextmanager
+    def _adapters(self, chunks: list[SeqChunk], with_lora: bool) -> Iterator[None]:
+        """Each row's adapter set for one forward pass (nothing without LoRA rows)."""
+        if not with_lora:
+            yield
+            return
+        self.lora.set_rows([c.lora for c in chunks for _ in c.token_ids])
+        try:
+            yield
+        finally:
+            self.lora.clear()
 
     def _fused_forward(self, chunks: list[SeqChunk], with_lora: bool) -> torch.Tensor:
         """Logits of a small step through the fused layers: one row per token, each with its slot,
@@ -280,15 +289,10 @@ class ModelRunner:
             logit_rows.extend(range(row + len(chunk.token_ids) - chunk.num_logits, row + len(chunk.token_ids)))
         width = max(len(t) for t in tables)
         long = lambda values: torch.tensor(values, dtype=torch.long)
-        if with_lora:
-            self.lora.set_rows([c.lora for c in chunks for _ in c.token_ids])
-        try:
+        with self._adapters(chunks, with_lora):
             hidden = self.fused_decode(long(input_ids), long(positions), long(slots),
                                        long([t + [0] * (width - len(t)) for t in tables]), long(lengths),
                                        self.kv_caches, self.lora.batch if with_lora else None)
-        finally:
-            if with_lora:
-                self.lora.clear()
         return self.model.compute_logits(hidden[logit_rows])
 
     def _prepare(self, chunks: list[SeqChunk], sliding_window: int | None, ragged_decode: bool,

@@ -168,10 +168,13 @@ class ModelPool:
 
     def _shortage(self, model: ServedModel) -> str | None:
         """Why `model` does not fit beside the loaded (and loading) models now; None: it does."""
-        held = self._held()
-        if self.max_loaded_models is not None and len(held) >= self.max_loaded_models:
+        if self.max_loaded_models is not None and len(self._held()) >= self.max_loaded_models:
             return f"{self.max_loaded_models} models are loaded (max_loaded_models)"
-        budget, in_use = self.memory_budget_bytes, sum(m.memory_bytes for m in held)
+        return self._memory_shortage(model)
+
+    def _memory_shortage(self, model: ServedModel) -> str | None:
+        """Why `model` does not fit in the memory budget beside the models held now; None: it does."""
+        budget, in_use = self.memory_budget_bytes, sum(m.memory_bytes for m in self._held())
         if budget is not None and in_use + model.memory_bytes > budget:
             return (f"it needs {model.memory_bytes / 2**30:.2f} GiB and {in_use / 2**30:.2f} GiB of the "
                     f"{budget / 2**30:.2f} GiB memory budget are held")
@@ -194,12 +197,9 @@ class ModelPool:
 
     async def start(self) -> None:
         """Load the pinned models; then unload idle on-demand models as they time out."""
-        budget = self.memory_budget_bytes
         for model in self.pinned:
-            held = sum(m.memory_bytes for m in self._held())
-            if budget is not None and held + model.memory_bytes > budget:
-                model.load_error = (f"it needs {model.memory_bytes / 2**30:.2f} GiB and the models before it hold "
-                                    f"{held / 2**30:.2f} GiB of the {budget / 2**30:.2f} GiB memory budget")
+            if (shortage := self._memory_shortage(model)) is not None:
+                model.load_error = shortage
                 continue
             with contextlib.suppress(Exception):  # recorded in load_error; the caller checks
                 await model.load()
