@@ -63,7 +63,7 @@ def _register_fakes() -> None:
     """Shapes for torch.compile, which traces the ops without running them."""
 
     @torch.library.register_fake("hyperserve::quantized_linear")
-    def _(x, weight, format, portable=False):
+    def _(x, weight, format, isa=""):
         return x.new_empty((x.shape[0], weight.shape[0]))
 
     @torch.library.register_fake("hyperserve::dequantize")
@@ -77,6 +77,6 @@ def _register_fakes() -> None:
 
 
 def isa() -> str:
-    """The instruction set the kernels picked for this CPU: avx2 or portable."""
+    """The instruction set the kernels picked for this CPU: avx512_vnni, avx2 or portable."""
     return torch.ops.hyperserve.isa() if available() else "none"
 

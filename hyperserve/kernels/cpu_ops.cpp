@@ -12,8 +12,9 @@
 // 16 bits rather than llama.cpp's 8: with 8-bit activations SmolLM2's decode perplexity rose
 // 1.8-3.1% over float32 (outlier channels take a group's whole range); with 16 it is within float
 // rounding of exact, for 1.3x the instructions. On AVX2 a group costs two _mm256_madd_epi16 per
-// row. The instruction set is picked at run time (`isa()`): one build serves AVX2 and AVX-512
-// machines alike; `portable=True` forces the plain C++ loops (tests, other CPUs).
+// row; with AVX-512 VNNI two _mm512_dpwssd_epi32 cover a pair of groups. The instruction set is
+// picked at run time (`isa()`): one build serves AVX2 and AVX-512 machines alike; quantized_linear's
+// `isa` argument forces a lesser one (tests), "portable" the plain C++ loops.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -22,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -36,7 +38,11 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kMaxGroups = 256;  // in_features up to 8192
 constexpr int64_t kRowTile = 8;      // input rows that share one unpacked weight group
-constexpr int64_t kPrefetchRows = 4;   // channels fetched ahead of use
+constexpr int64_t kPrefetchRows = 16;   // channels fetched ahead of use
+
+// The instruction sets the kernels are written for. kAvx512 (AVX-512 F/BW/VL with VNNI) only
+// changes the quantized matrix kernel; everything else runs its AVX2 code there too.
+enum class Isa { kPortable, kAvx2, kAvx512 };
 
 #ifdef HYPERSERVE_X86
 bool cpu_has_avx2() {
@@ -44,9 +50,37 @@ bool cpu_has_avx2() {
       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return has;
 }
+
+bool cpu_has_avx512() {  // HYPERSERVE_MAX_ISA=avx2 hides it, as it does from the Python side
+  static const bool has = [] {
+    const char* cap = std::getenv("HYPERSERVE_MAX_ISA");
+    return !(cap && std::string(cap) == "avx2") && cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni");
+  }();
+  return has;
+}
 #else
 bool cpu_has_avx2() { return false; }
+bool cpu_has_avx512() { return false; }
 #endif
+
+Isa best_isa() { return cpu_has_avx512() ? Isa::kAvx512 : cpu_has_avx2() ? Isa::kAvx2 : Isa::kPortable; }
+
+const char* isa_name(Isa isa) {
+  return isa == Isa::kAvx512 ? "avx512_vnni" : isa == Isa::kAvx2 ? "avx2" : "portable";
+}
+
+// "" for the best this CPU has; a named one only where the CPU has it.
+Isa parse_isa(const std::string& name) {
+  if (name.empty()) return best_isa();
+  for (const Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512}) {
+    if (name != isa_name(isa)) continue;
+    TORCH_CHECK(isa <= best_isa(), "quantized kernels: this CPU cannot run ", name);
+    return isa;
+  }
+  TORCH_CHECK(false, "quantized kernels: isa must be portable, avx2 or avx512_vnni, got ", name);
+}
 
 // ---- quantized matrix times a few rows ----
 
@@ -95,25 +129,77 @@ struct QuantizedRows {  // the input, 16 bits per group of 32
   std::vector<float> sums;     // [M, K / 32], exact float sums of each group
 };
 
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in_features) {
-  const int64_t groups = in_features / kGroup;
+// One group of 32 inputs: its scale, its sum, and its codes 0..15 at `first`, 16..31 at `second`.
+// Division rather than a multiply by 1 / scale, whose rounding would break exact ties (frequent
+// with bfloat16 inputs) towards zero.
+void quantize_group(const float* src, int16_t* first, int16_t* second, float& scale, float& sum) {
+  float amax = 0.f;
+  sum = 0.f;
+  for (int64_t j = 0; j < kGroup; ++j) {
+    amax = std::max(amax, std::fabs(src[j]));
+    sum += src[j];
+  }
+  scale = amax / 32767.f;
+  for (int64_t j = 0; j < kGroup; ++j) {
+    (j < kGroup / 2 ? first : second - kGroup / 2)[j] =
+        scale > 0.f ? static_cast<int16_t>(std::nearbyint(src[j] / scale)) : 0;
+  }
+}
+
+#ifdef HYPERSERVE_X86
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// quantize_group in four vectors (the sum in another order: equal within float rounding).
+AVX2 void quantize_group_avx2(const float* src, int16_t* first, int16_t* second, float& scale, float& sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int k = 0; k < 4; ++k) {
+    v[k] = _mm256_loadu_ps(src + 8 * k);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  sum = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+  scale = _mm_cvtss_f32(m) / 32767.f;
+  const __m256 divisor = _mm256_set1_ps(scale);
+  for (int k = 0; k < 4; k += 2) {  // rounds to nearest, ties to even, as nearbyint does
+    const __m256i a = scale > 0.f ? _mm256_cvtps_epi32(_mm256_div_ps(v[k], divisor)) : _mm256_setzero_si256();
+    const __m256i b = scale > 0.f ? _mm256_cvtps_epi32(_mm256_div_ps(v[k + 1], divisor)) : _mm256_setzero_si256();
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(k == 0 ? first : second),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+  }
+}
+#endif
+
+// The rows [rows, in_features] quantized group by group. `paired`: each pair of groups (g, g + 1)
+// laid out as g's codes 0..15, g + 1's 0..15, g's 16..31, g + 1's 16..31, to match how the AVX-512
+// kernel widens two groups of Q4_1 codes at once (in_features must then hold an even number).
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in_features, bool avx2, bool paired) {
+  const int64_t groups = in_features / kGroup, half = kGroup / 2;
   QuantizedRows q{std::vector<int16_t>(rows * in_features), std::vector<float>(rows * groups),
                   std::vector<float>(rows * groups)};
   for (int64_t g = 0; g < rows * groups; ++g) {
-    const float* src = x + g * kGroup;
-    float amax = 0.f, sum = 0.f;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      amax = std::max(amax, std::fabs(src[j]));
-      sum += src[j];
+    int16_t* first = q.codes.data() + g * kGroup;
+    int16_t* second = first + half;
+    if (paired) {  // groups (g, g + 1) share 64 codes; g % 2 says which half of each 32 is g's
+      first = q.codes.data() + (g - g % 2) * kGroup + (g % 2) * half;
+      second = first + kGroup;
     }
-    // Division rather than a multiply by 1 / scale, whose rounding would break exact ties
-    // (frequent with bfloat16 inputs) towards zero.
-    const float scale = amax / 32767.f;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      q.codes[g * kGroup + j] = scale > 0.f ? static_cast<int16_t>(std::nearbyint(src[j] / scale)) : 0;
+#ifdef HYPERSERVE_X86
+    if (avx2) {
+      quantize_group_avx2(x + g * kGroup, first, second, q.scales[g], q.sums[g]);
+      continue;
     }
-    q.scales[g] = scale;
-    q.sums[g] = sum;
+#endif
+    quantize_group(x + g * kGroup, first, second, q.scales[g], q.sums[g]);
   }
   return q;
 }
@@ -150,15 +236,6 @@ void scales_portable(const QuantizedWeight& w, int64_t n, const QuantizedRows& x
 }
 
 #ifdef HYPERSERVE_X86
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-
-AVX2 inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 AVX2 inline __m256 load8_half(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -247,24 +324,120 @@ RowsKernel rows_avx2_for(int64_t R, int64_t C) {  // C > 1 only as channel_tile 
       rows_avx2<F, 5, 1>, rows_avx2<F, 6, 1>, rows_avx2<F, 7, 1>, rows_avx2<F, 8, 1>};
   return kernels[R - 1];
 }
+
+// ---- the same on AVX-512 with VNNI: a group of 32 in one 512-bit register ----
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+// C channels from n against R input rows from row0, as rows_avx2 but with the scales (d * dx, and
+// Q4_1's minimum term m * s) taken 16 groups at a time in the kernel itself. Q4_1 takes groups in
+// pairs: 32 code bytes widen to [g's low nibbles, g+1's low nibbles] and [g's high nibbles, g+1's
+// high nibbles], and the input rows are laid out to match (`paired`), so two _mm512_dpwssd_epi32
+// leave g's sum in lanes 0-7 and g+1's in lanes 8-15, scaled by one multiply-add: half the
+// instructions per weight of the AVX2 kernel. Q8_0's group of 32 signed codes widens to one
+// register as it is.
+template <Format F, int R, int C>
+AVX512 void rows_avx512(const QuantizedWeight& w, int64_t n, const QuantizedRows& x, int64_t row0, float* out,
+                        int64_t out_stride) {
+  const uint8_t* codes = w.codes(n);
+  const int64_t groups = w.groups, row_bytes = w.row_bytes;
+  const int16_t* xq = x.codes.data() + row0 * w.in_features;
+  const float* dx = x.scales.data() + row0 * groups;
+  const float* sx = x.sums.data() + row0 * groups;
+  const __m512i mask = _mm512_set1_epi16(0x0F);
+  __m512 acc[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const int64_t count = std::min<int64_t>(16, groups - g0);
+    const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+    __m512 scales[C][R];  // d * dx of these 16 groups, spread to each group's lanes by a permute
+    for (int c = 0; c < C; ++c) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, w.scales(n + c) + g0));
+      for (int r = 0; r < R; ++r) {
+        scales[c][r] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(valid, dx + r * groups + g0));
+      }
+      if constexpr (F == Format::kQ4_1) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, w.mins(n + c) + g0));
+        for (int r = 0; r < R; ++r) {
+          acc[c][r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(valid, sx + r * groups + g0), acc[c][r]);
+        }
+      }
+    }
+    if constexpr (F == Format::kQ4_1) {
+      for (int pair = 0; pair < count; pair += 2) {  // lanes 0-7: group g0 + pair, lanes 8-15: the next
+        const __m512i spread = _mm512_set_epi32(pair + 1, pair + 1, pair + 1, pair + 1, pair + 1, pair + 1, pair + 1,
+                                                pair + 1, pair, pair, pair, pair, pair, pair, pair, pair);
+        const int64_t g = g0 + pair;
+        for (int c = 0; c < C; ++c) {
+          const __m512i bytes = _mm512_cvtepu8_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c * row_bytes + g * kGroup / 2)));
+          const __m512i low = _mm512_and_si512(bytes, mask), high = _mm512_srli_epi16(bytes, 4);
+          for (int r = 0; r < R; ++r) {
+            const int16_t* pairx = xq + r * groups * kGroup + g * kGroup;
+            const __m512i dot = _mm512_dpwssd_epi32(
+                _mm512_dpwssd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(pairx)), high,
+                _mm512_loadu_si512(pairx + kGroup));
+            acc[c][r] =
+                _mm512_fmadd_ps(_mm512_permutexvar_ps(spread, scales[c][r]), _mm512_cvtepi32_ps(dot), acc[c][r]);
+          }
+        }
+      }
+    } else {
+      for (int i = 0; i < count; ++i) {
+        const __m512i spread = _mm512_set1_epi32(i);
+        const int64_t g = g0 + i;
+        for (int c = 0; c < C; ++c) {
+          const __m512i group = _mm512_cvtepi8_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c * row_bytes + g * kGroup)));
+          for (int r = 0; r < R; ++r) {
+            const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), group,
+                                                    _mm512_loadu_si512(xq + r * groups * kGroup + g * kGroup));
+            acc[c][r] =
+                _mm512_fmadd_ps(_mm512_permutexvar_ps(spread, scales[c][r]), _mm512_cvtepi32_ps(dot), acc[c][r]);
+          }
+        }
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) out[r * out_stride + c] = _mm512_reduce_add_ps(acc[c][r]);
+}
+
+using Avx512Kernel = decltype(&rows_avx512<Format::kQ4_1, 1, 1>);
+
+template <Format F>
+Avx512Kernel rows_avx512_for(int64_t R, int64_t C) {
+  TORCH_CHECK(C == 1 || C * R == 4, "quantized kernel: no tile of ", C, " channels by ", R, " rows");
+  if (C == 4) return rows_avx512<F, 1, 4>;
+  if (C == 2) return rows_avx512<F, 2, 2>;
+  static constexpr Avx512Kernel kernels[kRowTile] = {
+      rows_avx512<F, 1, 1>, rows_avx512<F, 2, 1>, rows_avx512<F, 3, 1>, rows_avx512<F, 4, 1>,
+      rows_avx512<F, 5, 1>, rows_avx512<F, 6, 1>, rows_avx512<F, 7, 1>, rows_avx512<F, 8, 1>};
+  return kernels[R - 1];
+}
 #endif
 
 // Channels per kernel call for a batch of `rows`: enough independent sums to keep the CPU busy.
-int64_t channel_tile(int64_t rows, bool avx2) { return !avx2 || rows > 2 ? 1 : 4 / rows; }
+int64_t channel_tile(int64_t rows, Isa isa) { return isa == Isa::kPortable || rows > 2 ? 1 : 4 / rows; }
 
 // C channels from n against every input row, `kRowTile` rows at a time.
 void channels(const QuantizedWeight& w, int64_t n, int64_t C, const QuantizedRows& x, int64_t rows, float* out,
-              int64_t out_stride, bool avx2) {
+              int64_t out_stride, Isa isa) {
   float ds[kRowTile * kMaxGroups], tail[kRowTile];  // C * R <= kRowTile
   for (int64_t row0 = 0; row0 < rows; row0 += kRowTile) {
     const int64_t R = std::min(kRowTile, rows - row0);
     float* dst = out + row0 * out_stride;
 #ifdef HYPERSERVE_X86
-    if (avx2) {
+    const bool q41 = w.format == Format::kQ4_1;
+    if (isa == Isa::kAvx512) {
+      (q41 ? rows_avx512_for<Format::kQ4_1>(R, C) : rows_avx512_for<Format::kQ8_0>(R, C))(w, n, x, row0, dst,
+                                                                                          out_stride);
+      continue;
+    }
+    if (isa == Isa::kAvx2) {
       for (int64_t c = 0; c < C; ++c) scales_avx2(w, n + c, x, row0, R, ds + c * R * w.groups, tail + c * R);
-      const RowsKernel kernel =
-          w.format == Format::kQ4_1 ? rows_avx2_for<Format::kQ4_1>(R, C) : rows_avx2_for<Format::kQ8_0>(R, C);
-      kernel(w, n, ds, tail, x, row0, dst, out_stride);
+      (q41 ? rows_avx2_for<Format::kQ4_1>(R, C) : rows_avx2_for<Format::kQ8_0>(R, C))(w, n, ds, tail, x, row0, dst,
+                                                                                    out_stride);
       continue;
     }
 #endif
@@ -283,27 +456,29 @@ inline void prefetch_rows(const QuantizedWeight& w, int64_t n, int64_t count, in
 }
 
 // out [rows, out_features] = x W^T for float32 x [rows, in_features].
-void quantized_matmul(const QuantizedWeight& w, const float* x, int64_t rows, float* out, bool avx2) {
-  const QuantizedRows q = quantize_rows(x, rows, w.in_features);
-  const int64_t tile = channel_tile(rows, avx2);
+void quantized_matmul(const QuantizedWeight& w, const float* x, int64_t rows, float* out, Isa isa) {
+  if (isa == Isa::kAvx512 && w.format == Format::kQ4_1 && w.groups % 2 == 1) isa = Isa::kAvx2;  // pairs of groups
+  const QuantizedRows q =
+      quantize_rows(x, rows, w.in_features, isa != Isa::kPortable, isa == Isa::kAvx512 && w.format == Format::kQ4_1);
+  const int64_t tile = channel_tile(rows, isa);
   // Enough channels per task that each thread streams a long stretch of weights.
   at::parallel_for(0, w.out_features, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end;) {
       const int64_t C = end - n >= tile ? tile : 1;
       prefetch_rows(w, n + kPrefetchRows, C, end);
-      channels(w, n, C, q, rows, out + n, w.out_features, avx2);
+      channels(w, n, C, q, rows, out + n, w.out_features, isa);
       n += C;
     }
   });
 }
 
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, const std::string& format,
-                            bool portable) {
+                            const std::string& isa) {
   TORCH_CHECK(x.dim() == 2, "quantized_linear: x must be [rows, in_features]");
   const QuantizedWeight w = quantized_weight(weight, x.size(1), parse_format(format));
   const at::Tensor input = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({x.size(0), w.out_features}, x.options().dtype(at::kFloat));
-  quantized_matmul(w, input.data_ptr<float>(), x.size(0), out.data_ptr<float>(), !portable && cpu_has_avx2());
+  quantized_matmul(w, input.data_ptr<float>(), x.size(0), out.data_ptr<float>(), parse_isa(isa));
   return out.to(x.scalar_type());
 }
 
@@ -363,6 +538,25 @@ AVX2 inline __m256 load8(const at::BFloat16* p) {  // bfloat16 is float32's uppe
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
+// Cephes' expf: e^x = 2^n e^r with |r| <= ln 2 / 2 and e^r a degree-6 polynomial, within ~2 ulp of
+// std::exp; e^x below float's smallest normal gives 0.
+AVX2 inline __m256 exp_avx2(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.33f), one = _mm256_set1_ps(1.f);
+  const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.f)), lowest);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f}) {
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  }
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, one));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
+}
+
 template <typename T>
 AVX2 float dot_avx2(const float* q, const T* k, int64_t n) {  // n: a multiple of 8
   __m256 acc = _mm256_setzero_ps();
@@ -377,17 +571,64 @@ AVX2 void axpy_avx2(float a, const T* v, float* out, int64_t n) {
     _mm256_storeu_ps(out + j, _mm256_fmadd_ps(scale, load8(v + j), _mm256_loadu_ps(out + j)));
   }
 }
+
+// exp_shifted and silu_mul eight at a time, from i up to the last multiple of 8 (i is left there).
+AVX2 float exp_shifted_avx2(float* x, int64_t n, float shift, int64_t& i) {
+  __m256 total = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(shift)));
+    _mm256_storeu_ps(x + i, e);
+    total = _mm256_add_ps(total, e);
+  }
+  return hsum(total);
+}
+
+AVX2 void silu_mul_avx2(const float* gate, const float* up, float* out, int64_t n, int64_t& j) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + j);
+    const __m256 sigmoid = _mm256_div_ps(one, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + j)));
+  }
+}
 #endif
 
 struct PagedKV {  // one layer's cache, [slots, kv_heads, head_dim], and one sequence's block table
   int64_t block_size, num_kv_heads, head_dim;
   const int64_t* block_table;
 
-  int64_t offset(int64_t t, int64_t kv_head) const {
-    const int64_t slot = block_table[t / block_size] * block_size + t % block_size;
-    return (slot * num_kv_heads + kv_head) * head_dim;
+  // fn(t, offset of token t's vector) for t in 0..length-1, a block at a time: no division per
+  // token, whose latency once made up most of the attention's time.
+  template <typename Fn>
+  void for_each_token(int64_t length, int64_t kv_head, Fn fn) const {
+    const int64_t stride = num_kv_heads * head_dim;
+    for (int64_t b = 0, start = 0; start < length; ++b, start += block_size) {
+      int64_t offset = block_table[b] * block_size * stride + kv_head * head_dim;
+      const int64_t end = std::min(start + block_size, length);
+      for (int64_t t = start; t < end; ++t, offset += stride) fn(t, offset);
+    }
   }
 };
+
+// x[i] = exp(x[i] - shift) for i < n; returns their sum.
+float exp_shifted(float* x, int64_t n, float shift, bool avx2) {
+  float total = 0.f;
+  int64_t i = 0;
+#ifdef HYPERSERVE_X86
+  if (avx2) total = exp_shifted_avx2(x, n, shift, i);
+#endif
+  for (; i < n; ++i) total += x[i] = std::exp(x[i] - shift);
+  return total;
+}
+
+// out[j] = silu(gate[j]) * up[j] for j < n.
+void silu_mul(const float* gate, const float* up, float* out, int64_t n, bool avx2) {
+  int64_t j = 0;
+#ifdef HYPERSERVE_X86
+  if (avx2) silu_mul_avx2(gate, up, out, n, j);
+#endif
+  for (; j < n; ++j) out[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];
+}
 
 // q [D] (rotated, scaled) of one head against positions 0..length-1 -> out [D]: scores, softmax,
 // weighted sum of values. `scores` has room for `length` floats.
@@ -395,32 +636,22 @@ template <typename T>
 void attend(const float* q, const T* keys, const T* values, const PagedKV& kv, int64_t length, int64_t kv_head,
             float* scores, float* out, bool avx2) {
   const int64_t d = kv.head_dim;
-  float best = -INFINITY;
-  for (int64_t t = 0; t < length; ++t) {
-    const T* k = keys + kv.offset(t, kv_head);
 #ifdef HYPERSERVE_X86
-    scores[t] = avx2 ? dot_avx2(q, k, d) : dot_portable(q, k, d);
-#else
-    scores[t] = dot_portable(q, k, d);
+  if (avx2) {
+    kv.for_each_token(length, kv_head, [&](int64_t t, int64_t offset) { scores[t] = dot_avx2(q, keys + offset, d); });
+  } else
 #endif
-    best = std::max(best, scores[t]);
-  }
-  float total = 0.f;
-  for (int64_t t = 0; t < length; ++t) {
-    scores[t] = std::exp(scores[t] - best);
-    total += scores[t];
-  }
+    kv.for_each_token(length, kv_head, [&](int64_t t, int64_t offset) { scores[t] = dot_portable(q, keys + offset, d); });
+  const float best = *std::max_element(scores, scores + length);
+  const float total = exp_shifted(scores, length, best, avx2);
   std::fill(out, out + d, 0.f);
-  for (int64_t t = 0; t < length; ++t) {
-    const T* v = values + kv.offset(t, kv_head);
 #ifdef HYPERSERVE_X86
-    if (avx2) {
-      axpy_avx2(scores[t] / total, v, out, d);
-      continue;
-    }
-#endif
-    axpy_portable(scores[t] / total, v, out, d);
+  if (avx2) {
+    kv.for_each_token(length, kv_head, [&](int64_t t, int64_t offset) { axpy_avx2(scores[t] / total, values + offset, out, d); });
+    return;
   }
+#endif
+  kv.for_each_token(length, kv_head, [&](int64_t t, int64_t offset) { axpy_portable(scores[t] / total, values + offset, out, d); });
 }
 
 // x [heads, D] rotated in place: x * cos + roll(x, D / 2) * signed_sin (signed_sin = [-s, s]).
@@ -715,14 +946,15 @@ void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& c
     }
   }
 
-  const bool avx2 = cpu_has_avx2();
+  const Isa isa = best_isa();
+  const bool avx2 = isa != Isa::kPortable;
   float* h = hidden.data_ptr<float>();
   std::vector<float> x(rows * std::max(dim, intermediate));
   std::vector<float> wide(rows * std::max(qkv_features, 2 * intermediate));
   std::vector<float> attended(rows * num_heads * head_dim), projected(rows * dim);
 
   rms_norm(h, weights[0].data_ptr<float>(), rows, dim, static_cast<float>(eps), x.data());
-  quantized_matmul(qkv, x.data(), rows, wide.data(), avx2);
+  quantized_matmul(qkv, x.data(), rows, wide.data(), isa);
   lora_add(lora_qkv, lora_dtype, row_adapter, x.data(), rows, dim, wide.data(), qkv_features, qkv_offsets, avx2);
   const auto attend_all = [&](auto* keys, auto* values) {
     decode_attention(wide.data(), rows, num_heads, num_kv_heads, head_dim, cos.data_ptr<float>(),
@@ -737,32 +969,30 @@ void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& c
     case at::kHalf: attend_all(key_cache.data_ptr<at::Half>(), value_cache.data_ptr<at::Half>()); break;
     default: TORCH_CHECK(false, "decode_layer: K/V caches must be float32, bfloat16 or float16");
   }
-  quantized_matmul(o, attended.data(), rows, projected.data(), avx2);
+  quantized_matmul(o, attended.data(), rows, projected.data(), isa);
   lora_add(lora_o, lora_dtype, row_adapter, attended.data(), rows, num_heads * head_dim, projected.data(), dim,
            {0, dim}, avx2);
   for (int64_t i = 0; i < rows * dim; ++i) h[i] += projected[i];
 
   rms_norm(h, weights[3].data_ptr<float>(), rows, dim, static_cast<float>(eps), x.data());
-  quantized_matmul(gate_up, x.data(), rows, wide.data(), avx2);
+  quantized_matmul(gate_up, x.data(), rows, wide.data(), isa);
   lora_add(lora_gate_up, lora_dtype, row_adapter, x.data(), rows, dim, wide.data(), 2 * intermediate,
            {0, intermediate, 2 * intermediate}, avx2);
-  for (int64_t r = 0; r < rows; ++r) {  // silu(gate) * up
+  for (int64_t r = 0; r < rows; ++r) {
     const float* gate = wide.data() + r * 2 * intermediate;
-    for (int64_t j = 0; j < intermediate; ++j) {
-      x[r * intermediate + j] = gate[j] / (1.f + std::exp(-gate[j])) * gate[j + intermediate];
-    }
+    silu_mul(gate, gate + intermediate, x.data() + r * intermediate, intermediate, avx2);
   }
-  quantized_matmul(down, x.data(), rows, projected.data(), avx2);
+  quantized_matmul(down, x.data(), rows, projected.data(), isa);
   lora_add(lora_down, lora_dtype, row_adapter, x.data(), rows, intermediate, projected.data(), dim, {0, dim}, avx2);
   for (int64_t i = 0; i < rows * dim; ++i) h[i] += projected[i];
 }
 
-std::string isa() { return cpu_has_avx2() ? "avx2" : "portable"; }
+std::string isa() { return isa_name(best_isa()); }
 
 }  // namespace
 
 TORCH_LIBRARY(hyperserve, m) {
-  m.def("quantized_linear(Tensor x, Tensor weight, str format, bool portable=False) -> Tensor");
+  m.def("quantized_linear(Tensor x, Tensor weight, str format, str isa=\"\") -> Tensor");
   m.def("dequantize(Tensor weight, int in_features, str format) -> Tensor");
   m.def("decode_layer(Tensor(a!) hidden, Tensor[] weights, Tensor cos, Tensor signed_sin, Tensor(b!) key_cache, "
         "Tensor(c!) value_cache, Tensor slots, Tensor block_tables, Tensor lengths, int block_size, int num_heads, "

@@ -25,19 +25,45 @@ def quantized(out_features: int, in_features: int, format: str = "q4_1", seed: i
     return pack_q41(codes, scale, low), weight
 
 
+ISAS = ["portable", "avx2", "avx512_vnni"]
+
+
+def isas_here() -> list[str]:
+    """The instruction sets this CPU can run, up to the one the kernels pick."""
+    return ISAS[: ISAS.index(kernels.isa()) + 1]
+
+
+def runnable(isa: str) -> None:
+    if isa not in isas_here():
+        pytest.skip(f"this CPU has no {isa}")
+
+
 @pytest.mark.parametrize("format", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("portable", [False, True])
-@pytest.mark.parametrize("in_features", [64, 352])  # 2 groups; 11 (eight at a time, then three)
+@pytest.mark.parametrize("isa", ISAS)
+# 2 groups (one pair); 11 (eight at a time, then three: an odd count AVX-512 leaves to AVX2); 36 (16 and 2 pairs)
+@pytest.mark.parametrize("in_features", [64, 352, 1152])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])  # row tiles of 8, and what is left over
-def test_quantized_linear_equals_the_dequantized_weight_within_16_bit_activations(rows, in_features, portable, format):
+def test_quantized_linear_equals_the_dequantized_weight_within_16_bit_activations(rows, in_features, isa, format):
+    runnable(isa)
     packed, weight = quantized(80, in_features, format)
     x = torch.randn(rows, in_features)
     expected = x @ weight.T
-    got = torch.ops.hyperserve.quantized_linear(x, packed, format, portable)
+    got = torch.ops.hyperserve.quantized_linear(x, packed, format, isa)
     assert got.shape == (rows, 80) and got.dtype == torch.float32
     assert (got - expected).norm() / expected.norm() < 1e-4
     wrong, _ = quantized(80, in_features, format, seed=1)
-    assert (torch.ops.hyperserve.quantized_linear(x, wrong, format, portable) - expected).norm() / expected.norm() > 0.3
+    assert (torch.ops.hyperserve.quantized_linear(x, wrong, format, isa) - expected).norm() / expected.norm() > 0.3
+
+
+@pytest.mark.parametrize("format", ["q4_1", "q8_0"])
+def test_every_instruction_set_gives_the_portable_kernels_numbers(format):
+    """Integer sums are exact, so the paths differ only in the order of their float additions."""
+    packed, _ = quantized(64, 576, format)
+    x = torch.randn(5, 576)
+    portable = torch.ops.hyperserve.quantized_linear(x, packed, format, "portable")
+    for isa in isas_here()[1:]:
+        torch.testing.assert_close(torch.ops.hyperserve.quantized_linear(x, packed, format, isa), portable,
+                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("format", ["q4_1", "q8_0"])
@@ -56,12 +82,14 @@ def test_q8_0_packing_is_exact_for_a_q8_0_weight_and_close_for_any():
 
 
 @pytest.mark.parametrize("format", ["q4_1", "q8_0"])
-def test_quantized_linear_rows_do_not_depend_on_their_batch(format):
+@pytest.mark.parametrize("isa", ISAS)
+def test_quantized_linear_rows_do_not_depend_on_their_batch(format, isa):
     """Each row is quantized and summed on its own, so batching never changes a sequence's numbers."""
+    runnable(isa)
     packed, _ = quantized(96, 128, format)
     x = torch.randn(11, 128)
-    together = torch.ops.hyperserve.quantized_linear(x, packed, format)
-    alone = torch.cat([torch.ops.hyperserve.quantized_linear(x[i : i + 1], packed, format) for i in range(11)])
+    together = torch.ops.hyperserve.quantized_linear(x, packed, format, isa)
+    alone = torch.cat([torch.ops.hyperserve.quantized_linear(x[i : i + 1], packed, format, isa) for i in range(11)])
     assert torch.equal(together, alone)
 
 
@@ -80,5 +108,11 @@ def test_quantized_linear_keeps_the_input_dtype_and_rejects_a_weight_of_another_
 
 
 def test_the_instruction_set_follows_the_cpu_flags():
-    expected = "avx2" if {"avx2", "fma", "f16c"} <= cpu_flags() else "portable"
+    flags = cpu_flags()
+    expected = "avx2" if {"avx2", "fma", "f16c"} <= flags else "portable"
+    if expected == "avx2" and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        expected = "avx512_vnni"
     assert kernels.isa() == expected
+    if expected != "avx512_vnni":
+        with pytest.raises(RuntimeError, match="cannot run avx512_vnni"):
+            torch.ops.hyperserve.quantized_linear(torch.randn(1, 64), quantized(8, 64)[0], "q4_1", "avx512_vnni")
