@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install serve chat test lint bench clean redis
+.PHONY: install serve chat test lint bench clean redis chromium
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,7 @@ serve: $(STAMP)
 chat: $(STAMP)
 	$(BIN)/hyperserve chat $(ARGS)
 
-test: $(STAMP) redis
+test: $(STAMP) redis chromium
 	$(BIN)/python -m pytest -q --durations=10 $(ARGS)
 
 redis:  # the shared-cache tests start their own redis-server; Debian's package provides it
@@ -36,6 +36,12 @@ redis:  # the shared-cache tests start their own redis-server; Debian's package 
 		(apt-get install -y -q redis-server >/dev/null 2>&1 || \
 		 (apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null)) ; } || \
 		echo "redis-server could not be installed: the Redis tests will be skipped"
+
+chromium:  # the web-page tests drive Debian's headless Chromium (Playwright cannot download its own here)
+	@command -v chromium >/dev/null || { command -v apt-get >/dev/null && \
+		(apt-get install -y -q chromium >/dev/null 2>&1 || \
+		 (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null)) ; } || \
+		echo "chromium could not be installed: the browser tests will be skipped"
 
 lint: $(STAMP)
 	$(BIN)/ruff check hyperserve tests benchmarks

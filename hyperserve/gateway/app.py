@@ -32,6 +32,7 @@ from hyperserve.common.body_limit import BodyLimit
 from hyperserve.common.errors import APIError, install_error_handlers
 from hyperserve.common.request_log import RequestLog
 from hyperserve.common.sse import DONE, parse_sse_data, sse_event
+from hyperserve.common.web_ui import install_web_ui
 from hyperserve.gateway.backends import Backend, build_backend, wait_ready
 from hyperserve.gateway.cache_store import RedisStore, SQLiteStore
 from hyperserve.gateway.config import GatewayConfig
@@ -140,10 +141,13 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
         status = "ok" if state.ready else state.start_error or "starting"
         return JSONResponse({"status": status, "backends": backends}, status_code=200 if state.ready else 503)
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
+    def refresh_backend_health() -> None:
         for name, backend in state.backends.items():
             metrics.backend_up.labels(name).set(1 if backend.breaker.is_closed else 0)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        refresh_backend_health()
         text = generate_latest(metrics.registry).decode()
         for name in embedded:  # the in-process engine's own metrics, so one scrape sees everything
             with contextlib.suppress(aiohttp.ClientError):
@@ -297,6 +301,7 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
                    "tokens": {"prompt": (usage or {}).get("prompt_tokens"),
                               "completion": (usage or {}).get("completion_tokens")}})
 
+    install_web_ui(app, metrics.registry, "gateway", refresh_backend_health)
     return app
 
 

@@ -31,7 +31,7 @@ logger = logging.getLogger("hyperserve.security")
 
 # Requests that make the engine work: completions, and prefix pins, which hold KV like a request.
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/cache")
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/")  # and the web pages under /ui/, which ask for a key themselves
 MODEL_ADMIN_PATH = re.compile(r"/v1/models/([^/]+)/(?:load|unload)")
 DEFAULT_MAX_TOKENS = 256  # the estimate for a request that sets no max_tokens
 
@@ -193,7 +193,7 @@ class SecurityMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "websocket":
             return await self._websocket(scope, receive, send)
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or (
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["path"].startswith("/ui/") or (
                 scope["path"] == "/metrics" and not self.governor.config.protect_metrics):
             return await self.app(scope, receive, send)
         started = time.perf_counter()
@@ -212,9 +212,16 @@ class SecurityMiddleware:
             await _send_json(send, 429, body, limited.headers)
 
     async def _websocket(self, scope, receive, send) -> None:
-        """Keys apply; limits and guardrails need HTTP, so with either configured sockets are refused."""
+        """Keys apply; limits and guardrails need HTTP, so with either configured sockets are refused.
+        A browser, which cannot set headers on a WebSocket, offers its key as the subprotocol
+        `bearer.<key>` (beside `hyperserve`, the one the server accepts)."""
+        headers = dict(scope["headers"])
+        for protocol in headers.get(b"sec-websocket-protocol", b"").split(b","):
+            protocol = protocol.strip()
+            if protocol.startswith(b"bearer.") and b"authorization" not in headers:
+                headers[b"authorization"] = b"Bearer " + protocol[len(b"bearer."):]
         try:
-            self.governor.authenticate(dict(scope["headers"]))
+            self.governor.authenticate(headers)
         except APIError:
             return await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
         if self.governor.needs_http:

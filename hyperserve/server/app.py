@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from hyperserve.common.body_limit import BodyLimit
 from hyperserve.common.errors import APIError, install_error_handlers, unavailable, validation_body
 from hyperserve.common.sse import DONE, sse_event
+from hyperserve.common.web_ui import install_web_ui
 from hyperserve.engine.engine import LLMEngine
 from hyperserve.layers.lora import LoRARequest
 from hyperserve.security.middleware import Governor, add_security
@@ -201,6 +202,7 @@ def build_app(
     async def websocket(ws: WebSocket) -> None:
         await _serve_websocket(ws, serving)
 
+    install_web_ui(app, metrics.registry, "server")
     return app
 
 
@@ -273,7 +275,7 @@ async def _serve_websocket(ws: WebSocket, serving: Callable[[str | None], Awaita
     {"type": "cancel", "request_id"}. Out: {"type": "chunk" | "done" | "cancelled" | "error", ...}.
     A frame that is not a JSON object, or lacks what its type needs, gets an error event; the
     socket stays open."""
-    await ws.accept()
+    await ws.accept(subprotocol="hyperserve" if "hyperserve" in ws.scope.get("subprotocols", []) else None)
     tasks: dict[str, asyncio.Task] = {}
     jobs: dict[str, Job] = {}
     send_lock = asyncio.Lock()
