@@ -140,3 +140,14 @@ def test_with_keys_on_the_pages_ask_for_one_and_stream_with_it(browser):
     finally:
         context.close()
         stop_server(keyed)
+
+
+def test_a_narrow_window_stacks_the_settings_above_the_chat(server, page):
+    page.set_viewport_size({"width": 420, "height": 800})
+    page.goto(f"{server.url}/ui/")
+    page.click("#clear")
+    settings(page, temperature=0, max_tokens=4)
+    aside, chat = page.locator("aside").bounding_box(), page.locator("section.chat").bounding_box()
+    assert chat["y"] >= aside["y"] + aside["height"] - 1 and chat["width"] > 380
+    answer = send(page, "Hi")
+    playwright_api.expect(answer.locator(".stats")).to_contain_text("4 tokens", timeout=30_000)

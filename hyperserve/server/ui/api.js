@@ -8,9 +8,20 @@ export function apiKey() {
   return localStorage.getItem(KEY_STORAGE) || "";
 }
 
+function keyDialog() {
+  let dialog = document.getElementById("key-dialog");
+  if (!dialog) {
+    dialog = Object.assign(document.createElement("dialog"), { id: "key-dialog" });
+    dialog.innerHTML = '<form method="dialog"><p data-key-message></p><label>API key ' +
+      '<input type="password" autocomplete="off" required></label><button type="submit">Save</button></form>';
+    document.body.append(dialog);
+  }
+  return dialog;
+}
+
 /** Shows the key dialog and resolves once a key is saved (the page retries what needed it). */
 export function askForKey(message = "This server needs an API key.") {
-  const dialog = document.getElementById("key-dialog");
+  const dialog = keyDialog();
   dialog.querySelector("[data-key-message]").textContent = message;
   const input = dialog.querySelector("input");
   input.value = apiKey();
