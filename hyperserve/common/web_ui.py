@@ -5,7 +5,7 @@ browser there, and GET /stats gives the dashboard the process's metrics as JSON.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,11 @@ def metrics_snapshot(registry: CollectorRegistry) -> dict[str, Any]:
 
 
 def install_web_ui(app: FastAPI, registry: CollectorRegistry, kind: str,
-                   refresh: Callable[[], None] | None = None) -> None:
+                   refresh: Callable[[], None] | None = None,
+                   more_samples: Callable[[], Awaitable[dict[str, list]]] | None = None) -> None:
     """/ui/ (`kind`: "server" or "gateway", which the pages read from /ui/kind.json), / and /stats;
-    `refresh` updates gauges that are set when read (the gateway's backend health)."""
+    `refresh` updates gauges that are set when read (the gateway's backend health); `more_samples`
+    adds others' (the engine behind `hyperserve serve --response-cache`)."""
 
     @app.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:
@@ -45,6 +47,10 @@ def install_web_ui(app: FastAPI, registry: CollectorRegistry, kind: str,
         """The metrics of /metrics as JSON (the dashboard polls it every second)."""
         if refresh is not None:
             refresh()
-        return metrics_snapshot(registry)
+        snapshot = metrics_snapshot(registry)
+        if more_samples is not None:
+            for name, samples in (await more_samples()).items():
+                snapshot["samples"].setdefault(name, []).extend(samples)
+        return snapshot
 
     app.mount("/ui", StaticFiles(directory=UI_DIRECTORY, html=True), name="ui")

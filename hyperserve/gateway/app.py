@@ -301,7 +301,17 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
                    "tokens": {"prompt": (usage or {}).get("prompt_tokens"),
                               "completion": (usage or {}).get("completion_tokens")}})
 
-    install_web_ui(app, metrics.registry, "gateway", refresh_backend_health)
+    async def embedded_samples() -> dict[str, list]:
+        """The in-process engine's /stats samples, so its dashboard sits beside the gateway's."""
+        merged: dict[str, list] = {}
+        for name in embedded:
+            with contextlib.suppress(aiohttp.ClientError, ValueError, KeyError):
+                async with state.backends[name].session.get("/stats") as upstream:
+                    for sample_name, samples in (await upstream.json())["samples"].items():
+                        merged.setdefault(sample_name, []).extend(samples)
+        return merged
+
+    install_web_ui(app, metrics.registry, "gateway", refresh_backend_health, embedded_samples)
     return app
 
 

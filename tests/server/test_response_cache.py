@@ -51,3 +51,25 @@ def test_engine_endpoints_pass_through(cached_server):
     deleted = httpx.delete(f"{cached_server.url}/v1/cache/{pinned.json()['id']}")
     assert deleted.json()["deleted"] is True
     assert httpx.delete(f"{cached_server.url}/v1/cache/nope").status_code == 404
+
+
+def test_stats_show_the_gateway_and_the_engine_behind_it(cached_server):
+    """The dashboard of `serve --response-cache` charts both: the cache's outcomes and the engine."""
+    samples = httpx.get(f"{cached_server.url}/stats").json()["samples"]
+    assert "hyperserve:gateway_requests_total" in samples
+    assert samples["hyperserve:num_requests_running"][0]["labels"] == {"model_name": "smollm2-135m"}
+    assert httpx.get(f"{cached_server.url}/ui/kind.json").json() == {"kind": "gateway"}
+
+
+def test_its_dashboard_charts_the_cache_and_the_engine(cached_server):
+    from tests.server.test_web_ui import CHROMIUM, playwright_api
+
+    if CHROMIUM is None:
+        pytest.skip("no Chromium here (make test installs Debian's)")
+    with playwright_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page()
+        page.goto(f"{cached_server.url}/ui/dashboard.html")
+        for title in ("Requests/s by cache outcome", "Throughput (tokens/s)", "KV cache used (%)"):
+            playwright_api.expect(page.locator(f"section.chart[aria-label='{title}']")).to_be_visible()
+        browser.close()

@@ -146,7 +146,12 @@ function backendsTable() {
 
 async function main() {
   const { kind } = await getJSON("kind.json");
-  const layout = kind === "gateway" ? GATEWAY : SERVER;
+  snapshots.push(await getJSON("/stats"));
+  // A gateway in front of its own process's engine (serve --response-cache) shows the engine too.
+  const withEngine = kind === "gateway" && "hyperserve:num_requests_running" in snapshots[0].samples;
+  const layout = kind !== "gateway" ? SERVER : withEngine ? {
+    tiles: [...GATEWAY.tiles, ...SERVER.tiles], charts: [...GATEWAY.charts, ...SERVER.charts],
+  } : GATEWAY;
   const charts = layout.charts.map(([title, ...series]) => chart(title, series));
   if (kind === "gateway") {
     const section = document.createElement("section");
@@ -159,8 +164,6 @@ async function main() {
   window.addEventListener("resize", () => charts.forEach((c) => c.plot.setSize({ width: chartWidth(c.box), height: 180 })));
   const tiles = document.getElementById("tiles");
   for (;;) {
-    snapshots.push(await getJSON("/stats"));
-    if (snapshots.length > POINTS + WINDOW_S) snapshots.shift();
     tiles.replaceChildren(...layout.tiles.map(([label, value, digits, unit = ""]) => {
       const v = value();
       const tile = Object.assign(document.createElement("div"), { className: "tile" });
@@ -178,6 +181,8 @@ async function main() {
     if (kind === "gateway") backendsTable();
     document.getElementById("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
     await new Promise((resolve) => setTimeout(resolve, 1000));
+    snapshots.push(await getJSON("/stats"));
+    if (snapshots.length > POINTS + WINDOW_S) snapshots.shift();
   }
 }
 
