@@ -457,9 +457,9 @@ inline void prefetch_rows(const QuantizedWeight& w, int64_t n, int64_t count, in
 
 // out [rows, out_features] = x W^T for float32 x [rows, in_features].
 void quantized_matmul(const QuantizedWeight& w, const float* x, int64_t rows, float* out, Isa isa) {
-  if (isa == Isa::kAvx512 && w.format == Format::kQ4_1 && w.groups % 2 == 1) isa = Isa::kAvx2;  // pairs of groups
-  const QuantizedRows q =
-      quantize_rows(x, rows, w.in_features, isa != Isa::kPortable, isa == Isa::kAvx512 && w.format == Format::kQ4_1);
+  const bool q41 = w.format == Format::kQ4_1;
+  if (isa == Isa::kAvx512 && q41 && w.groups % 2 == 1) isa = Isa::kAvx2;  // it takes Q4_1 groups in pairs
+  const QuantizedRows q = quantize_rows(x, rows, w.in_features, isa != Isa::kPortable, isa == Isa::kAvx512 && q41);
   const int64_t tile = channel_tile(rows, isa);
   // Enough channels per task that each thread streams a long stretch of weights.
   at::parallel_for(0, w.out_features, 64, [&](int64_t begin, int64_t end) {

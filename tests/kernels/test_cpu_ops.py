@@ -58,6 +58,7 @@ def test_quantized_linear_equals_the_dequantized_weight_within_16_bit_activation
 @pytest.mark.parametrize("format", ["q4_1", "q8_0"])
 def test_every_instruction_set_gives_the_portable_kernels_numbers(format):
     """Integer sums are exact, so the paths differ only in the order of their float additions."""
+    runnable("avx2")
     packed, _ = quantized(64, 576, format)
     x = torch.randn(5, 576)
     portable = torch.ops.hyperserve.quantized_linear(x, packed, format, "portable")

@@ -32,10 +32,10 @@ function ratio(part, whole, seconds = WINDOW_S) {
 }
 
 /** Quantile q (in ms) of a histogram's observations in the window, interpolated in its bucket. */
-function quantile(histogram, q, seconds = WINDOW_S) {
+function quantile(histogram, q, seconds = WINDOW_S, keep = () => true) {
   const counts = (snapshot) => {
     const byBound = new Map();
-    for (const s of snapshot.samples[`${histogram}_bucket`] || []) {
+    for (const s of (snapshot.samples[`${histogram}_bucket`] || []).filter((s) => keep(s.labels))) {
       byBound.set(s.labels.le, (byBound.get(s.labels.le) || 0) + s.value);
     }
     return byBound;
@@ -135,7 +135,8 @@ function chart(title, series) {
 function backendsTable() {
   const rows = (snapshots.at(-1).samples["hyperserve:gateway_backend_up"] || []).map((s) => {
     const row = document.createElement("tr");
-    const latency = quantile("hyperserve:gateway_backend_latency_seconds", 0.5);
+    const latency = quantile("hyperserve:gateway_backend_latency_seconds", 0.5, WINDOW_S,
+      (labels) => labels.backend === s.labels.backend);
     for (const text of [s.labels.backend, s.value ? "up" : "down", latency === null ? "–" : `${latency.toFixed(0)} ms`]) {
       row.append(Object.assign(document.createElement("td"), { textContent: text }));
     }
@@ -158,7 +159,7 @@ async function main() {
     section.className = "backends";
     section.id = "backends";
     section.innerHTML = "<h2>Backends</h2><table><thead><tr><th>backend</th><th>circuit</th>" +
-      "<th>latency p50 (all)</th></tr></thead><tbody></tbody></table>";
+      "<th>latency p50</th></tr></thead><tbody></tbody></table>";
     document.getElementById("dashboard").append(section);
   }
   window.addEventListener("resize", () => charts.forEach((c) => c.plot.setSize({ width: chartWidth(c.box), height: 180 })));
