@@ -457,6 +457,7 @@ inline void prefetch_rows(const QuantizedWeight& w, int64_t n, int64_t count, in
 
 // out [rows, out_features] = x W^T for float32 x [rows, in_features].
 void quantized_matmul(const QuantizedWeight& w, const float* x, int64_t rows, float* out, Isa isa) {
+  if (rows == 0) return;  // a step that samples nothing (a prefill chunk) asks for no logits
   const bool q41 = w.format == Format::kQ4_1;
   if (isa == Isa::kAvx512 && q41 && w.groups % 2 == 1) isa = Isa::kAvx2;  // it takes Q4_1 groups in pairs
   const QuantizedRows q = quantize_rows(x, rows, w.in_features, isa != Isa::kPortable, isa == Isa::kAvx512 && q41);

@@ -148,3 +148,14 @@ def test_chat_applies_the_template(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
+
+
+def test_a_long_prompt_alone_on_the_int4_default(chat_prompt_ids):
+    """Its first prefill chunks sample nothing: the native LM head gets no rows (it crashed the
+    process once). The answer equals one computed without chunking."""
+    prompt = chat_prompt_ids[0] * 12  # ~300 tokens
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    chunked = LLM(max_model_len=1024, num_kv_blocks=80, max_num_batched_tokens=64)
+    whole = LLM(max_model_len=1024, num_kv_blocks=80, max_num_batched_tokens=1024)
+    answers = [llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids for llm in (chunked, whole)]
+    assert answers[0] == answers[1] and len(answers[0]) == 8

@@ -55,6 +55,15 @@ def test_quantized_linear_equals_the_dequantized_weight_within_16_bit_activation
     assert (torch.ops.hyperserve.quantized_linear(x, wrong, format, isa) - expected).norm() / expected.norm() > 0.3
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_no_rows_give_an_empty_output(isa):
+    """A prefill chunk that samples nothing asks the LM head for logits of no rows (the row
+    tiling once divided by the row count there, and the process died of SIGFPE)."""
+    runnable(isa)
+    packed, _ = quantized(80, 64, "q8_0")
+    assert torch.ops.hyperserve.quantized_linear(torch.empty(0, 64), packed, "q8_0", isa).shape == (0, 80)
+
+
 @pytest.mark.parametrize("format", ["q4_1", "q8_0"])
 def test_every_instruction_set_gives_the_portable_kernels_numbers(format):
     """Integer sums are exact, so the paths differ only in the order of their float additions."""
