@@ -37,13 +37,7 @@ def offline_ms_per_token(config: str) -> float:
 
 def server_itl(config: str, env: dict[str, str]) -> dict:
     port = free_port()
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        server = start_server(port, ["--kv-cache-memory-gb", "1", *server_args(config)])
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    server = start_server(port, ["--kv-cache-memory-gb", "1", *server_args(config)], env=env)
     try:
         parser = argparse.ArgumentParser()
         add_bench_args(parser)

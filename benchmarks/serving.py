@@ -20,11 +20,13 @@ import httpx
 from hyperserve.bench.run import add_bench_args, run_from_args
 
 
-def start_server(port: int, extra: list[str], command: str = "serve") -> subprocess.Popen:
-    """`hyperserve serve` (or `gateway`) on loopback, once its /health answers 200."""
+def start_server(port: int, extra: list[str], command: str = "serve",
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`hyperserve serve` (or `gateway`) on loopback, with `env` added to its environment, once
+    its /health answers 200."""
     process = subprocess.Popen([sys.executable, "-m", "hyperserve.cli", command, "--port", str(port), *extra],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                               env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
     for _ in range(600):
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:

@@ -177,7 +177,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
               for i, name in enumerate(names)]
     settings = ServerSettings(model_name=served[names[0]], max_queue=args.max_queue,
                               max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
-                              max_pin_ttl_s=args.max_pin_ttl_s)
+                              max_pin_ttl_s=args.max_pin_ttl_s, role=args.role, prefill_url=args.prefill_url,
+                              prefill_api_key=args.prefill_api_key, disagg_min_tokens=args.disagg_min_tokens,
+                              prefill_timeout_s=args.prefill_timeout_s)
     failed: list[str] = []
 
     def stop(reason: str) -> None:
@@ -281,6 +283,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-pin-ttl-s", type=float, default=3600.0, help="the longest ttl of a /v1/cache pin")
     serve.add_argument("--shutdown-grace-s", type=float, default=30.0,
                        help="on SIGTERM, how long running requests may take to finish")
+    disagg = serve.add_argument_group("disaggregated prefill (long prompts computed by another server)")
+    disagg.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
+                        help="prefill: serve POST /v1/kv/prefill; decode: send long prompts to --prefill-url first")
+    disagg.add_argument("--prefill-url", default=None, help="the prefill server (--role decode)")
+    disagg.add_argument("--prefill-api-key", default=os.environ.get("HYPERSERVE_PREFILL_API_KEY"),
+                        help="its API key (or $HYPERSERVE_PREFILL_API_KEY)")
+    disagg.add_argument("--disagg-min-tokens", type=int, default=256,
+                        help="prompts with at least this many tokens not in the prefix cache go to the prefill server")
+    disagg.add_argument("--prefill-timeout-s", type=float, default=30.0,
+                        help="after this, the prompt is computed here instead")
     cache = serve.add_argument_group("response cache (the gateway's, in front of this engine)")
     cache.add_argument("--response-cache", action="store_true",
                        help="answer repeated deterministic requests from the cache (exact match)")

@@ -160,6 +160,15 @@ class LoRAConfig:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must exceed max_loras ({self.max_loras})")
 
 
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1  # processes that each hold a slice of every layer (gloo on the CPU, NCCL on CUDA)
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+
+
 # LLM(speculative={"method": ..., "num_tokens": ...}): the dict's short keys -> SpeculativeConfig fields
 _SPECULATIVE_KEYS = {"method": "speculative_method", "num_tokens": "num_speculative_tokens",
                      "model": "draft_model", "draft_model": "draft_model", "num_layers": "self_draft_layers",
@@ -174,8 +183,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
-    SECTIONS = ("model", "cache", "scheduler", "speculative", "lora")
+    SECTIONS = ("model", "cache", "scheduler", "speculative", "lora", "parallel")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -199,7 +209,7 @@ class EngineConfig:
 
 def _section_types() -> dict[str, type]:
     return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-            "speculative": SpeculativeConfig, "lora": LoRAConfig}
+            "speculative": SpeculativeConfig, "lora": LoRAConfig, "parallel": ParallelConfig}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, repeatable: tuple[str, ...] = ()) -> None:

@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 
 from hyperserve.config import EngineConfig
+from hyperserve.distributed.workers import TensorParallelWorkers
 from hyperserve.engine.detokenizer import IncrementalDetokenizer
 from hyperserve.engine.disk_cache import DiskKVStore, DiskTier
-from hyperserve.engine.kv_cache_manager import KVCacheManager
+from hyperserve.engine.kv_cache_manager import KVCacheManager, extend_hashes
 from hyperserve.engine.lora_manager import LoRAManager
 from hyperserve.engine.memory import cuda_kv_cache_budget, return_freed_heap
 from hyperserve.engine.model_runner import ModelRunner, StepResult
@@ -67,6 +68,18 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclass
+class KVTransferStats:
+    """KV blocks moved between engines (disaggregated prefill), since start."""
+
+    blocks_sent: int = 0
+    bytes_sent: int = 0
+    blocks_received: int = 0  # new here (blocks this engine had already are not counted)
+    bytes_received: int = 0
+    transfer_seconds: float = 0.0  # the receiving side's wait: the other engine's prefill and the transfer
+    transfer_failures: int = 0  # transfers that failed, whose prompts were computed here instead
+
+
+@dataclass
 class _Group:
     """The n sequences of one user request."""
 
@@ -82,27 +95,33 @@ class LLMEngine:
         self.tokenizer = loader.load_tokenizer(source)
         self.max_model_len = config.model.max_model_len or self.hf_config.max_position_embeddings
         self.source = source
-        model = loader.build_model(
-            self.hf_config,
-            None if config.model.load_format == "random" else source,
-            backend=self._attention_backend(self.hf_config),
-            max_position=self.max_model_len,
-            dtype=config.model.torch_dtype,
-            device=config.model.device,
-            seed=config.model.seed,
-            quantization=config.model.quantization,
-        )
+        self.workers = None
+        if config.parallel.tensor_parallel_size > 1:
+            _check_tensor_parallel(config, self.hf_config)
+            self.workers = TensorParallelWorkers(config)
+        try:
+            self._build(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
+        source = self.source
+        model = loader.load_model(config, self.workers.group if self.workers is not None else None)
         num_blocks, window, num_window_blocks = self._kv_groups(model, self._num_kv_blocks(model))
         if num_blocks * config.cache.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV pool ({num_blocks} blocks of {config.cache.block_size} tokens) cannot hold one "
                 f"sequence of max_model_len={self.max_model_len} tokens: raise num_kv_blocks or "
                 "kv_cache_memory_gb, or lower max_model_len")
+        if self.workers is not None:
+            self.workers.start(num_blocks, num_window_blocks)
         # before the runner, which looks through the LoRA wrappers for its fused int4 decode
         self.lora = LoRAManager(model, config.lora, model.model.norm.weight.dtype) if config.lora.enable_lora else None
         self.eos_token_ids = loader.load_eos_token_ids(source, self.hf_config, self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, self._grammar_eos_token_id())
-        self.runner = ModelRunner(model, config, num_blocks, self.grammars, self.lora, num_window_blocks)
+        self.runner = ModelRunner(model, config, num_blocks, self.grammars, self.lora, num_window_blocks,
+                                  self.workers)
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                        self._disk_tier(), config.cache.max_pinned_fraction, window, num_window_blocks)
         if self.kv_cache.lower_tier is not None:
@@ -117,12 +136,18 @@ class LLMEngine:
         if self.verify_cost is None:
             self.verify_cost = self.runner.verify_row_cost() if self.proposer is not None else 0.0
         self._groups: dict[str, _Group] = {}
+        self.kv_transfers = KVTransferStats()
         return_freed_heap()
         self._num_failed_steps = 0
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> LLMEngine:
         return cls(EngineConfig.from_kwargs(**kwargs))
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
+        if self.workers is not None:
+            self.workers.close()
 
     # ---- the step loop -------------------------------------------------------------------
 
@@ -134,7 +159,8 @@ class LLMEngine:
             outputs = self._run(out)
         except Exception as error:
             self._num_failed_steps += 1
-            if _is_fatal(error) or self._num_failed_steps >= MAX_FAILED_STEPS:
+            # under tensor parallelism a failed step may leave the ranks out of step
+            if _is_fatal(error) or self._num_failed_steps >= MAX_FAILED_STEPS or self.workers is not None:
                 raise EngineDeadError(f"the engine cannot continue: {type(error).__name__}: {error}") from error
             logger.exception("a step failed; failing its %d request(s)", len(out.requests))
             outputs = self._fail({_group_id(r) for r in out.requests}, f"{type(error).__name__}: {error}")
@@ -243,6 +269,46 @@ class LLMEngine:
 
     def unpin_prefix(self, request_id: str) -> bool:
         return self.kv_cache.unpin(request_id)
+
+    # ---- disaggregated prefill: KV blocks computed by another engine -----------------------
+
+    def kv_transfer_unsupported(self) -> str | None:
+        """Why this engine cannot send or take KV blocks (None: it can)."""
+        if not self.kv_cache.enable_prefix_caching:
+            return "prefix caching is off"
+        if len(self.kv_cache.groups) > 1 or self.kv_cache.groups[0].window is not None:
+            return "sliding-window attention keeps its own KV layout"
+        if self.workers is not None:
+            return "tensor parallelism splits the KV over processes"
+        return None
+
+    def prefix_hashes(self, token_ids: list[int]) -> list[bytes]:
+        """The hash chain of the blocks a request for this prompt can take from the prefix cache:
+        its full blocks but the one holding its last token, which the request computes itself."""
+        size = self.kv_cache.block_size
+        return extend_hashes([], token_ids, size)[: (len(token_ids) - 1) // size]
+
+    def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
+        """The KV of these blocks, on the CPU: each tensor [blocks, layers, block_size, ...]."""
+        per_block = [self.runner.read_block(b) for b in block_ids]
+        tensors = {name: torch.stack([block[name] for block in per_block]).cpu() for name in per_block[0]}
+        self.kv_transfers.blocks_sent += len(block_ids)
+        self.kv_transfers.bytes_sent += sum(t.numel() * t.element_size() for t in tensors.values())
+        return tensors
+
+    def import_prefix(self, hashes: list[bytes], tensors: dict[str, torch.Tensor]) -> int:
+        """Take a prefix's blocks computed elsewhere (tensors as read_blocks gives them, for these
+        hashes) into the prefix cache, so a request for it computes only what follows; returns how
+        many blocks were new here. Raises ValueError for blocks of another shape."""
+        expected = self.runner.read_block(0)
+        if set(tensors) != set(expected) or any(
+                tensors[name].shape != (len(hashes), *t.shape) for name, t in expected.items()):
+            raise ValueError("the KV blocks do not fit this engine's cache (another model or block size?)")
+        inserted = self.kv_cache.insert_cached(
+            hashes, lambda i, block_id: self.runner.write_block(block_id, {n: t[i] for n, t in tensors.items()}))
+        self.kv_transfers.blocks_received += inserted
+        self.kv_transfers.bytes_received += inserted * sum(t[0].numel() * t.element_size() for t in tensors.values())
+        return inserted
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request in any state; its KV blocks return to the pool at once."""
@@ -460,8 +526,9 @@ class LLMEngine:
                 budget = cuda_kv_cache_budget(model, self.config, self.max_model_len)
             else:
                 budget = CPU_KV_CACHE_BYTES
+            heads = model.tp.largest_kv_heads(self.hf_config.num_key_value_heads)  # per rank, as the budget is
             per_block = loader.kv_bytes_per_token(self.hf_config, self.config.model.torch_dtype,
-                                                  cache.kv_cache_dtype) * cache.block_size
+                                                  cache.kv_cache_dtype, heads) * cache.block_size
             num_blocks = budget // per_block
         return num_blocks
 
@@ -489,6 +556,15 @@ class LLMEngine:
                     "(window %d tokens)", num_full_blocks, num_full, num_window_blocks, num_windowed, window)
         return num_full_blocks, window, num_window_blocks
 
+    @property
+    def kv_identity(self) -> str:
+        """What this engine's KV depends on (weights, dtypes, quantization, block size): blocks of
+        another engine with the same identity are interchangeable with its own."""
+        cache, model = self.config.cache, self.config.model
+        return loader.model_identity(
+            self.source, self.hf_config, model.load_format, model.seed if model.load_format == "random" else None,
+            model.torch_dtype, model.quantization, cache.kv_cache_dtype, cache.block_size)
+
     def _disk_tier_enabled(self) -> bool:
         return self.config.cache.disk_cache_dir is not None and self.config.cache.enable_prefix_caching
 
@@ -496,10 +572,7 @@ class LLMEngine:
         if not self._disk_tier_enabled():
             return None
         cache, model = self.config.cache, self.config.model
-        identity = loader.model_identity(
-            self.source, self.hf_config, model.load_format, model.seed if model.load_format == "random" else None,
-            model.torch_dtype, model.quantization, cache.kv_cache_dtype, cache.block_size)
-        namespace = f"{Path(model.model).name}-{identity[:32]}"
+        namespace = f"{Path(model.model).name}-{self.kv_identity[:32]}"
         store = DiskKVStore(cache.disk_cache_dir, namespace, int(cache.disk_cache_gb * 2**30))
         return DiskTier(store, self.runner.read_block, self.runner.write_block)
 
@@ -545,6 +618,26 @@ def estimate_memory_bytes(config: EngineConfig) -> int:
     else:
         kv = CPU_KV_CACHE_BYTES if config.model.device == "cpu" else 0  # CUDA: sized from what is free
     return weights + kv
+
+
+def _check_tensor_parallel(config: EngineConfig, hf_config) -> None:
+    """What tensor parallelism cannot split or does not run with yet, refused before any process starts."""
+    size = config.parallel.tensor_parallel_size
+    if loader.model_class(hf_config) is not LlamaForCausalLM:
+        raise ValueError("tensor parallelism runs the Llama family (Llama, Mistral, Qwen2, SmolLM2) so far, "
+                         f"not {hf_config.model_type}")
+    if hf_config.num_key_value_heads < size:
+        raise ValueError(f"tensor_parallel_size={size} exceeds the model's {hf_config.num_key_value_heads} K/V "
+                         "heads: each rank needs at least one")
+    refused = {"enable_lora": config.lora.enable_lora,
+               "speculative_method=draft or self": config.speculative.speculative_method in ("draft", "self"),
+               "disk_cache_dir": config.cache.disk_cache_dir is not None}
+    names = [name for name, on in refused.items() if on]
+    if names:
+        raise ValueError(f"tensor_parallel_size > 1 does not run with {', '.join(names)} yet")
+    if config.model.device == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={size} needs as many GPUs; "
+                         f"this machine has {torch.cuda.device_count()}")
 
 
 def _is_fatal(error: Exception) -> bool:

@@ -21,11 +21,21 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from hyperserve.engine.block_pool import BlockPool
 from hyperserve.engine.request import Request
+
+
+def extend_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, salt: bytes = b"") -> list[bytes]:
+    """Extend `hashes` (the chain of token_ids' first len(hashes) full blocks) over every full block."""
+    while (len(hashes) + 1) * block_size <= len(token_ids):
+        start = len(hashes) * block_size
+        parent = hashes[-1] if hashes else salt
+        hashes.append(hashlib.sha256(parent + array("q", token_ids[start : start + block_size]).tobytes()).digest())
+    return hashes
 
 
 class PrefixTier(Protocol):
@@ -178,6 +188,34 @@ class KVCacheManager:
         self.pool.free([block_id] + protect[::-1])
         return block_id if loaded else None
 
+    def num_cached_blocks(self, hashes: list[bytes]) -> int:
+        """How many of a chain's leading blocks the pool holds."""
+        for i, block_hash in enumerate(hashes):
+            if self.pool.lookup(block_hash) is None:
+                return i
+        return len(hashes)
+
+    def insert_cached(self, hashes: list[bytes], fill: Callable[[int, int], None]) -> int:
+        """Take blocks computed elsewhere (another server's prefill) into the prefix cache: each
+        hash not cached yet gets a block, `fill(index, block_id)` writes its KV, and it joins the
+        cache idle, as a finished request's blocks do. Stops early when no block is free; returns
+        how many were inserted. Only for a single, unwindowed group."""
+        held, inserted = [], 0  # the chain's blocks, held until all are in, so that none evicts another
+        for i, block_hash in enumerate(hashes):
+            block_id = self.pool.lookup(block_hash)
+            if block_id is not None:
+                self.pool.touch(block_id)
+            elif self.pool.num_free_blocks < 1:
+                break
+            else:
+                (block_id,) = self.pool.allocate(1)
+                fill(i, block_id)
+                self.pool.cache(block_id, block_hash)
+                inserted += 1
+            held.append(block_id)
+        self.pool.free(held[::-1])
+        return inserted
+
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += num_hit_tokens
@@ -293,9 +331,4 @@ class KVCacheManager:
     def _hashes(self, request: Request) -> list[bytes]:
         """The hash chain over the request's full blocks, extended as tokens arrive."""
         hashes = self._block_hashes.setdefault(request.request_id, [])
-        tokens, size = request.all_token_ids, self.block_size
-        while (len(hashes) + 1) * size <= len(tokens):
-            start = len(hashes) * size
-            parent = hashes[-1] if hashes else request.cache_salt
-            hashes.append(hashlib.sha256(parent + array("q", tokens[start : start + size]).tobytes()).digest())
-        return hashes
+        return extend_hashes(hashes, request.all_token_ids, self.block_size, request.cache_salt)

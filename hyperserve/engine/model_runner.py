@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from hyperserve.config import EngineConfig
+from hyperserve.distributed.workers import TensorParallelWorkers
 from hyperserve.engine.cuda_graphs import DecodeGraphs
 from hyperserve.engine.kv_cache_manager import KVCacheManager
 from hyperserve.engine.lora_manager import LoRAManager
@@ -79,10 +80,13 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig, num_blocks: int,
                  grammars: GrammarCompiler | None = None, lora: LoRAManager | None = None,
-                 num_window_blocks: int | None = None) -> None:
+                 num_window_blocks: int | None = None, workers: TensorParallelWorkers | None = None) -> None:
         """num_window_blocks: the pool of the sliding-window layers where they have their own
-        (KVCacheManager's second group); None: every layer's KV lives in num_blocks blocks."""
+        (KVCacheManager's second group); None: every layer's KV lives in num_blocks blocks.
+        workers: under tensor parallelism, rank 0's handle on the other ranks, which run every
+        forward pass of the model with it."""
         self.model = model
+        self.workers = workers
         self.grammars = grammars
         self.lora = lora
         self.device = torch.device(config.model.device)
@@ -93,7 +97,8 @@ class ModelRunner:
         self.num_window_blocks = num_window_blocks
         self.padding_slot = num_blocks * self.block_size  # the first slot of one block past the pool's
         self.vocab_size = model.config.vocab_size
-        self.kv_caches = self.allocate_kv_caches(model.config, model.window_layers)
+        self.kv_caches = self.allocate_kv_caches(model.config, model.window_layers,
+                                                 model.model.layers[0].self_attn.num_kv_heads)
         self.shared_generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self._generators: dict[str, torch.Generator] = {}
         self._compiled_decode = None
@@ -101,9 +106,11 @@ class ModelRunner:
         self.fused_decode = self._fused_decode(config)
         if config.model.compile and self.fused_decode is None:
             self._compiled_decode = torch.compile(self._decode_logits, dynamic=False)
-            self._compile_decode_graphs()
+            if model.tp.rank == 0:  # the other ranks compile as rank 0's warm-up passes reach them
+                self._compile_decode_graphs()
         if (self.device.type == "cuda" and not config.model.enforce_eager and model.attention_backend.ragged_decode
-                and not model.interleaves_full_attention):  # the graphs take one kind of attention metadata
+                and not model.interleaves_full_attention  # the graphs take one kind of attention metadata
+                and model.tp.size == 1):  # capture would have to run on every rank at once
             max_len = config.model.max_model_len or model.config.max_position_embeddings
             self.decode_graphs = DecodeGraphs(self._decode_logits, config.scheduler.max_num_seqs,
                                               -(-max_len // self.block_size), self.block_size, self.padding_slot,
@@ -158,15 +165,18 @@ class ModelRunner:
         logger.info("speculative decoding: one more token costs a step %.2f of a one-token step", cost)
         return cost
 
-    def allocate_kv_caches(self, hf_config, window_layers: list[bool] | None = None) -> list[KVCache]:
-        """One KVCache per layer of a model of this config: its pool's blocks and one more, which
-        padding rows of CUDA graph batches write into (and dropped window entries point at)."""
+    def allocate_kv_caches(self, hf_config, window_layers: list[bool] | None = None,
+                           num_kv_heads: int | None = None) -> list[KVCache]:
+        """One KVCache per layer of a model of this config (of num_kv_heads heads, by default all
+        its own; fewer on a tensor-parallel rank): its pool's blocks and one more, which padding
+        rows of CUDA graph batches write into (and dropped window entries point at)."""
         def num_blocks(layer: int) -> int:
             windowed = self.num_window_blocks is not None and window_layers is not None and window_layers[layer]
             return self.num_window_blocks if windowed else self.num_blocks
 
-        return [KVCache.allocate(num_blocks(layer) + 1, self.block_size, hf_config.num_key_value_heads,
-                                 head_dim_of(hf_config), self.dtype, self.kv_cache_dtype, self.device)
+        heads = num_kv_heads or hf_config.num_key_value_heads
+        return [KVCache.allocate(num_blocks(layer) + 1, self.block_size, heads, head_dim_of(hf_config), self.dtype,
+                                 self.kv_cache_dtype, self.device)
                 for layer in range(hf_config.num_hidden_layers)]
 
     def read_block(self, block_id: int) -> dict[str, torch.Tensor]:
@@ -237,6 +247,8 @@ class ModelRunner:
         """Logits [sum of num_logits, V] of a flattened batch of chunks; the target model and its
         KV by default, a draft model (and its own KV, or a prefix of the target's layers) otherwise."""
         model = model or self.model
+        if self.workers is not None and model is self.model and kv_caches is None:
+            self.workers.send(chunks)  # the other ranks run the same pass
         with_lora = self.lora is not None and model is self.model and any(c.lora for c in chunks)
         decode_only = (model is self.model and kv_caches is None and not with_lora
                        and all(len(c.token_ids) == c.num_logits == 1 for c in chunks))

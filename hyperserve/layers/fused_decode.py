@@ -43,6 +43,8 @@ class FusedDecode:
             return "a quantized KV cache"
         if model.sliding_window is not None:
             return "sliding-window attention"
+        if model.tp.size > 1:
+            return "tensor parallelism (the layer's output needs an all-reduce before the residual add)"
         for layer in model.model.layers:
             linears = [unwrapped(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)]

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from hyperserve.distributed.group import TensorParallel
 from hyperserve.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from hyperserve.layers.rotary import RotaryEmbedding
 from hyperserve.models.llama import _FUSED, RMSNorm, head_dim_of
@@ -112,6 +113,8 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
+    tp = TensorParallel()  # one process holds all of it
+
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_position: int) -> None:
         super().__init__()
         if not config.tie_word_embeddings:

@@ -3,6 +3,10 @@
 Inputs are flat: every scheduled token of every sequence in one [T] tensor with its position, no
 padding. Q/K/V and gate/up projections are fused into one matmul each; `load_weight` takes
 Hugging Face tensor names and writes each shard in place.
+
+Under tensor parallelism (distributed/group.py) each rank builds the layers of its own heads and
+its own run of the MLP's width, `load_weight` keeps only that rank's slice of each tensor, and o
+and down end with an all-reduce; the embedding and LM head hold the rank's range of the vocabulary.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from hyperserve.distributed.group import TensorParallel
 from hyperserve.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from hyperserve.layers.rotary import RotaryEmbedding
 
@@ -38,11 +43,14 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 tp: TensorParallel):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        heads = tp.head_slice(config.num_attention_heads, config.num_key_value_heads)
+        self.num_heads = heads.num_heads  # this rank's
+        self.num_kv_heads = heads.num_kv_heads
         self.head_dim = head_dim_of(config)
+        self.tp = tp
         self.scale = self.head_dim**-0.5
         self.shard_sizes = [
             self.num_heads * self.head_dim,
@@ -64,28 +72,30 @@ class LlamaAttention(nn.Module):
         qk = self.rotary(cos_sin, qk.unflatten(-1, (-1, self.head_dim)))  # [T, H + Hkv, D]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         out = self.backend(q, k, v.unflatten(-1, (-1, self.head_dim)), kv_cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj(out.flatten(1))
+        return self.tp.all_reduce(self.o_proj(out.flatten(1)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.shard_sizes = [config.intermediate_size, config.intermediate_size]
+        start, end = tp.width(config.intermediate_size)
+        self.intermediate_size = end - start  # this rank's
+        self.shard_sizes = [self.intermediate_size, self.intermediate_size]
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=bias)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary, backend) -> None:
+    def __init__(self, config, rotary, backend, tp) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, backend)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, rotary, backend, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -95,26 +105,30 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_position: int):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_position: int, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(tp.vocab_shard(config.vocab_size), config.hidden_size)
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_position)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, self.rotary, backend, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_position: int):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_position: int,
+                 tp: TensorParallel | None = None):
         super().__init__()
         self.config = config
         self.attention_backend = backend
-        self.model = LlamaModel(config, backend, max_position)
+        self.tp = tp or TensorParallel()
+        self.heads = self.tp.head_slice(config.num_attention_heads, config.num_key_value_heads)
+        self.vocab_shard = self.tp.vocab_shard(config.vocab_size)
+        self.model = LlamaModel(config, backend, max_position, self.tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (
             None if self.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else nn.Linear(config.hidden_size, self.vocab_shard, bias=False)
         )
 
     @property
@@ -141,25 +155,39 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],  # one per layer
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], before the final norm
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         cos_sin = self.model.rotary.cos_sin_for(positions, hidden.dtype)  # once per step, for every layer
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden = layer(cos_sin, hidden, kv_cache, meta)
         return hidden
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden]; under tensor parallelism each rank embeds the ids in its range."""
+        if self.tp.size == 1:
+            return self.model.embed_tokens(input_ids)
+        local = input_ids - self.tp.rank * self.vocab_shard
+        inside = (local >= 0) & (local < self.vocab_shard)
+        hidden = self.model.embed_tokens(torch.where(inside, local, 0)).masked_fill(~inside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] of the positions to sample -> float32 logits [S, vocab]."""
         hidden = self.model.norm(hidden)
         if self.lm_head is None:  # tied, unquantized
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        return self.tp.all_gather(logits)[:, : self.config.vocab_size]
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> str:
-        """Copy one checkpoint tensor (Hugging Face name) into place; returns the parameter name."""
+        """Copy one checkpoint tensor (Hugging Face name) into place, this rank's slice of it under
+        tensor parallelism; returns the parameter name."""
         if name == "lm_head.weight" and self.lm_head is None:
             return "model.embed_tokens.weight"  # tied: the embedding already holds it
         module_name, _, leaf = name.rpartition(".")
         parent, _, proj = module_name.rpartition(".")
+        if self.tp.size > 1:
+            tensor = self._rank_slice(proj, leaf, tensor)
         if proj in _FUSED:
             fused, shard = _FUSED[proj]
             target = self.get_parameter(f"{parent}.{fused}.{leaf}")
@@ -169,6 +197,27 @@ class LlamaForCausalLM(nn.Module):
             return f"{parent}.{fused}.{leaf}"
         self.get_parameter(name).data.copy_(tensor)
         return name
+
+    def _rank_slice(self, proj: str, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full checkpoint tensor of projection `proj` (or the embedding)."""
+        d, heads = head_dim_of(self.config), self.heads
+        rows = {"q_proj": (heads.q_start * d, (heads.q_start + heads.num_heads) * d),
+                "k_proj": (heads.kv_start * d, (heads.kv_start + heads.num_kv_heads) * d),
+                "v_proj": (heads.kv_start * d, (heads.kv_start + heads.num_kv_heads) * d),
+                "gate_proj": self.tp.width(self.config.intermediate_size),
+                "up_proj": self.tp.width(self.config.intermediate_size)}
+        columns = {"o_proj": rows["q_proj"], "down_proj": rows["gate_proj"]}
+        if proj in rows:
+            start, end = rows[proj]
+            return tensor[start:end]
+        if proj in columns:  # partial sums, added up by the all-reduce: the bias counts once
+            start, end = columns[proj]
+            return tensor[:, start:end] if leaf == "weight" else tensor * (self.tp.rank == 0)
+        if proj in ("embed_tokens", "lm_head"):  # the rank's range of the vocabulary, padded with zeros
+            start = self.tp.rank * self.vocab_shard
+            part = tensor[start : start + self.vocab_shard]
+            return F.pad(part, (0, 0, 0, self.vocab_shard - part.shape[0]))
+        return tensor
 
 
 def head_dim_of(config: PretrainedConfig) -> int:

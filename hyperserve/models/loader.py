@@ -25,12 +25,14 @@ import transformers
 from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
-from hyperserve.layers.attention import AttentionBackend
+from hyperserve.config import EngineConfig
+from hyperserve.distributed.group import TensorParallel
+from hyperserve.layers.attention import AttentionBackend, attention_backend
 from hyperserve.layers.quantization import quantize_model
 from hyperserve.models import gemma3
 from hyperserve.models.gemma3 import Gemma3ForCausalLM
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
-from hyperserve.models.registry import SUPPORTED_ARCHITECTURES, ModelSource
+from hyperserve.models.registry import SUPPORTED_ARCHITECTURES, ModelSource, resolve_model
 
 logger = logging.getLogger("hyperserve.loader")
 
@@ -214,13 +216,18 @@ def build_model(
     device: str,
     seed: int = 0,
     quantization: str | None = None,
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
-    """Materialise the model and fill it from `source`, or randomly when `source` is None;
-    then quantize its weights if asked."""
+    """Materialise the model (with `tp`, this rank's slice of it) and fill it from `source`, or
+    randomly when `source` is None (each rank drawing its own slice); then quantize its weights if
+    asked."""
     # int4/int8 quantize from the checkpoint's own values (exact for Q4_1); fp8 loses nothing to bfloat16
     load_dtype = torch.float32 if quantization in ("int4", "int8") else dtype
     with torch.device("meta"):
-        model = model_class(config)(config, backend, max_position).to(load_dtype)
+        if tp is not None and tp.size > 1:  # the Llama family only (the engine checks)
+            model = LlamaForCausalLM(config, backend, max_position, tp).to(load_dtype)
+        else:
+            model = model_class(config)(config, backend, max_position).to(load_dtype)
     model.to_empty(device=device)
     model.reset_rotary()
     if source is None:
@@ -231,6 +238,24 @@ def build_model(
     if quantization is not None:
         quantize_model(model, quantization, dtype)
     return model
+
+
+def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> LlamaForCausalLM:
+    """The model an engine of this config serves (this rank's slice of it, with `tp`)."""
+    source = resolve_model(config.model.model)
+    hf_config = load_config(source)
+    return build_model(
+        hf_config,
+        None if config.model.load_format == "random" else source,
+        backend=attention_backend(config.model.device, config.model.attention_backend, config.cache.block_size,
+                                  head_dim_of(hf_config)),
+        max_position=config.model.max_model_len or hf_config.max_position_embeddings,
+        dtype=config.model.torch_dtype,
+        device=config.model.device,
+        seed=config.model.seed,
+        quantization=config.model.quantization,
+        tp=tp,
+    )
 
 
 def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM | Gemma3ForCausalLM]:
@@ -317,9 +342,11 @@ def _init_random(model: LlamaForCausalLM, config: PretrainedConfig, seed: int) -
             param.normal_(0, std, generator=generator)
 
 
-def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of K and V of one token over all layers; a quantized cache adds a float32 scale per head."""
+def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                       num_kv_heads: int | None = None) -> int:
+    """Bytes of K and V of one token over all layers (of num_kv_heads heads, by default all the
+    model's); a quantized cache adds a float32 scale per head."""
     per_head = head_dim_of(config) * torch.empty((), dtype=dtype).element_size()
     if kv_cache_dtype != "auto":
         per_head = head_dim_of(config) + 4
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * per_head
+    return 2 * config.num_hidden_layers * (num_kv_heads or config.num_key_value_heads) * per_head

@@ -39,6 +39,7 @@ from hyperserve.server.protocol import (
     CacheRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    KVPrefillRequest,
     LoadLoRARequest,
     UnloadLoRARequest,
     now,
@@ -197,6 +198,12 @@ def build_app(
         if not any(m.async_engine.unpin(pin_id) for m in pool.loaded()):
             raise APIError(404, f"no pinned prefix {pin_id!r}", param="id", code="cache_not_found")
         return {"id": pin_id, "object": "cache.deleted", "deleted": True}
+
+    if settings.role == "prefill":
+        @app.post("/v1/kv/prefill")
+        async def prefill_kv(body: KVPrefillRequest) -> Response:
+            body_bytes = await (await serving(body.model)).prefill_kv(body)
+            return Response(body_bytes, media_type="application/octet-stream")
 
     @app.websocket("/v1/ws")
     async def websocket(ws: WebSocket) -> None:

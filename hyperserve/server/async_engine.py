@@ -61,6 +61,12 @@ class _Unpin:
     pin_id: str
 
 
+@dataclass(slots=True)
+class _Call:
+    function: Callable[[LLMEngine], object]
+    result: concurrent.futures.Future
+
+
 class AsyncEngine:
     def __init__(self, load_engine: Callable[[], LLMEngine],
                  on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
@@ -72,7 +78,7 @@ class AsyncEngine:
         self.on_step = on_step  # called on the engine thread after each step (metrics)
         self.on_dead = on_dead  # called on the engine thread once, when it stops for good
         self.dead: str | None = None  # why the engine stopped; None while it runs
-        self._commands: queue.Queue[_Add | _Abort | _Unpin | None] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Abort | _Unpin | _Call | None] = queue.Queue()
         # Both threads touch these: the event loop registers streams and counts adds, the
         # engine thread delivers, unregisters and uncounts.
         self._lock = threading.Lock()
@@ -103,6 +109,18 @@ class AsyncEngine:
         self._commands.put(_Add(request_id, prompt_ids, params, priority, time.time(), pin_ttl_s, lora_request))
         return RequestStream(self, request_id, outputs)
 
+    async def call(self, function: Callable[[LLMEngine], object]) -> object:
+        """function(engine) on the engine thread, between steps and in order with the requests
+        queued before and after it (moving KV blocks in or out); its result or its exception."""
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self.dead is not None:
+                raise EngineDeadError(self.dead)
+            if self._stopped:
+                raise RuntimeError("the engine is shutting down")
+            self._commands.put(_Call(function, result))
+        return await asyncio.wrap_future(result)
+
     def unpin(self, pin_id: str) -> bool:
         """Release a pinned prefix (on the engine thread); False if there is no such pin."""
         if pin_id not in self.engine.kv_cache.pins:
@@ -126,6 +144,9 @@ class AsyncEngine:
             self._loop()
         except BaseException as error:  # nothing may end this thread silently
             self._die(error)
+        finally:
+            self._fail_pending_calls()
+            self.engine.close()
 
     def _loop(self) -> None:
         engine = self.engine
@@ -151,7 +172,7 @@ class AsyncEngine:
         self._deliver([(output.request_id, RequestFailedError(output.error) if output.error else output)
                        for output in outputs])
 
-    def _apply(self, command: _Add | _Abort | _Unpin) -> None:
+    def _apply(self, command: _Add | _Abort | _Unpin | _Call) -> None:
         if isinstance(command, _Abort):
             output = self.engine.abort_request(command.request_id)
             if output is not None:
@@ -159,6 +180,12 @@ class AsyncEngine:
             return
         if isinstance(command, _Unpin):
             self.engine.unpin_prefix(command.pin_id)
+            return
+        if isinstance(command, _Call):
+            try:
+                command.result.set_result(command.function(self.engine))
+            except Exception as error:  # the caller's to handle; the engine goes on
+                command.result.set_exception(error)
             return
         with self._lock:
             self._pending -= 1
@@ -199,6 +226,18 @@ class AsyncEngine:
             _hand_over(loop, [(outputs, EngineDeadError(self.dead))])
         if self.on_dead is not None:
             self.on_dead(error)
+
+    def _fail_pending_calls(self) -> None:
+        """Calls still queued when the thread ends get an error rather than no answer."""
+        with self._lock:
+            self._stopped = True
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Call):
+                command.result.set_exception(EngineDeadError(self.dead or "the engine has stopped"))
 
     def _close(self, request_id: str) -> None:
         with self._lock:

@@ -63,7 +63,15 @@ class ServerMetrics:
         self.lora_hits = Counter("hyperserve:lora_adapter_hits", "Adapters of each step by the tier that had them: "
                                  "step (the previous step's batch; on the GPU, on the device), memory, disk",
                                  [*labels, "tier"], registry=r)
-        self.counters = {"queries": self.prefix_queries, "hits": self.prefix_hits,
+        transfers = {"kv_blocks_sent": "KV blocks sent to decode servers (--role prefill)",
+                     "kv_bytes_sent": "Bytes of KV sent to decode servers",
+                     "kv_blocks_received": "KV blocks taken from a prefill server (--role decode), new here",
+                     "kv_bytes_received": "Bytes of KV taken from a prefill server",
+                     "kv_transfer_seconds": "Time waiting on the prefill server: its prefill and the transfer",
+                     "kv_transfer_failures": "Remote prefills that failed; their prompts were computed here"}
+        self.kv_transfers = {key: Counter(f"hyperserve:{key}", doc, labels, registry=r)
+                             for key, doc in transfers.items()}
+        self.counters = {**self.kv_transfers, "queries": self.prefix_queries, "hits": self.prefix_hits,
                          "evictions": self.prefix_evictions, "disk_reads": self.disk_reads,
                          "disk_writes": self.disk_writes, "spec_drafts": self.spec_drafts,
                          "spec_draft_tokens": self.spec_draft_tokens, "spec_accepted": self.spec_accepted_tokens,
@@ -96,7 +104,8 @@ class ModelMetrics:
                   "disk_reads": disk.num_reads if disk else 0, "disk_writes": disk.num_writes if disk else 0,
                   "spec_drafts": spec.num_drafts, "spec_draft_tokens": spec.num_draft_tokens,
                   "spec_accepted": spec.num_accepted_tokens,
-                  "lora_loads": lora.num_loads if lora else 0, "lora_load_seconds": lora.load_seconds if lora else 0.0}
+                  "lora_loads": lora.num_loads if lora else 0, "lora_load_seconds": lora.load_seconds if lora else 0.0,
+                  **{f"kv_{name}": value for name, value in vars(engine.kv_transfers).items()}}
         f.lora_loaded.labels(m).set(lora.num_loaded if lora else 0)
         if lora is not None:
             for tier, count in lora.hits.items():

@@ -95,8 +95,14 @@ class ServedModel:
             raise
         finally:
             self._loading = None
+        try:
+            serving = OpenAIServing(engine, self.settings, self.entry.adapters)
+        except ValueError as error:  # a server setting this engine cannot honour
+            self.load_error = str(error)
+            await asyncio.to_thread(engine.shutdown)
+            raise
         self.load_error = None
-        self.async_engine, self.serving = engine, OpenAIServing(engine, self.settings, self.entry.adapters)
+        self.async_engine, self.serving = engine, serving
         self.last_used = time.monotonic()
         self.measured_bytes = engine.engine.memory_bytes()
         logger.info("model %s ready (loaded in %.1f s, %.2f GiB of weights and KV pool)", self.name,
@@ -104,9 +110,10 @@ class ServedModel:
         return self.serving
 
     async def unload(self) -> None:
-        engine, self.async_engine, self.serving = self.async_engine, None, None
+        engine, serving, self.async_engine, self.serving = self.async_engine, self.serving, None, None
         if engine is None:
             return
+        await serving.aclose()
         await asyncio.to_thread(engine.shutdown)
         del engine
         gc.collect()  # the engine's tensors go with their last reference...
@@ -217,4 +224,5 @@ class ModelPool:
 
     async def shutdown(self) -> None:
         for model in self.loaded():
+            await model.serving.aclose()
             await asyncio.to_thread(model.async_engine.shutdown)

@@ -20,17 +20,21 @@ from hyperserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from hyperserve.sampling_params import SamplingParams, StructuredOutputs
 from hyperserve.server import tools
 from hyperserve.server.async_engine import AsyncEngine, RequestFailedError, RequestStream
+from hyperserve.server.disaggregation import RemotePrefill, encode_blocks
 from hyperserve.server.protocol import (
     CacheRequest,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    KVPrefillRequest,
     Tool,
     new_id,
     now,
 )
 from hyperserve.server.settings import ServerSettings
 from hyperserve.server.tools import template_calls_tools
+
+KV_PIN_TTL_S = 60.0  # a prefill server's pin lives until its blocks are read; this bounds a stuck one
 
 
 @dataclass
@@ -68,6 +72,18 @@ class OpenAIServing:
         tokenizer = engine.engine.tokenizer
         self.native_tools = template_calls_tools(getattr(tokenizer, "chat_template", None))
         self.tool_open_is_special = tokenizer is not None and tools.OPEN in tokenizer.get_added_vocab()
+        self.remote_prefill = None
+        if settings.role in ("prefill", "decode"):
+            reason = engine.engine.kv_transfer_unsupported()
+            if reason is not None:
+                raise ValueError(f"--role {settings.role}: this engine cannot move KV blocks: {reason}")
+        if settings.role == "decode":
+            self.remote_prefill = RemotePrefill(settings.prefill_url, settings.disagg_min_tokens,
+                                                settings.prefill_timeout_s, settings.prefill_api_key)
+
+    async def aclose(self) -> None:
+        if self.remote_prefill is not None:
+            await self.remote_prefill.close()
 
     # ---- requests -> jobs --------------------------------------------------------------------
 
@@ -78,6 +94,7 @@ class OpenAIServing:
         prompts = await asyncio.to_thread(lambda: [self._prompt_ids(p, "prompt") for p in texts])
         params = await self._params(request, request.max_tokens if request.max_tokens is not None else 16,
                                     request.logprobs, prompts, self._constraint(request))
+        await self._prefill_remotely(prompts, lora)
         return Job("completion", new_id("cmpl"), request.model or self.model_name, prompts, params, request.priority,
                    bool(request.stream_options and request.stream_options.include_usage), lora=lora)
 
@@ -99,6 +116,7 @@ class OpenAIServing:
             max_tokens = min(self.settings.default_max_tokens, self.max_model_len - len(ids))
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = await self._params(request, max_tokens, logprobs, prompts, constraint)
+        await self._prefill_remotely(prompts, lora)
         return Job("chat", new_id("chatcmpl"), request.model or self.model_name, prompts, params, request.priority,
                    bool(request.stream_options and request.stream_options.include_usage),
                    chat_logprobs=request.logprobs,
@@ -119,9 +137,16 @@ class OpenAIServing:
         else:
             prompt, param = request.prompt, "prompt"
         ids = await asyncio.to_thread(self._prompt_ids, prompt, param)
+        pin_id = await self._pin_prompt(ids, request.ttl, "cache")
+        pin = self.engine.engine.kv_cache.pins[pin_id]
+        return {"id": pin_id, "object": "cache", "model": self.model_name, "prompt_tokens": len(ids),
+                "cached_tokens": pin.num_tokens, "expires_at": int(pin.expires_at)}
+
+    async def _pin_prompt(self, ids: list[int], ttl: float, kind: str) -> str:
+        """Compute a prompt's KV and pin it (admitted like a completion); returns the pin's id."""
         self._admit()
-        pin_id = new_id("cache")
-        stream = self._submit(pin_id, ids, SamplingParams(max_tokens=1), pin_ttl_s=request.ttl)
+        pin_id = new_id(kind)
+        stream = self._submit(pin_id, ids, SamplingParams(max_tokens=1), pin_ttl_s=ttl)
         try:
             async for _ in stream:
                 pass
@@ -131,11 +156,37 @@ class OpenAIServing:
             raise _api_error(error) from error
         finally:
             stream.close()
-        pin = self.engine.engine.kv_cache.pins.get(pin_id)
-        if pin is None:  # other pins took the room while this prefix was computed
+        if pin_id not in self.engine.engine.kv_cache.pins:  # other pins took the room while this was computed
             raise _pin_refused("pins hold as much of the KV pool as they may (max_pinned_fraction)", True)
-        return {"id": pin_id, "object": "cache", "model": self.model_name, "prompt_tokens": len(ids),
-                "cached_tokens": pin.num_tokens, "expires_at": int(pin.expires_at)}
+        return pin_id
+
+    async def prefill_kv(self, request: KVPrefillRequest) -> bytes:
+        """--role prefill: a prompt's KV blocks from `skip_blocks` on, with their hashes
+        (server/disaggregation.py); the pin that kept them is released once they are read."""
+        self._check_model(request.model)
+        if request.kv_identity != self.engine.engine.kv_identity:
+            raise APIError(409, "this prefill server's KV does not fit the decode server's: they must run the same "
+                                "model, dtype, quantization and block size", type_="conflict", param="kv_identity")
+        ids = await asyncio.to_thread(self._prompt_ids, request.prompt_token_ids, "prompt_token_ids")
+        pin_id = await self._pin_prompt(ids, KV_PIN_TTL_S, "kv")
+
+        def read(engine) -> bytes:
+            try:
+                skip = request.skip_blocks
+                hashes = engine.prefix_hashes(ids)[skip:]
+                blocks = engine.kv_cache.pins[pin_id].block_ids[0][skip : skip + len(hashes)]
+                return encode_blocks(hashes, engine.read_blocks(blocks) if blocks else {})
+            finally:
+                engine.unpin_prefix(pin_id)
+
+        return await self.engine.call(read)
+
+    async def _prefill_remotely(self, prompts: list[list[int]], lora: LoRARequest | None) -> None:
+        """--role decode: long prompts' KV from the prefill server first (not for adapters, whose
+        KV the prefill server does not have)."""
+        if self.remote_prefill is not None and lora is None:
+            for prompt in prompts:
+                await self.remote_prefill.prefill(self.engine, prompt)
 
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
                   offered: list[Tool] | None = None) -> list[int]:

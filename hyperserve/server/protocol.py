@@ -289,6 +289,18 @@ class CacheRequest(BaseModel):
         return self
 
 
+class KVPrefillRequest(BaseModel):
+    """POST /v1/kv/prefill (--role prefill): compute a prompt's KV and send its blocks from
+    `skip_blocks` on (the decode server has the ones before)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt_token_ids: list[int] = Field(min_length=1)
+    skip_blocks: int = Field(default=0, ge=0)
+    kv_identity: str = Field(min_length=1, max_length=256)  # the decode engine's: the blocks must fit it
+
+
 class LoadLoRARequest(BaseModel):
     """POST /v1/load_lora_adapter, as vLLM's."""
 

@@ -16,7 +16,20 @@ class ServerSettings:
     # One request fans out into at most this many sequences (prompts x n), as a multiple of
     # max_num_seqs: a single request may fill the batch twice over, never more.
     max_fanout_factor: int = 2
+    # Disaggregated prefill (server/disaggregation.py): "prefill" serves POST /v1/kv/prefill,
+    # "decode" sends long prompts to prefill_url first; "both" (the default) does neither.
+    role: str = "both"
+    prefill_url: str | None = None
+    prefill_api_key: str | None = None
+    disagg_min_tokens: int = 256  # uncached prompt tokens from which a prompt goes to the prefill server
+    prefill_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.max_queue < 1 or self.default_max_tokens < 1 or self.max_pin_ttl_s <= 0:
             raise ValueError("max_queue, default_max_tokens and max_pin_ttl_s must be positive")
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
+        if (self.role == "decode") != (self.prefill_url is not None):
+            raise ValueError("--role decode needs --prefill-url, and --prefill-url needs --role decode")
+        if self.disagg_min_tokens < 1 or self.prefill_timeout_s <= 0:
+            raise ValueError("disagg_min_tokens and prefill_timeout_s must be positive")

@@ -1,0 +1,77 @@
+"""Tensor parallelism on the CPU: two processes over gloo against one process on the same weights."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+from hyperserve import LLM, SamplingParams
+from tests.conftest import FLOAT32, tiny_config
+
+pytestmark = pytest.mark.slow
+
+OPTIONS = dict(max_model_len=1024, num_kv_blocks=64, max_num_batched_tokens=64)  # long prompts prefill in chunks
+
+
+def generate(prompts, max_tokens: int = 16, **options) -> tuple[list[list[int]], list[list[float]], int]:
+    """Greedy tokens and their logprobs from one engine, and how many worker processes it ran;
+    checks that every KV block came back and that closing the engine stopped its workers."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    with LLM(**{**OPTIONS, **options}) as llm:
+        free = llm.engine.kv_cache.num_free_blocks
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.kv_cache.num_free_blocks == free
+        workers = list(llm.engine.workers.processes) if llm.engine.workers is not None else []
+    assert not any(p.is_alive() for p in workers), "closing the engine stops its workers"
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    logprobs = [[entry[token].logprob for token, entry in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                for o in outputs]
+    return tokens, logprobs, len(workers)
+
+
+def assert_close(actual: list[list[float]], expected: list[list[float]], tolerance: float) -> None:
+    worst = max(abs(a - e) for row_a, row_e in zip(actual, expected) for a, e in zip(row_a, row_e))
+    assert worst <= tolerance, f"logprobs differ by up to {worst}"
+
+
+@pytest.fixture(scope="module")
+def smollm2_prompts(chat_prompt_ids, smollm2_tokenizer):
+    story = smollm2_tokenizer("The quick brown fox jumps over the lazy dog by the river. " * 12).input_ids
+    return chat_prompt_ids[:3] + [story]  # the story (~150 tokens) prefills in three chunks
+
+
+@pytest.mark.parametrize("options,tolerance", [(FLOAT32, 1e-3), ({}, 0.1)], ids=["float32", "int4"])
+def test_smollm2_over_two_ranks_matches_one(smollm2_prompts, options, tolerance):
+    """SmolLM2's 3 K/V heads split 2 and 1; its 49,152-token vocabulary and 1,536-wide MLP evenly.
+    int4 (the default) rounds activations to bfloat16 at other points than one rank does."""
+    tokens, logprobs, _ = generate(smollm2_prompts, **options)
+    tp_tokens, tp_logprobs, workers = generate(smollm2_prompts, tensor_parallel_size=2, **options)
+    assert workers == 1
+    assert tp_tokens == tokens
+    assert_close(tp_logprobs, logprobs, tolerance)
+
+
+def test_uneven_heads_width_and_vocabulary(save_hf_model):
+    """6 query / 3 K/V heads, an MLP width of 160 (cut at 32s: 64 and 96) and 1,001 tokens (padded
+    to 1,002), with Qwen2's Q/K/V biases: every slice is uneven or padded."""
+    config = tiny_config("qwen2", num_attention_heads=6, num_key_value_heads=3, intermediate_size=160,
+                         vocab_size=1001, hidden_size=96)
+    _, path = save_hf_model(config)
+    prompts = [[5, 17, 300, 999, 1000, 42], list(range(100, 260))]
+    tokens, logprobs, _ = generate(prompts, model=path, **FLOAT32)
+    tp_tokens, tp_logprobs, _ = generate(prompts, model=path, tensor_parallel_size=2, **FLOAT32)
+    assert tp_tokens == tokens
+    assert_close(tp_logprobs, logprobs, 1e-3)
+
+
+@pytest.mark.parametrize("overrides,options,message", [
+    ({"num_key_value_heads": 1}, {}, "exceeds the model's 1 K/V heads"),
+    ({}, {"enable_lora": True}, "enable_lora"),
+    ({}, {"speculative": {"method": "self"}}, "speculative_method"),
+], ids=["too-few-kv-heads", "lora", "self-speculation"])
+def test_what_cannot_be_split_is_refused_before_any_process_starts(save_hf_model, overrides, options, message):
+    _, path = save_hf_model(tiny_config("llama", **overrides))
+    with pytest.raises(ValueError, match=message):
+        LLM(path, tensor_parallel_size=2, **OPTIONS, **options)
+    assert multiprocessing.active_children() == []
