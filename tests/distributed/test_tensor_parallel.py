@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 
 import pytest
+import torch
 
 from hyperserve import LLM, SamplingParams
 from tests.conftest import FLOAT32, tiny_config
@@ -52,15 +53,20 @@ def test_smollm2_over_two_ranks_matches_one(smollm2_prompts, options, tolerance)
     assert_close(tp_logprobs, logprobs, tolerance)
 
 
-def test_uneven_heads_width_and_vocabulary(save_hf_model):
+TWO_GPUS = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")])
+
+
+@pytest.mark.parametrize("device", ["cpu", TWO_GPUS])
+def test_uneven_heads_width_and_vocabulary(save_hf_model, device):
     """6 query / 3 K/V heads, an MLP width of 160 (cut at 32s: 64 and 96) and 1,001 tokens (padded
-    to 1,002), with Qwen2's Q/K/V biases: every slice is uneven or padded."""
+    to 1,002), with Qwen2's Q/K/V biases: every slice is uneven or padded. On CUDA: NCCL."""
     config = tiny_config("qwen2", num_attention_heads=6, num_key_value_heads=3, intermediate_size=160,
                          vocab_size=1001, hidden_size=96)
     _, path = save_hf_model(config)
     prompts = [[5, 17, 300, 999, 1000, 42], list(range(100, 260))]
-    tokens, logprobs, _ = generate(prompts, model=path, **FLOAT32)
-    tp_tokens, tp_logprobs, _ = generate(prompts, model=path, tensor_parallel_size=2, **FLOAT32)
+    tokens, logprobs, _ = generate(prompts, model=path, device=device, **FLOAT32)
+    tp_tokens, tp_logprobs, _ = generate(prompts, model=path, device=device, tensor_parallel_size=2, **FLOAT32)
     assert tp_tokens == tokens
     assert_close(tp_logprobs, logprobs, 1e-3)
 
