@@ -17,6 +17,7 @@ its id as `parent_id`; its RequestOutput carries all n completions.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -300,6 +301,8 @@ class LLMEngine:
         """Take a prefix's blocks computed elsewhere (tensors as read_blocks gives them, for these
         hashes) into the prefix cache, so a request for it computes only what follows; returns how
         many blocks were new here. Raises ValueError for blocks of another shape."""
+        if not hashes:
+            return 0
         expected = self.runner.read_block(0)
         if set(tensors) != set(expected) or any(
                 tensors[name].shape != (len(hashes), *t.shape) for name, t in expected.items()):
@@ -556,7 +559,7 @@ class LLMEngine:
                     "(window %d tokens)", num_full_blocks, num_full, num_window_blocks, num_windowed, window)
         return num_full_blocks, window, num_window_blocks
 
-    @property
+    @functools.cached_property
     def kv_identity(self) -> str:
         """What this engine's KV depends on (weights, dtypes, quantization, block size): blocks of
         another engine with the same identity are interchangeable with its own."""
