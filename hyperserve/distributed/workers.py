@@ -2,7 +2,8 @@
 
 Each worker loads its slice of the model, allocates a KV pool of its own heads with rank 0's
 block count, and then runs every forward pass that rank 0 runs, on the chunks rank 0 sends it
-(the same block tables: the scheduler and the block pool live on rank 0 only). Commands come over
+(the same block tables: the scheduler and the block pool live on rank 0 only), and on CUDA
+captures its decode graphs when rank 0 captures its own. Commands come over
 a pipe, which waits without a timeout while the server idles and ends the worker when rank 0's
 process exits; tensors go over the group's collectives.
 """
@@ -95,7 +96,7 @@ class TensorParallelWorkers:
 
 def _worker_main(config: EngineConfig, rank: int, size: int, port: int, threads: int, pipe: Connection) -> None:
     """One worker's life: join, load, build, then follow rank 0's steps until told to stop."""
-    from hyperserve.engine.model_runner import ModelRunner
+    from hyperserve.engine.model_runner import CAPTURE_GRAPHS, ModelRunner
     from hyperserve.models.loader import load_model
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s")
@@ -115,9 +116,12 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, threads:
     pipe.send("ready")
     while True:
         try:
-            chunks = pipe.recv()
+            command = pipe.recv()  # a step's chunks, CAPTURE_GRAPHS, or None: stop
         except EOFError:  # rank 0 is gone
             return
-        if chunks is None:
+        if command is None:
             return
-        runner.forward(chunks)
+        if command == CAPTURE_GRAPHS:
+            runner.capture_graphs()
+        else:
+            runner.forward(command)

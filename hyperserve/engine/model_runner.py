@@ -40,6 +40,8 @@ from hyperserve.layers.lora import LoRARequest
 from hyperserve.layers.quantization import QUANTIZED_MAX_ROWS
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
 
+CAPTURE_GRAPHS = "capture_graphs"  # rank 0's word to the other ranks: capture with me now
+
 # Decodes whose context lengths differ by more than this factor attend in separate batches.
 DECODE_GROUP_SPREAD = 1.25
 MIN_DECODE_GROUP = 8
@@ -109,14 +111,22 @@ class ModelRunner:
             if model.tp.rank == 0:  # the other ranks compile as rank 0's warm-up passes reach them
                 self._compile_decode_graphs()
         if (self.device.type == "cuda" and not config.model.enforce_eager and model.attention_backend.ragged_decode
-                and not model.interleaves_full_attention  # the graphs take one kind of attention metadata
-                and model.tp.size == 1):  # capture would have to run on every rank at once
+                and not model.interleaves_full_attention):  # the graphs take one kind of attention metadata
             max_len = config.model.max_model_len or model.config.max_position_embeddings
             self.decode_graphs = DecodeGraphs(self._decode_logits, config.scheduler.max_num_seqs,
                                               -(-max_len // self.block_size), self.block_size, self.padding_slot,
                                               model.sliding_window, self.device)
-            with torch.inference_mode():
-                self.decode_graphs.capture()
+            if model.tp.rank == 0:  # the other ranks capture when rank 0 does (capture_graphs)
+                self.capture_graphs()
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs. Under tensor parallelism every rank captures at once (rank 0
+        tells the others first): NCCL takes a captured collective as a property of all its ranks,
+        and each must replay the graph of that same capture."""
+        if self.workers is not None:
+            self.workers.send(CAPTURE_GRAPHS)
+        self.decode_graphs.capture()
 
     def _fused_decode(self, config: EngineConfig) -> FusedDecode | None:
         """The native one-call-per-layer decode for int4 models on the CPU, where it applies."""
@@ -248,7 +258,7 @@ class ModelRunner:
         KV by default, a draft model (and its own KV, or a prefix of the target's layers) otherwise."""
         model = model or self.model
         if self.workers is not None and model is self.model and kv_caches is None:
-            self.workers.send(chunks)  # the other ranks run the same pass
+            self.workers.send(chunks)  # the other ranks run the same pass (and replay the same graph)
         with_lora = self.lora is not None and model is self.model and any(c.lora for c in chunks)
         decode_only = (model is self.model and kv_caches is None and not with_lora
                        and all(len(c.token_ids) == c.num_logits == 1 for c in chunks))

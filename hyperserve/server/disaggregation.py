@@ -22,6 +22,7 @@ across hosts), an RDMA transport (NIXL, Mooncake) would replace the body, not th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -72,7 +73,7 @@ class RemotePrefill:
             response = await self.client.post("/v1/kv/prefill", json={
                 "prompt_token_ids": prompt, "skip_blocks": have, "kv_identity": llm.kv_identity})
             response.raise_for_status()
-            received, tensors = decode_blocks(response.content)
+            received, tensors = await asyncio.to_thread(decode_blocks, response.content)  # off the event loop
             if received != hashes[have:]:
                 raise ValueError("the prefill server sent blocks of another prompt or block size")
             inserted = await engine.call(lambda e: e.import_prefix(received, tensors))

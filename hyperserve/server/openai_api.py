@@ -170,16 +170,17 @@ class OpenAIServing:
         ids = await asyncio.to_thread(self._prompt_ids, request.prompt_token_ids, "prompt_token_ids")
         pin_id = await self._pin_prompt(ids, KV_PIN_TTL_S, "kv")
 
-        def read(engine) -> bytes:
+        def read(engine) -> tuple[list[bytes], dict]:
             try:
                 skip = request.skip_blocks
                 hashes = engine.prefix_hashes(ids)[skip:]
                 blocks = engine.kv_cache.pins[pin_id].block_ids[0][skip : skip + len(hashes)]
-                return encode_blocks(hashes, engine.read_blocks(blocks) if blocks else {})
+                return hashes, engine.read_blocks(blocks) if blocks else {}
             finally:
                 engine.unpin_prefix(pin_id)
 
-        return await self.engine.call(read)
+        hashes, tensors = await self.engine.call(read)
+        return await asyncio.to_thread(encode_blocks, hashes, tensors)  # a copy of tens of MB: off the loop
 
     async def _prefill_remotely(self, prompts: list[list[int]], lora: LoRARequest | None) -> None:
         """--role decode: long prompts' KV from the prefill server first (not for adapters, whose
