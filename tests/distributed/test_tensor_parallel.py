@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
 
+import httpx
 import pytest
 import torch
 
 from hyperserve import LLM, SamplingParams
 from tests.conftest import FLOAT32, tiny_config
+from tests.server.conftest import start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -81,3 +85,24 @@ def test_what_cannot_be_split_is_refused_before_any_process_starts(save_hf_model
     with pytest.raises(ValueError, match=message):
         LLM(path, tensor_parallel_size=2, **OPTIONS, **options)
     assert multiprocessing.active_children() == []
+
+
+def test_the_server_serves_over_two_ranks_and_stops_its_worker():
+    prompt = "The capital of France is"
+    server = start_server("--tensor-parallel-size", "2", "--max-model-len", "1024", "--kv-cache-memory-gb", "0.25",
+                          log_name="tensor-parallel")
+    try:
+        children = subprocess.run(["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True)
+        worker_pids = [int(pid) for pid in children.stdout.split()  # not multiprocessing's resource tracker
+                       if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        assert len(worker_pids) == 1
+        response = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                              json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert response.status_code == 200, response.text
+    finally:
+        stop_server(server)
+    with LLM(max_model_len=1024, kv_cache_memory_gb=0.25) as llm:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        expected = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    assert response.json()["choices"][0]["text"] == expected
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in worker_pids), "the worker outlived the server"
