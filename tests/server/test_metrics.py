@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from hyperserve.engine.engine import KVTransferStats
 from hyperserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hyperserve.server.metrics import ServerMetrics
 
@@ -17,7 +18,7 @@ def fake_engine():
     spec = SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, acceptance_rate=0.0,
                            mean_accepted_length=0.0)
     return SimpleNamespace(num_running=0, num_waiting=0, kv_cache=kv, scheduler=SimpleNamespace(spec_stats=spec),
-                           lora=None)
+                           lora=None, kv_transfers=KVTransferStats())
 
 
 def test_finished_and_aborted_requests_leave_no_per_request_state():
