@@ -77,7 +77,7 @@ class RemotePrefill:
             if received != hashes[have:]:
                 raise ValueError("the prefill server sent blocks of another prompt or block size")
             inserted = await engine.call(lambda e: e.import_prefix(received, tensors))
-        except Exception as error:  # noqa: BLE001 (anything: the prompt is computed here)
+        except Exception as error:  # anything: the prompt is computed here
             llm.kv_transfers.transfer_failures += 1
             logger.warning("remote prefill failed, computing the prompt here: %s: %s", type(error).__name__, error)
             return 0
