@@ -633,7 +633,7 @@ def _check_tensor_parallel(config: EngineConfig, hf_config) -> None:
         raise ValueError(f"tensor_parallel_size={size} exceeds the model's {hf_config.num_key_value_heads} K/V "
                          "heads: each rank needs at least one")
     refused = {"enable_lora": config.lora.enable_lora,
-               "speculative_method=draft or self": config.speculative.speculative_method in ("draft", "self"),
+               "speculative_method=self": config.speculative.speculative_method == "self",
                "disk_cache_dir": config.cache.disk_cache_dir is not None}
     names = [name for name, on in refused.items() if on]
     if names:

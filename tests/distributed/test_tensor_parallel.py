@@ -75,6 +75,21 @@ def test_uneven_heads_width_and_vocabulary(save_hf_model, device):
     assert_close(tp_logprobs, logprobs, 1e-3)
 
 
+@pytest.mark.parametrize("speculative", [{"method": "ngram"}, {"method": "draft", "model": "smollm2-135m"}],
+                         ids=["ngram", "draft-model"])
+def test_speculative_decoding_over_two_ranks(speculative):
+    """Verification steps (k + 1 rows of a sequence) run on every rank; a draft model runs on rank
+    0 alone, unsplit."""
+    prompts = [[5, 6, 7, 8] * 10, list(range(1000, 1040))]  # the first repeats: n-grams find drafts
+    tokens, _, _ = generate(prompts, max_tokens=24, **FLOAT32)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(**OPTIONS, **FLOAT32, tensor_parallel_size=2,
+             speculative={**speculative, "num_tokens": 3, "verify_cost": 0.0}) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.scheduler.spec_stats.num_drafts > 0
+    assert [o.outputs[0].token_ids for o in outputs] == tokens
+
+
 @pytest.mark.parametrize("overrides,options,message", [
     ({"num_key_value_heads": 1}, {}, "exceeds the model's 1 K/V heads"),
     ({}, {"enable_lora": True}, "enable_lora"),
