@@ -35,8 +35,8 @@ class TensorParallelWorkers:
     def __init__(self, config: EngineConfig) -> None:
         size = config.parallel.tensor_parallel_size
         port = free_port()
-        threads = torch.get_num_threads()
-        if config.model.device == "cpu":  # the ranks share this machine's cores
+        self.saved_threads = threads = torch.get_num_threads()
+        if config.model.device == "cpu":  # the ranks share this machine's cores (given back by close)
             threads = max(1, threads // size)
             torch.set_num_threads(threads)
         context = multiprocessing.get_context("spawn")  # a forked torch with threads running is unsafe
@@ -85,6 +85,7 @@ class TensorParallelWorkers:
         for pipe in self.pipes:
             pipe.close()
         self.processes, self.pipes = [], []
+        torch.set_num_threads(self.saved_threads)
 
     @staticmethod
     def _receive(rank: int, pipe: Connection) -> object:

@@ -21,14 +21,17 @@ OPTIONS = dict(max_model_len=1024, num_kv_blocks=64, max_num_batched_tokens=64) 
 
 def generate(prompts, max_tokens: int = 16, **options) -> tuple[list[list[int]], list[list[float]], int]:
     """Greedy tokens and their logprobs from one engine, and how many worker processes it ran;
-    checks that every KV block came back and that closing the engine stopped its workers."""
+    checks that every KV block came back and that closing the engine stopped its workers and gave
+    the threads back."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    threads = torch.get_num_threads()  # the ranks split the cores while they run
     with LLM(**{**OPTIONS, **options}) as llm:
         free = llm.engine.kv_cache.num_free_blocks
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.kv_cache.num_free_blocks == free
         workers = list(llm.engine.workers.processes) if llm.engine.workers is not None else []
     assert not any(p.is_alive() for p in workers), "closing the engine stops its workers"
+    assert torch.get_num_threads() == threads, "and gives this process its threads back"
     tokens = [o.outputs[0].token_ids for o in outputs]
     logprobs = [[entry[token].logprob for token, entry in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                 for o in outputs]
