@@ -74,7 +74,7 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # explicit pool size; overrides the memory settings below
-    kv_cache_memory_gb: float | None = None  # the KV pool's budget; None: 4 GB on CPU, gpu_memory_utilization on CUDA
+    kv_cache_memory_gb: float | None = None  # the KV pool's budget (per rank); None: 4 GB on CPU, see below on CUDA
     gpu_memory_utilization: float = 0.9  # CUDA: the share of GPU memory for weights, activations and the KV pool
     enable_prefix_caching: bool = True  # reuse the KV of prefixes seen before (--no-prefix-caching)
     disk_cache_dir: str | None = None  # a disk tier for evicted prefix blocks; None: memory only
