@@ -291,8 +291,7 @@ class LLMEngine:
 
     def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
         """The KV of these blocks, on the CPU: each tensor [blocks, layers, block_size, ...]."""
-        per_block = [self.runner.read_block(b) for b in block_ids]
-        tensors = {name: torch.stack([block[name] for block in per_block]).cpu() for name in per_block[0]}
+        tensors = {name: t.cpu() for name, t in self.runner.read_blocks(block_ids).items()}
         self.kv_transfers.blocks_sent += len(block_ids)
         self.kv_transfers.bytes_sent += sum(t.numel() * t.element_size() for t in tensors.values())
         return tensors
@@ -303,15 +302,21 @@ class LLMEngine:
         many blocks were new here. Raises ValueError for blocks of another shape."""
         if not hashes:
             return 0
-        expected = self.runner.read_block(0)
+        expected = self.runner.read_blocks([0])
         if set(tensors) != set(expected) or any(
-                tensors[name].shape != (len(hashes), *t.shape) for name, t in expected.items()):
+                tensors[name].shape[1:] != t.shape[1:] or len(tensors[name]) != len(hashes)
+                for name, t in expected.items()):
             raise ValueError("the KV blocks do not fit this engine's cache (another model or block size?)")
-        inserted = self.kv_cache.insert_cached(
-            hashes, lambda i, block_id: self.runner.write_block(block_id, {n: t[i] for n, t in tensors.items()}))
-        self.kv_transfers.blocks_received += inserted
-        self.kv_transfers.bytes_received += inserted * sum(t[0].numel() * t.element_size() for t in tensors.values())
-        return inserted
+        placed = self.kv_cache.insert_cached(hashes)  # (index in the chain, block id) of those new here
+        if not placed:
+            return 0
+        if len(placed) < len(hashes):
+            indices = torch.tensor([i for i, _ in placed], dtype=torch.long)
+            tensors = {n: t.index_select(0, indices) for n, t in tensors.items()}
+        self.runner.write_blocks([b for _, b in placed], tensors)
+        self.kv_transfers.blocks_received += len(placed)
+        self.kv_transfers.bytes_received += sum(t.numel() * t.element_size() for t in tensors.values())
+        return len(placed)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request in any state; its KV blocks return to the pool at once."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -195,12 +194,13 @@ class KVCacheManager:
                 return i
         return len(hashes)
 
-    def insert_cached(self, hashes: list[bytes], fill: Callable[[int, int], None]) -> int:
+    def insert_cached(self, hashes: list[bytes]) -> list[tuple[int, int]]:
         """Take blocks computed elsewhere (another server's prefill) into the prefix cache: each
-        hash not cached yet gets a block, `fill(index, block_id)` writes its KV, and it joins the
-        cache idle, as a finished request's blocks do. Stops early when no block is free; returns
-        how many were inserted. Only for a single, unwindowed group."""
-        held, inserted = [], 0  # the chain's blocks, held until all are in, so that none evicts another
+        hash not cached yet gets a block, which joins the cache idle, as a finished request's
+        blocks do; the caller writes their KV before the next step. Stops early when no block is
+        free. Returns (index in `hashes`, block id) of each block placed. Only for a single,
+        unwindowed group."""
+        held, placed = [], []  # the chain's blocks, held until all are in, so that none evicts another
         for i, block_hash in enumerate(hashes):
             block_id = self.pool.lookup(block_hash)
             if block_id is not None:
@@ -209,12 +209,11 @@ class KVCacheManager:
                 break
             else:
                 (block_id,) = self.pool.allocate(1)
-                fill(i, block_id)
                 self.pool.cache(block_id, block_hash)
-                inserted += 1
+                placed.append((i, block_id))
             held.append(block_id)
         self.pool.free(held[::-1])
-        return inserted
+        return placed
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_tokens

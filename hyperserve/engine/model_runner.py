@@ -189,14 +189,25 @@ class ModelRunner:
                                  self.kv_cache_dtype, self.device)
                 for layer in range(hf_config.num_hidden_layers)]
 
+    def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
+        """Every layer's K and V (and scales) of these blocks: [blocks, layers, block_size, ...]."""
+        blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        per_layer = [cache.read_blocks(blocks) for cache in self.kv_caches]
+        return {name: torch.stack([layer[name] for layer in per_layer], dim=1) for name in per_layer[0]}
+
+    def write_blocks(self, block_ids: list[int], tensors: dict[str, torch.Tensor]) -> None:
+        """Fill these blocks from tensors as read_blocks gives them: two copies per layer, whatever
+        the number of blocks (writing them one by one stalled a step by tens of ms)."""
+        blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for layer, cache in enumerate(self.kv_caches):
+            cache.write_blocks(blocks, {name: t[:, layer] for name, t in tensors.items()})
+
     def read_block(self, block_id: int) -> dict[str, torch.Tensor]:
-        """Every layer's K and V of one block (and scales), stacked over layers."""
-        per_layer = [cache.read_block(block_id) for cache in self.kv_caches]
-        return {name: torch.stack([layer[name] for layer in per_layer]) for name in per_layer[0]}
+        """One block, stacked over layers: the disk tier's unit."""
+        return {name: t[0] for name, t in self.read_blocks([block_id]).items()}
 
     def write_block(self, block_id: int, tensors: dict[str, torch.Tensor]) -> None:
-        for layer, cache in enumerate(self.kv_caches):
-            cache.write_block(block_id, {name: t[layer] for name, t in tensors.items()})
+        self.write_blocks([block_id], {name: t.unsqueeze(0) for name, t in tensors.items()})
 
     def release(self, request_ids: list[str]) -> None:
         """Forget finished requests' per-request state (their seeded generators)."""

@@ -84,14 +84,19 @@ class KVCache:
         v_scale = _gather_blocks(self.value_scale, blocks, self.block_size, None, "")
         return (k.to(dtype) * k_scale.unsqueeze(-1).to(dtype)), (v.to(dtype) * v_scale.unsqueeze(-1).to(dtype))
 
-    def read_block(self, block: int) -> dict[str, torch.Tensor]:
-        rows = slice(block * self.block_size, (block + 1) * self.block_size)
-        return {name: tensor[rows] for name, tensor in self._tensors().items()}
+    def read_blocks(self, blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Whole blocks [N] -> each stored tensor's rows of them, [N, block_size, ...] (copies)."""
+        return {name: tensor.view(-1, self.block_size, *tensor.shape[1:]).index_select(0, blocks)
+                for name, tensor in self._tensors().items()}
 
-    def write_block(self, block: int, tensors: dict[str, torch.Tensor]) -> None:
-        rows = slice(block * self.block_size, (block + 1) * self.block_size)
+    def write_blocks(self, blocks: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        """Fill whole blocks [N] from tensors as read_blocks gives them: one copy per stored tensor."""
         for name, tensor in self._tensors().items():
-            tensor[rows].copy_(tensors[name])
+            by_block = tensor.view(-1, self.block_size, *tensor.shape[1:])
+            source = tensors[name].to(tensor.device, tensor.dtype)
+            if tensor.element_size() == 1:  # index_copy_ has no float8 kernel; the bytes are the same
+                by_block, source = by_block.view(torch.uint8), source.view(torch.uint8)
+            by_block.index_copy_(0, blocks, source)
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         names = ("key", "value", "key_scale", "value_scale") if self.quantized else ("key", "value")
