@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from hyperserve.config import EngineConfig
+from hyperserve.distributed.group import TensorParallel
 from hyperserve.distributed.workers import TensorParallelWorkers
 from hyperserve.engine.detokenizer import IncrementalDetokenizer
 from hyperserve.engine.disk_cache import DiskKVStore, DiskTier
@@ -37,10 +38,9 @@ from hyperserve.engine.request import Request, RequestStatus
 from hyperserve.engine.scheduler import Scheduler, SchedulerOutput
 from hyperserve.engine.speculative import build_proposer, num_tokens_to_propose
 from hyperserve.engine.structured_output import GrammarCompiler
-from hyperserve.layers.attention import AttentionBackend, attention_backend
 from hyperserve.layers.lora import LoRARequest
 from hyperserve.models import loader
-from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
+from hyperserve.models.llama import LlamaForCausalLM
 from hyperserve.models.registry import resolve_model
 from hyperserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hyperserve.sampling_params import SamplingParams
@@ -516,11 +516,6 @@ class LLMEngine:
             return own
         return min(self.eos_token_ids)
 
-    def _attention_backend(self, hf_config) -> AttentionBackend:
-        model = self.config.model
-        return attention_backend(model.device, model.attention_backend, self.config.cache.block_size,
-                                 head_dim_of(hf_config))
-
     def _num_kv_blocks(self, model: LlamaForCausalLM) -> int:
         """The pool's size: num_kv_blocks, or kv_cache_memory_gb, or on CUDA what
         gpu_memory_utilization leaves after the weights and a measured step, or 4 GB on the CPU."""
@@ -595,16 +590,7 @@ class LLMEngine:
         )
         if not same_vocab:
             raise ValueError(f"draft model {name!r} does not share the target model's tokenizer")
-        return loader.build_model(
-            config,
-            None if self.config.model.load_format == "random" else source,
-            backend=self._attention_backend(config),
-            max_position=self.max_model_len,
-            dtype=self.config.model.torch_dtype,
-            device=self.config.model.device,
-            seed=self.config.model.seed + 1,
-            quantization=self.config.model.quantization,
-        )
+        return loader.load_model(self.config, name=name, max_position=self.max_model_len, seed_offset=1)
 
 
 def estimate_memory_bytes(config: EngineConfig) -> int:
@@ -634,9 +620,7 @@ def _check_tensor_parallel(config: EngineConfig, hf_config) -> None:
     if loader.model_class(hf_config) is not LlamaForCausalLM:
         raise ValueError("tensor parallelism runs the Llama family (Llama, Mistral, Qwen2, SmolLM2) so far, "
                          f"not {hf_config.model_type}")
-    if hf_config.num_key_value_heads < size:
-        raise ValueError(f"tensor_parallel_size={size} exceeds the model's {hf_config.num_key_value_heads} K/V "
-                         "heads: each rank needs at least one")
+    TensorParallel(0, size).head_slice(hf_config.num_attention_heads, hf_config.num_key_value_heads)  # K/V heads
     refused = {"enable_lora": config.lora.enable_lora,
                "speculative_method=self": config.speculative.speculative_method == "self",
                "disk_cache_dir": config.cache.disk_cache_dir is not None}

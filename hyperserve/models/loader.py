@@ -240,19 +240,21 @@ def build_model(
     return model
 
 
-def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> LlamaForCausalLM:
-    """The model an engine of this config serves (this rank's slice of it, with `tp`)."""
-    source = resolve_model(config.model.model)
+def load_model(config: EngineConfig, tp: TensorParallel | None = None, name: str | None = None,
+               max_position: int | None = None, seed_offset: int = 0) -> LlamaForCausalLM:
+    """The model an engine of this config serves (this rank's slice of it, with `tp`), or the
+    model `name` built alike (a draft model: its own random weights with seed_offset)."""
+    source = resolve_model(name or config.model.model)
     hf_config = load_config(source)
     return build_model(
         hf_config,
         None if config.model.load_format == "random" else source,
         backend=attention_backend(config.model.device, config.model.attention_backend, config.cache.block_size,
                                   head_dim_of(hf_config)),
-        max_position=config.model.max_model_len or hf_config.max_position_embeddings,
+        max_position=max_position or config.model.max_model_len or hf_config.max_position_embeddings,
         dtype=config.model.torch_dtype,
         device=config.model.device,
-        seed=config.model.seed,
+        seed=config.model.seed + seed_offset,
         quantization=config.model.quantization,
         tp=tp,
     )

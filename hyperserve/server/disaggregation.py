@@ -61,6 +61,8 @@ class RemotePrefill:
         """Have the prefill server compute what the prefix cache lacks of this prompt, if that is
         at least min_tokens, and take its blocks; returns how many were taken. Never raises: a
         failure leaves the prompt to this engine."""
+        if len(prompt) <= self.min_tokens:  # too short however little is cached: no hashing
+            return 0
         llm = engine.engine
         hashes = llm.prefix_hashes(prompt)
         # read from the event loop while the engine thread may change the pool: a stale answer

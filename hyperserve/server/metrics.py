@@ -69,9 +69,9 @@ class ServerMetrics:
                      "kv_bytes_received": "Bytes of KV taken from a prefill server",
                      "kv_transfer_seconds": "Time waiting on the prefill server: its prefill and the transfer",
                      "kv_transfer_failures": "Remote prefills that failed; their prompts were computed here"}
-        self.kv_transfers = {key: Counter(f"hyperserve:{key}", doc, labels, registry=r)
-                             for key, doc in transfers.items()}
-        self.counters = {**self.kv_transfers, "queries": self.prefix_queries, "hits": self.prefix_hits,
+        self.counters = {**{key: Counter(f"hyperserve:{key}", doc, labels, registry=r)
+                            for key, doc in transfers.items()},
+                         "queries": self.prefix_queries, "hits": self.prefix_hits,
                          "evictions": self.prefix_evictions, "disk_reads": self.disk_reads,
                          "disk_writes": self.disk_writes, "spec_drafts": self.spec_drafts,
                          "spec_draft_tokens": self.spec_draft_tokens, "spec_accepted": self.spec_accepted_tokens,
