@@ -5,9 +5,15 @@
   (b) offline throughput: N requests of 512 prompt and 256 output tokens through HyperServe
   (c) the same workload through transformers.generate in static batches (a subset of requests:
       throughput is a rate, and a batch of the same size runs at the same rate)
+  (d) with --serve-concurrency: `hyperserve serve` on the same model, loaded by `hyperserve bench`
+      at each concurrency (streamed completions: TTFT, ITL, output tok/s), and its start-up time
+
+Each engine run also reports its start-up time (weights, KV profiling, graph capture) and where
+its steps' time goes (scheduling, the synchronised forward pass, sampling, bookkeeping): the
+forward's share is the GPU's, the rest is host work the GPU waits for.
 
     python benchmarks/gpu.py [--num-requests 1000] [--hf-requests 128] [--layers 32]
-        [--quantization fp8] [--enforce-eager] [--attention-backend torch]
+        [--quantization fp8] [--enforce-eager] [--attention-backend torch] [--serve-concurrency 1 16 64]
 
 By default the engine runs as a user gets it on CUDA: Triton paged decode, decode steps replayed
 from CUDA graphs, the KV pool sized by gpu_memory_utilization.
@@ -20,8 +26,11 @@ import gc
 import json
 import os
 import random
+import subprocess
+import sys
 import tempfile
 import time
+from collections import defaultdict
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -55,6 +64,82 @@ def copy_bandwidth() -> float:
     return 2 * 2 * 2**30 / seconds
 
 
+class StepProfile:
+    """Where an engine's steps spend their time, timed by wrapping its parts: scheduling, the
+    forward pass (synchronised after, so it is the GPU's time, or the host's launch time where
+    that is longer), the rest of the runner (inputs, sampling) and the engine's bookkeeping."""
+
+    PARTS = ("schedule", "forward", "execute", "step")
+
+    def __init__(self, engine) -> None:
+        self.steps: list[dict[str, float]] = []
+        self._current: dict[str, float] = defaultdict(float)
+        for owner, name in ((engine.scheduler, "schedule"), (engine.runner, "forward"), (engine.runner, "execute"),
+                            (engine, "step")):
+            self._wrap(owner, name)
+
+    def _wrap(self, owner, name: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            result = inner(*args, **kwargs)
+            if name == "forward":
+                torch.cuda.synchronize()
+            self._current[name] += time.perf_counter() - started
+            if name == "schedule":
+                self._current["batch"] = len(result.requests)
+                self._current["decode_only"] = float(all(n == 1 for n in result.num_new_tokens))
+            if name == "step":
+                if self._current.get("batch"):
+                    self.steps.append(dict(self._current))
+                self._current = defaultdict(float)
+            return result
+
+        setattr(owner, name, timed)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Mean milliseconds per step of each part, for decode-only steps and steps with prefill."""
+        out = {}
+        for kind, decode_only in (("decode", 1.0), ("prefill", 0.0)):
+            steps = [s for s in self.steps if s["decode_only"] == decode_only]
+            if not steps:
+                continue
+            mean = lambda key, steps=steps: 1e3 * sum(s[key] for s in steps) / len(steps)
+            out[kind] = {"steps": len(steps), "batch": sum(s["batch"] for s in steps) / len(steps),
+                         "step_ms": mean("step"), "schedule_ms": mean("schedule"), "forward_ms": mean("forward"),
+                         "runner_rest_ms": mean("execute") - mean("forward"),
+                         "engine_rest_ms": mean("step") - mean("execute") - mean("schedule")}
+        return out
+
+
+def print_profile(title: str, summary: dict[str, dict[str, float]]) -> None:
+    print(f"{title}: mean ms per step")
+    print(f"  {'steps':<9}{'count':>7}{'batch':>8}{'step':>9}{'schedule':>10}{'forward':>9}{'runner':>8}"
+          f"{'engine':>8}{'host share':>12}")
+    for kind, p in summary.items():
+        host = 1 - p["forward_ms"] / p["step_ms"]
+        print(f"  {kind:<9}{p['steps']:>7}{p['batch']:>8.1f}{p['step_ms']:>9.2f}{p['schedule_ms']:>10.2f}"
+              f"{p['forward_ms']:>9.2f}{p['runner_rest_ms']:>8.2f}{p['engine_rest_ms']:>8.2f}{host:>12.1%}")
+
+
+def write_word_tokenizer(directory: str, vocab_size: int) -> None:
+    """A word-level tokenizer over the model's whole vocabulary, so a server can take text and
+    stream text from a model with random weights: each word `hyperserve bench` writes is one
+    token, every other id a filler word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hyperserve.bench.run import _WORDS
+
+    words = ["<unk>", "<eos>", *dict.fromkeys([*_WORDS, "Request", ":"])]
+    vocab = {word: i for i, word in enumerate(words)}
+    vocab.update({f"w{i}": i for i in range(len(vocab), vocab_size)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>").save_pretrained(directory)
+
+
 def workload(num: int, input_len: int, vocab: int) -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(1000, vocab - 1000) for _ in range(input_len)] for _ in range(num)]
@@ -64,25 +149,31 @@ def run_hyperserve(model_dir: str, args) -> dict:
     from hyperserve import LLM, SamplingParams
     from hyperserve.layers.quantization import weight_bytes as model_weight_bytes
 
+    started = time.perf_counter()
     llm = LLM(model=model_dir, load_format="random", device="cuda", dtype="bfloat16", max_model_len=2048,
               kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,
               enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
+    startup = time.perf_counter() - started
+    graphs = llm.engine.runner.decode_graphs
     model = llm.engine.runner.model
     weight_bytes = model_weight_bytes(model)
     # the embedding table is gathered, not read whole, each step
     embed = model.model.embed_tokens.weight
     streamed_bytes = weight_bytes - embed.numel() * embed.element_size()
-    setup = {"attention": type(model.attention_backend).__name__,
-             "cuda_graphs": llm.engine.runner.decode_graphs is not None,
-             "kv_blocks": llm.engine.kv_cache.pool.num_blocks}
+    setup = {"attention": type(model.attention_backend).__name__, "cuda_graphs": graphs is not None,
+             "kv_blocks": llm.engine.kv_cache.pool.num_blocks, "startup_seconds": startup,
+             "graph_capture_seconds": graphs.capture_seconds if graphs is not None else 0.0}
+    del model, embed, graphs  # so that deleting llm frees the GPU for what runs next
 
     one = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     llm.generate([workload(1, 128, 128256)[0]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                  use_tqdm=False)  # warm-up
+    profile = StepProfile(llm.engine)
     out = llm.generate([workload(1, 128, 128256)[0]], one, use_tqdm=False)[0]
     m = out.metrics
     decode_tps = (args.decode_tokens - 1) / (m.finished_time - m.first_token_time)
+    single_profile, profile.steps = profile.summary(), []
 
     prompts = workload(args.num_requests, args.input_len, 128256)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -91,11 +182,31 @@ def run_hyperserve(model_dir: str, args) -> dict:
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == args.output_len for o in outputs)
-    del llm
+    kernels = ""
+    if args.kernel_table:
+        kernels = (kernel_table(llm, workload(1, args.input_len, 128256), 64, "one prompt: prefill, 63 decode steps")
+                   + kernel_table(llm, workload(64, args.input_len, 128256), 32,
+                                  "64 prompts: prefill chunks, 31 decode steps at batch 64"))
+    del llm, outputs
     gc.collect()
     torch.cuda.empty_cache()
     return {**setup, "weight_bytes": weight_bytes, "streamed_bytes": streamed_bytes, "decode_tps": decode_tps,
-            "offline_seconds": elapsed, "offline_tps": args.num_requests * args.output_len / elapsed}
+            "offline_seconds": elapsed, "offline_tps": args.num_requests * args.output_len / elapsed,
+            "single_stream_profile": single_profile, "offline_profile": profile.summary(), "kernel_table": kernels}
+
+
+def kernel_table(llm, prompts: list[list[int]], max_tokens: int, title: str) -> str:
+    """The GPU kernels of a short run by their total time, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hyperserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
+    return f"\nkernels, {title}\n{table}"
 
 
 def run_transformers(config: LlamaConfig, args) -> dict:
@@ -113,7 +224,57 @@ def run_transformers(config: LlamaConfig, args) -> dict:
                            min_new_tokens=args.output_len, do_sample=False, pad_token_id=0)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
     return {"hf_seconds": elapsed, "hf_tps": args.hf_requests * args.output_len / elapsed}
+
+
+def run_server(model_dir: str, args) -> dict:
+    """`hyperserve serve` on the model (start-up timed to its first healthy answer), then
+    `hyperserve bench` at each concurrency: ~input_len-token prompts, output_len tokens, streamed."""
+    from hyperserve.bench.run import add_bench_args, run_from_args
+
+    write_word_tokenizer(model_dir, 128256)
+    port = 8765
+    flags = ["--model", model_dir, "--load-format", "random", "--device", "cuda", "--dtype", "bfloat16",
+             "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-queue", "10000"]
+    if args.quantization:
+        flags += ["--quantization", args.quantization]
+    started = time.perf_counter()
+    log = open(os.path.join(args.out_dir, "server.log"), "w")
+    server = subprocess.Popen([sys.executable, "-m", "hyperserve.cli", "serve", "--port", str(port), *flags],
+                              stdout=log, stderr=subprocess.STDOUT)
+    import httpx
+
+    try:
+        while True:
+            if server.poll() is not None:
+                with open(log.name) as f:
+                    tail = "".join(f.readlines()[-30:])
+                raise RuntimeError(f"the server exited with {server.returncode}:\n{tail}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        result = {"server_startup_seconds": time.perf_counter() - started, "serving": {}}
+        parser = argparse.ArgumentParser()
+        add_bench_args(parser)
+        for concurrency in args.serve_concurrency:
+            bench = parser.parse_args([
+                "--base-url", f"http://127.0.0.1:{port}", "--model", model_dir, "--concurrency", str(concurrency),
+                "--num-requests", str(max(8, 3 * concurrency)), "--input-tokens", str(args.input_len),
+                "--output-tokens", str(args.output_len), "--input-spread", "0", "--output-spread", "0",
+                "--output-json", os.path.join(args.out_dir, f"serving-c{concurrency}.json")])
+            result["serving"][concurrency] = run_from_args(bench)
+        return result
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
 
 
 def main() -> None:
@@ -131,22 +292,47 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, help="fp8: float8 weights")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--attention-backend", default="auto", help="auto (Triton on CUDA) or torch")
+    parser.add_argument("--serve-concurrency", type=int, nargs="*", default=[],
+                        help="also serve the model and load it at these concurrencies")
+    parser.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
+                        help="the offline engine runs (a) and (b)")
+    parser.add_argument("--out-dir", default="bench-results", help="the server's log and each level's JSON")
+    parser.add_argument("--kernel-table", action="store_true", help="print the top GPU kernels of a short run")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
 
     config = llama3_8b_config(args.layers)
     bandwidth = copy_bandwidth()
+    theirs = run_transformers(config, args) if args.hf_requests else {}  # first: it frees all it took
+    ours = served = {}
     with tempfile.TemporaryDirectory() as model_dir:
         config.save_pretrained(model_dir)
-        ours = run_hyperserve(model_dir, args)
-    theirs = run_transformers(config, args) if args.hf_requests else {}
+        if args.offline:
+            ours = run_hyperserve(model_dir, args)
+        if args.serve_concurrency:
+            served = run_server(model_dir, args)
+    result = {"gpu": torch.cuda.get_device_name(), "copy_bandwidth_gbs": bandwidth / 1e9, **ours, **served,
+              **theirs, "args": vars(args)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    print(f"GPU: {result['gpu']}   copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    if ours:
+        print_offline(ours, bandwidth, theirs, args)
+    if served:
+        print_served(served)
+
+
+def print_offline(ours: dict, bandwidth: float, theirs: dict, args) -> None:
     limit_tps = bandwidth / ours["streamed_bytes"]
-    result = {"gpu": torch.cuda.get_device_name(), "copy_bandwidth_gbs": bandwidth / 1e9, "limit_tps": limit_tps,
-              **ours, **theirs, "args": vars(args)}
-    print(f"GPU: {result['gpu']}   copy bandwidth {bandwidth / 1e9:.0f} GB/s   "
-          f"weights {ours['weight_bytes'] / 1e9:.2f} GB ({ours['streamed_bytes'] / 1e9:.2f} GB read per token)")
+    print(f"weights {ours['weight_bytes'] / 1e9:.2f} GB ({ours['streamed_bytes'] / 1e9:.2f} GB read per token)")
     print(f"engine: {ours['attention']}, CUDA graphs {'on' if ours['cuda_graphs'] else 'off'}, "
-          f"weights {args.quantization or 'bfloat16'}, {ours['kv_blocks']} KV blocks")
+          f"weights {args.quantization or 'bfloat16'}, {ours['kv_blocks']} KV blocks; started in "
+          f"{ours['startup_seconds']:.1f} s ({ours['graph_capture_seconds']:.1f} s capturing graphs)")
+    print_profile("single stream", ours["single_stream_profile"])
+    print_profile("offline", ours["offline_profile"])
+    print(ours["kernel_table"])
     print(f"{'measure':<42}{'value':>12}")
     print(f"{'(a) single-stream decode tok/s':<42}{ours['decode_tps']:>12.1f}")
     print(f"{'    bandwidth limit tok/s':<42}{limit_tps:>12.1f}")
@@ -155,9 +341,15 @@ def main() -> None:
     if theirs:
         print(f"{'(c) transformers.generate output tok/s':<42}{theirs['hf_tps']:>12.1f}")
         print(f"{'    ratio':<42}{ours['offline_tps'] / theirs['hf_tps']:>12.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+
+
+def print_served(served: dict) -> None:
+    print(f"hyperserve serve: healthy {served['server_startup_seconds']:.1f} s after launch")
+    print("| concurrency | requests | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms | output tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for concurrency, s in served["serving"].items():
+        print(f"| {concurrency} | {s['num_ok']}/{s['num_requests']} | {s['ttft_p50_ms']:.0f} | {s['ttft_p95_ms']:.0f} "
+              f"| {s['itl_p50_ms']:.1f} | {s['itl_p95_ms']:.1f} | {s['output_token_throughput']:.1f} |")
 
 
 if __name__ == "__main__":

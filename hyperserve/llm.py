@@ -62,7 +62,7 @@ class LLM:
         added = []
         try:
             for request_id, prompt, p, lora in zip(request_ids, prompts, params_list, loras):
-                self.engine.add_request(request_id, prompt, p, lora_request=lora)
+                self.engine.add_request(request_id, prompt, p, lora_request=lora, final_only=True)
                 added.append(request_id)
         except ValueError:
             for request_id in added:

@@ -4,19 +4,32 @@
 # 1. the CUDA-parametrised correctness tests: the Triton kernels natively, the engine against
 #    transformers with Triton decode and CUDA graphs, fp8 weights, KV blocks moved between engines
 #    (disaggregated prefill), and tensor parallelism over NCCL where there are two GPUs;
-# 2. benchmarks/gpu.py (Llama-3-8B-shaped, random bf16 weights), then again with fp8 weights
-#    (without the transformers baseline, which the first run measured); JSON goes to OUTDIR.
+# 2. benchmarks/gpu.py on the Llama-3-8B shape (random weights): bfloat16 against transformers
+#    (with the top GPU kernels), fp8 weights, `hyperserve serve` loaded by `hyperserve bench` at
+#    concurrency 1, 16 and 64, and bfloat16 in wider batches (512 sequences, 16384 tokens a step:
+#    what the KV pool holds of this workload).
+# JSON and one log per part go to OUTDIR; the server's log and each level's JSON to SERVING_DIR.
 set -uo pipefail
 OUTDIR=${1:-bench-results}
-mkdir -p "$OUTDIR"
+SERVING_DIR=${SERVING_DIR:-$OUTDIR/serving}
+mkdir -p "$OUTDIR" "$SERVING_DIR"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd)
 PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-$PY -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
-$PY -m pytest -q -p no:cacheprovider -m gpu tests/models tests/engine tests/layers tests/distributed 2>&1 | tee "$OUTDIR/gpu-tests.log"
-tests_rc=${PIPESTATUS[0]}
-$PY benchmarks/gpu.py --json "$OUTDIR/gpu.json" ${GPU_BENCH_ARGS:-} 2>&1 | tee "$OUTDIR/gpu-bench.log"
-bench_rc=${PIPESTATUS[0]}
-$PY benchmarks/gpu.py --quantization fp8 --hf-requests 0 --json "$OUTDIR/gpu-fp8.json" ${GPU_BENCH_ARGS:-} 2>&1 \
-    | tee "$OUTDIR/gpu-bench-fp8.log"
-exit $(( tests_rc || bench_rc || PIPESTATUS[0] ))
+$PY -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)'
+$PY -m pytest -q -p no:cacheprovider -m gpu tests/models tests/engine tests/layers tests/distributed 2>&1 \
+    | tee "$OUTDIR/gpu-tests.log" | tail -n 15
+rc=${PIPESTATUS[0]}
+bench() {  # bench NAME ARGS...: one benchmarks/gpu.py run; its progress bars are left out of the log
+    local name=$1
+    shift
+    echo "== benchmarks/gpu.py $*" | tee -a "$OUTDIR/gpu-bench.log"
+    $PY benchmarks/gpu.py --out-dir "$SERVING_DIR" --json "$OUTDIR/$name.json" "$@" 2>/dev/null \
+        | tee -a "$OUTDIR/gpu-bench.log"
+    rc=$(( rc || PIPESTATUS[0] ))
+}
+bench gpu --kernel-table ${GPU_BENCH_ARGS:-}
+bench gpu-fp8 --quantization fp8 --hf-requests 0 ${GPU_BENCH_ARGS:-}
+bench gpu-serve --no-offline --hf-requests 0 --serve-concurrency 1 16 64
+bench gpu-wide --max-num-seqs 512 --max-num-batched-tokens 16384 --hf-requests 0 ${GPU_BENCH_ARGS:-}
+exit $rc

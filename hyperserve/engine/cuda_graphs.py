@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from hyperserve.layers.attention import AttentionMetadata, DecodeGroup
+from hyperserve.layers.attention import AttentionMetadata, DecodeGroup, padded_block_tables
 
 logger = logging.getLogger("hyperserve.cuda_graphs")
 
@@ -52,6 +52,7 @@ class DecodeGraphs:
         self.context_lens = torch.zeros(rows, dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
 
     @property
     def max_batch(self) -> int:
@@ -69,8 +70,9 @@ class DecodeGraphs:
             pool = graph.pool()
             self._graphs[batch] = graph
         torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - started
         logger.info("captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s", len(self.buckets),
-                    self.max_batch, time.perf_counter() - started)
+                    self.max_batch, self.capture_seconds)
 
     def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """Logits [B, V] of B decoding sequences: each one's new token, its position and block table."""
@@ -84,8 +86,8 @@ class DecodeGraphs:
         self.positions[:batch].copy_(positions_t, non_blocking=True)
         self.slot_mapping[:batch].copy_(torch.tensor(slots), non_blocking=True)
         self.context_lens[:batch].copy_(positions_t + 1, non_blocking=True)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-        self.block_tables[:batch, :width].copy_(tables, non_blocking=True)
+        self.block_tables[:batch, :width].copy_(padded_block_tables(block_tables, width, torch.int32),
+                                                non_blocking=True)
         self.slot_mapping[batch:bucket].fill_(self.padding_slot)  # padding rows: no context, harmless writes
         self.context_lens[batch:bucket].zero_()
         if not self.use_cuda_graphs:

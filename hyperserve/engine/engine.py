@@ -86,6 +86,11 @@ class _Group:
 
     prompt: str | None
     samples: list[Request]
+    final_only: bool = False  # its output is built once, when it finishes (offline batches)
+
+    @property
+    def finished(self) -> bool:
+        return all(r.is_finished for r in self.samples)
 
 
 class LLMEngine:
@@ -180,7 +185,8 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(out, result.token_ids_by_request())
         self._process_outputs(updated, result, num_before)
         self._propose()
-        return self._emit(dict.fromkeys(_group_id(r) for r in updated))
+        groups = dict.fromkeys(_group_id(r) for r in updated)
+        return self._emit(g for g in groups if not self._groups[g].final_only or self._groups[g].finished)
 
     # ---- the streaming interface ---------------------------------------------------------
 
@@ -192,9 +198,11 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        final_only: bool = False,
     ) -> None:
         """Queue a request (with an adapter: `lora_request`); raises ValueError (and changes
-        nothing) if it cannot be served."""
+        nothing) if it cannot be served. `final_only`: step() returns its output only once it
+        has finished, as offline batches want (building every step's outputs costs host time)."""
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -228,7 +236,7 @@ class LLMEngine:
             if index > 0 and self.kv_cache.enable_prefix_caching:
                 request.wait_for = samples[0]
             samples.append(request)
-        self._groups[request_id] = _Group(prompt_text, samples)
+        self._groups[request_id] = _Group(prompt_text, samples, final_only)
         for request in samples:
             self.scheduler.add_request(request)
 
@@ -448,7 +456,7 @@ class LLMEngine:
 
     def _group_output(self, group_id: str) -> RequestOutput:
         group = self._groups[group_id]
-        finished = all(r.is_finished for r in group.samples)
+        finished = group.finished
         first = group.samples[0]
         completions = [
             CompletionOutput(

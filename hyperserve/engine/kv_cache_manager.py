@@ -222,10 +222,13 @@ class KVCacheManager:
     def allocate_slots(self, request_id: str, num_tokens: int, prefix: CachedPrefix | None = None) -> bool:
         """Make room for the first `num_tokens` tokens of a request, starting from `prefix`
         (from `cached_prefix`) if it has no blocks yet; False, changing nothing, if a pool is short."""
+        needed = self.num_blocks_for(num_tokens)
+        if prefix is None and all(len(group.tables.get(request_id, ())) >= needed for group in self.groups):
+            return True  # most decode steps: the last block has room
         prefix_tables = prefix.tables if prefix is not None else [[] for _ in self.groups]
         num_new = []
         for group, cached in zip(self.groups, prefix_tables):
-            n = self.num_blocks_for(num_tokens) - len(group.tables.get(request_id, ())) - len(cached)
+            n = needed - len(group.tables.get(request_id, ())) - len(cached)
             held = group.held(cached)
             idle_cached = sum(1 for b in held if group.pool.is_idle(b))  # in the free queue now
             if n > group.pool.num_free_blocks - idle_cached:

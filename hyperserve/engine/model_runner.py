@@ -34,7 +34,14 @@ from hyperserve.engine.request import Request
 from hyperserve.engine.sampler import SamplerOutput, SamplingBatch, gather_logprobs, sample, sampling_probs
 from hyperserve.engine.scheduler import SchedulerOutput
 from hyperserve.engine.structured_output import GrammarCompiler
-from hyperserve.layers.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillSpan, allowed_keys
+from hyperserve.layers.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    KVCache,
+    PrefillSpan,
+    allowed_keys,
+    padded_block_tables,
+)
 from hyperserve.layers.fused_decode import FusedDecode
 from hyperserve.layers.lora import LoRARequest
 from hyperserve.layers.quantization import QUANTIZED_MAX_ROWS
@@ -324,7 +331,7 @@ class ModelRunner:
         long = lambda values: torch.tensor(values, dtype=torch.long)
         with self._adapters(chunks, with_lora):
             hidden = self.fused_decode(long(input_ids), long(positions), long(slots),
-                                       long([t + [0] * (width - len(t)) for t in tables]), long(lengths),
+                                       padded_block_tables(tables, width), long(lengths),
                                        self.kv_caches, self.lora.batch if with_lora else None)
         return self.model.compute_logits(hidden[logit_rows])
 
@@ -417,7 +424,7 @@ class ModelRunner:
     def _decode_group(self, rows: list[int] | None, tables: list[list[int]], lengths: list[int],
                       sliding_window: int | None, min_blocks: int = 1, with_mask: bool = True) -> DecodeGroup:
         max_blocks = max(min_blocks, *(len(t) for t in tables))
-        padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+        padded = padded_block_tables(tables, max_blocks)
         lengths_t = torch.tensor(lengths)
         mask = None
         if with_mask:

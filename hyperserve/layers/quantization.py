@@ -255,9 +255,11 @@ class Int8Linear(nn.Module):
 
 
 class Fp8Linear(nn.Module):
-    """y = x W^T + b with W in float8 (e4m3) and one scale per output channel; each call scales its
-    input to float8 per row (token), so one token's outliers cost no other token precision. Runs
-    torch._scaled_mm: FP8 tensor cores on Hopper/Ada GPUs, half the weight bytes of bfloat16."""
+    """y = x W^T + b with W in float8 (e4m3) and one scale per output channel. Larger calls scale
+    their input to float8 per row (token), so one token's outliers cost no other token precision,
+    and run torch._scaled_mm: FP8 tensor cores on Hopper/Ada GPUs. Calls of a few rows on CUDA
+    (decode) run the Triton GEMV instead (layers/triton_gemv.py): weight-only float8, reading
+    half the weight bytes of bfloat16 without the activation quantization's extra kernels."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -272,6 +274,12 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if x.is_cuda:
+            from hyperserve.layers import triton_gemv
+
+            if rows.shape[0] <= triton_gemv.MAX_ROWS:
+                y = triton_gemv.gemv(rows, self._weight_t.t(), self._scale[0], self._bias)
+                return y.view(*x.shape[:-1], self.out_features)
         x_scale = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # [M, 1]
         codes = (rows.float() / x_scale).to(torch.float8_e4m3fn)
         # CUDA's row-wise scaled GEMM writes bfloat16 only; the CPU's writes any float type

@@ -25,6 +25,7 @@ from transformers import PretrainedConfig
 
 from hyperserve.distributed.group import TensorParallel
 from hyperserve.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from hyperserve.layers.linear import Linear
 from hyperserve.layers.rotary import RotaryEmbedding
 from hyperserve.models.llama import _FUSED, RMSNorm, head_dim_of
 
@@ -56,8 +57,8 @@ class Gemma3Attention(nn.Module):
         self.local = layer_type == LOCAL
         self.shard_sizes = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                             self.num_kv_heads * self.head_dim]
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.shard_sizes), bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.qkv_proj = Linear(config.hidden_size, sum(self.shard_sizes), bias=config.attention_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary, self.backend = rotary, backend
@@ -77,8 +78,8 @@ class Gemma3MLP(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.shard_sizes = [config.intermediate_size, config.intermediate_size]
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -11,6 +11,8 @@ and down end with an all-reduce; the embedding and LM head hold the rank's range
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,7 +20,10 @@ from transformers import PretrainedConfig
 
 from hyperserve.distributed.group import TensorParallel
 from hyperserve.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from hyperserve.layers.linear import Linear
 from hyperserve.layers.rotary import RotaryEmbedding
+
+_TRITON = importlib.util.find_spec("triton") is not None
 
 # HF projection name -> (our fused parameter, shard index)
 _FUSED = {
@@ -36,10 +41,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """One fused op; in half precision it normalises in float32, as transformers does (which
-        rounds once more before the weight: the difference is within one half-precision step)."""
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The norm of x; with a residual, (the norm of x + residual, x + residual), which on CUDA
+        is one Triton kernel (layers/triton_norm.py). In half precision it normalises in float32,
+        as transformers does."""
+        if x.is_cuda and _TRITON and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16):
+            from hyperserve.layers.triton_norm import add_rms_norm
+
+            normed, summed = add_rms_norm(x, residual, self.weight, self.eps)
+            return normed if residual is None else (normed, summed)
+        if residual is None:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        summed = x + residual
+        return F.rms_norm(summed, self.weight.shape, self.weight, self.eps), summed
 
 
 class LlamaAttention(nn.Module):
@@ -58,8 +73,8 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads * self.head_dim,
         ]
         bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.shard_sizes), bias=bias)
-        self.o_proj = nn.Linear(
+        self.qkv_proj = Linear(config.hidden_size, sum(self.shard_sizes), bias=bias)
+        self.o_proj = Linear(
             self.num_heads * self.head_dim, config.hidden_size,
             bias=getattr(config, "attention_bias", False),
         )
@@ -82,13 +97,12 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = end - start  # this rank's
         self.shard_sizes = [self.intermediate_size, self.intermediate_size]
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias=bias)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -99,9 +113,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, cos_sin, hidden, kv_cache, meta) -> torch.Tensor:
-        hidden = hidden + self.self_attn(cos_sin, self.input_layernorm(hidden), kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, cos_sin, hidden, residual, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): each residual add happens in
+        the next norm, as one kernel on CUDA. The first layer takes residual None."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(cos_sin, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -128,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = (
             None if self.tie_word_embeddings
-            else nn.Linear(config.hidden_size, self.vocab_shard, bias=False)
+            else Linear(config.hidden_size, self.vocab_shard, bias=False)
         )
 
     @property
@@ -157,9 +178,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden], before the final norm
         hidden = self.embed(input_ids)
         cos_sin = self.model.rotary.cos_sin_for(positions, hidden.dtype)  # once per step, for every layer
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(cos_sin, hidden, kv_cache, meta)
-        return hidden
+            hidden, residual = layer(cos_sin, hidden, residual, kv_cache, meta)
+        return hidden + residual
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]; under tensor parallelism each rank embeds the ids in its range."""
@@ -218,6 +240,16 @@ class LlamaForCausalLM(nn.Module):
             part = tensor[start : start + self.vocab_shard]
             return F.pad(part, (0, 0, 0, self.vocab_shard - part.shape[0]))
         return tensor
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the fused gate/up projection's output: one Triton kernel on CUDA."""
+    if gate_up.is_cuda and _TRITON and gate_up.dim() == 2:
+        from hyperserve.layers import triton_norm
+
+        return triton_norm.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def head_dim_of(config: PretrainedConfig) -> int:

@@ -98,15 +98,18 @@ def test_quantized_kv_cache_stays_close_to_transformers(kv_cache_dtype, abs_tol,
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp8_weights_stay_close_to_transformers(device, save_hf_model):
-    """Every projection in float8 with per-channel weight and per-token activation scales: within
-    quantization error of transformers' float32. This random model's logits are steep, so the
-    error is large (measured worst on the CPU: 0.62); the quality guard is SmolLM2's perplexity
-    (tests/layers/test_quantization.py). Near-ties may flip greedy tokens."""
+    """Every projection in float8 with per-channel weight scales (and per-token activation scales
+    in calls of more than 16 rows; on CUDA, fewer rows run weight-only): within quantization error
+    of transformers' float32. This random model's logits are steep, so the error is large: the
+    worst top-5 log-probability was 0.62 off in float32 on the CPU, 0.93 in bfloat16 on an H100
+    (weight-only decode; on the CPU its mean error over all entries, 0.14, is below the 0.17 of
+    scaling activations too). The quality guard is SmolLM2's perplexity (tests/layers/test_quantization.py).
+    Near-ties may flip greedy tokens."""
     hf_model, path = save_hf_model(tiny_config("llama"))
     hf_model.to(device)
     llm = LLM(model=path, num_kv_blocks=64, block_size=16, max_model_len=128, device=device,
               dtype="float32" if device == "cpu" else "bfloat16", quantization="fp8")
-    _check_against_transformers(llm, hf_model, abs_tol=0.8, same_greedy=False)
+    _check_against_transformers(llm, hf_model, abs_tol=1.2, same_greedy=False)
 
 
 def test_sliding_window_changes_the_output(save_hf_model):

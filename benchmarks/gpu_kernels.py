@@ -1,0 +1,100 @@
+"""The decode step's matrix products on a GPU, one Llama-3-8B projection at a time.
+
+For each projection shape, at 1 and 16 rows: cuBLAS with bfloat16 weights (F.linear), the
+float8 path of larger batches (per-token activation scaling, then torch._scaled_mm), and the
+Triton GEMV (layers/triton_gemv.py) with bfloat16 and float8 weights at its default tiles, which
+are then swept at one row. Each time is the median of CUDA-event timings over weight copies that together exceed the
+L2 cache; GB/s counts the weight bytes read once.
+
+    python benchmarks/gpu_kernels.py [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+
+import torch
+import triton
+import triton.runtime.errors
+import triton.testing
+from torch.nn import functional as F
+
+from hyperserve.layers.quantization import Fp8Linear
+from hyperserve.layers.triton_gemv import gemv
+
+# (name, out features, in features) of Llama-3-8B's decode projections
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+          ("lm_head", 128256, 4096)]
+SWEEP = {"block_n": (16, 32, 64), "block_k": (256, 512, 1024), "num_warps": (4, 8), "num_stages": (3, 4),
+         "single_row": (True, False)}
+ROTATE_BYTES = 512 * 2**20  # weight copies per shape: past H100's 50 MB L2
+
+
+def timed(fn_for_copy, copies: int) -> float:
+    """Median microseconds of fn over rotating copies."""
+    state = itertools.cycle(range(copies))
+    return 1e3 * triton.testing.do_bench(lambda: fn_for_copy(next(state)), warmup=5, rep=25, return_mode="median")
+
+
+def measure(name: str, n: int, k: int) -> list[dict]:
+    rows = []
+    weight = torch.randn(n, k, device="cuda") * 0.02
+    bf16_bytes = n * k * 2
+    copies = max(2, math.ceil(ROTATE_BYTES / bf16_bytes))
+    bf16 = [weight.to(torch.bfloat16) if i == 0 else weight.to(torch.bfloat16).roll(i, 0) for i in range(copies)]
+    fp8 = [Fp8Linear(w, None) for w in bf16[: max(2, math.ceil(ROTATE_BYTES / (n * k)))]]
+    del weight
+    for m in (1, 16):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        x17 = torch.randn(17, k, device="cuda", dtype=torch.bfloat16)
+        results = {
+            "cublas bf16": (timed(lambda i, x=x: F.linear(x, bf16[i]), len(bf16)), bf16_bytes),
+            "triton bf16": (timed(lambda i, x=x: gemv(x, bf16[i]), len(bf16)), bf16_bytes),
+            "triton fp8": (timed(lambda i, x=x: gemv(x, fp8[i]._weight_t.t(), fp8[i]._scale[0]), len(fp8)), n * k),
+        }
+        if m == 16:  # the scaled GEMM runs from 17 rows
+            results["scaled_mm fp8 (17 rows)"] = (timed(lambda i, x17=x17: fp8[i](x17), len(fp8)), n * k)
+        for path, (us, nbytes) in results.items():
+            rows.append({"shape": name, "n": n, "k": k, "rows": m, "path": path, "us": us, "gbs": nbytes / us / 1e3})
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    for dtype_name, weights, nbytes in (("bf16", bf16, bf16_bytes), ("fp8", fp8, n * k)):
+        best = None
+        for values in itertools.product(*SWEEP.values()):
+            config = dict(zip(SWEEP, values))
+            if dtype_name == "bf16":
+                fn = lambda i, c=config, w=weights: gemv(x, w[i], **c)
+            else:
+                fn = lambda i, c=config, w=weights: gemv(x, w[i]._weight_t.t(), w[i]._scale[0], **c)
+            try:
+                us = timed(fn, len(weights))
+            except triton.runtime.errors.OutOfResources:
+                continue
+            if best is None or us < best[0]:
+                best = (us, config)
+        rows.append({"shape": name, "n": n, "k": k, "rows": 1, "path": f"triton {dtype_name} best", "us": best[0],
+                     "gbs": nbytes / best[0] / 1e3, "config": best[1]})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    print(f"GPU: {torch.cuda.get_device_name()}")
+    rows = []
+    for name, n, k in SHAPES:
+        rows += measure(name, n, k)
+        torch.cuda.empty_cache()
+    print(f"{'shape':<9}{'rows':>5}  {'path':<26}{'us':>9}{'GB/s':>8}  config")
+    for r in rows:
+        print(f"{r['shape']:<9}{r['rows']:>5}  {r['path']:<26}{r['us']:>9.1f}{r['gbs']:>8.0f}  {r.get('config', '')}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

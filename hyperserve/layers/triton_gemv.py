@@ -1,0 +1,90 @@
+"""Skinny matrix products in Triton: y = x W^T (* per-row scale) (+ bias) for a few rows of x.
+
+A decode step multiplies a handful of token rows by every weight matrix: the time is the weight
+bytes read, and the arithmetic is nothing. Two things keep PyTorch's paths from that floor there:
+- float8 weights through torch._scaled_mm first quantize the activations (about six small
+  kernels per linear, so a single-stream step launched as many extra kernels as layers times six
+  and ran no faster than bfloat16);
+- the GEMM libraries pick tiles for large M.
+This kernel reads each weight byte once, widens it in registers (float8 is exact in bfloat16 and
+float32) and applies the per-output-channel scale after the dot: weight-only float8, with the
+activations left in their own precision.
+
+One program per BLOCK_N output channels streams its rows of W along K; x rows (at most BLOCK_M,
+padded to tl.dot's 16) are reloaded per K tile from L2. A single row is a reduction on the CUDA
+cores; more rows a tensor-core dot in the activations' half type (float32 accumulation), or in
+float32 under Triton's interpreter, whose half-precision dot is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # the rows one program holds: decode batches and speculative verification up to this
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # whose bfloat16 dot is wrong: float32 there
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_om,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE_DOT: tl.constexpr,
+):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if BLOCK_M == 1:  # one row: a reduction on the CUDA cores, no padded tensor-core tile
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+        elif NATIVE_DOT:  # the activations' half type on the tensor cores (float8 widens exactly)
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        else:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+         bias: torch.Tensor | None = None, block_n: int = 16, block_k: int = 1024,
+         num_warps: int | None = None, num_stages: int = 3, single_row: bool = True) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS) times weight [N, K] (any float type, float8 included), scaled per
+    output channel by scale [N] (float32) and offset by bias [N] -> [M, N] in x's dtype.
+
+    The default tiles won a sweep on an H100 (benchmarks/gpu_kernels.py) at every Llama-3-8B
+    projection shape but one: 16 channels by 1024 inputs, 8 warps for bfloat16 weights and 4 for
+    float8, three stages in flight."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    if rows > MAX_ROWS:
+        raise ValueError(f"gemv takes at most {MAX_ROWS} rows, got {rows}")
+    x = x.contiguous()
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    num_warps = num_warps or (8 if weight.element_size() > 1 else 4)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, scale if scale is not None else weight, bias if bias is not None else weight, out,
+        rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=1 if rows == 1 and single_row else MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        NATIVE_DOT=x.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

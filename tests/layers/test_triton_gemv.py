@@ -1,0 +1,51 @@
+"""The Triton GEMV against float64: float8 weights with per-channel scales and bfloat16 weights,
+1 to 16 rows, shapes that no tile divides, with and without bias. On the CPU it runs under
+TRITON_INTERPRET=1 (set in conftest); on CUDA, natively."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import DEVICES, needs_triton
+
+pytestmark = needs_triton
+
+
+def fp8_weight(n: int, k: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    weight = torch.randn(n, k, generator=generator)
+    scale = weight.abs().amax(dim=1) / 448.0
+    return (weight / scale[:, None]).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("rows", "n", "k", "weights", "with_bias"), [
+    (1, 100, 300, "fp8", True), (7, 64, 512, "fp8", False), (16, 33, 257, "fp8", True),
+    (1, 96, 320, "bf16", False), (16, 70, 130, "bf16", True)])
+def test_gemv_matches_float64(device, rows, n, k, weights, with_bias):
+    from hyperserve.layers.triton_gemv import gemv
+
+    generator = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
+    if weights == "fp8":
+        weight, scale = fp8_weight(n, k, generator)
+        dense = weight.double() * scale.double()[:, None]
+    else:
+        weight, scale = torch.randn(n, k, generator=generator).to(torch.bfloat16), None
+        dense = weight.double()
+    bias = torch.randn(n, generator=generator).to(torch.bfloat16) if with_bias else None
+    expected = x.double() @ dense.T + (bias.double() if with_bias else 0)
+    out = gemv(x.to(device), weight.to(device), None if scale is None else scale.to(device),
+               None if bias is None else bias.to(device))
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    error = (out.cpu().double() - expected).norm() / expected.norm()
+    assert error < 8e-3  # the output's bfloat16 rounding
+    wrong = gemv(x.to(device), weight.flip(0).to(device), None if scale is None else scale.to(device))
+    assert (wrong.cpu().double() - expected).norm() / expected.norm() > 0.5
+
+
+def test_more_rows_than_a_program_holds_are_refused():
+    from hyperserve.layers.triton_gemv import MAX_ROWS, gemv
+
+    with pytest.raises(ValueError, match="at most"):
+        gemv(torch.zeros(MAX_ROWS + 1, 8), torch.zeros(4, 8))
