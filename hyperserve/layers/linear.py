@@ -1,9 +1,9 @@
 """Linear: nn.Linear whose calls of a few rows on CUDA run the Triton GEMV.
 
 A decode step multiplies a few token rows by every weight matrix, so its time is the weight read.
-At one row the Triton GEMV (layers/triton_gemv.py) reads bfloat16 weights 4 to 11% faster than
-cuBLAS on an H100 at each Llama-3-8B projection shape (benchmarks/gpu_kernels.py); larger calls,
-and every call on the CPU, run F.linear.
+At one row the Triton GEMV (layers/triton_gemv.py) reads bfloat16 weights 5 to 11% faster than
+cuBLAS on an H100 at each Llama-3-8B projection shape (benchmarks/gpu_kernels.py, best tiles);
+larger calls, and every call on the CPU, run F.linear.
 """
 
 from __future__ import annotations
