@@ -17,12 +17,21 @@ from torch import nn
 _TRITON = importlib.util.find_spec("triton") is not None
 
 
+def few_rows_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                  bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., K] times weight [N, K] (per-channel scale [N], bias [N]) through the Triton GEMV
+    when x is a few half-precision rows on CUDA; None where another path should run."""
+    if not (_TRITON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+        return None
+    from hyperserve.layers import triton_gemv
+
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > triton_gemv.MAX_ROWS:
+        return None
+    return triton_gemv.gemv(rows, weight, scale, bias).view(*x.shape[:-1], weight.shape[0])
+
+
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _TRITON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            from hyperserve.layers import triton_gemv
-
-            rows = x.reshape(-1, self.in_features)
-            if rows.shape[0] <= triton_gemv.MAX_ROWS:
-                return triton_gemv.gemv(rows, self.weight, None, self.bias).view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight, self.bias)
+        y = few_rows_gemv(x, self.weight, bias=self.bias)
+        return y if y is not None else F.linear(x, self.weight, self.bias)

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyperserve import kernels
+from hyperserve.layers.linear import few_rows_gemv
 
 logger = logging.getLogger("hyperserve.quantization")
 
@@ -273,13 +274,10 @@ class Fp8Linear(nn.Module):
         self.num_bytes = weight.numel() + 4 * weight.shape[0] + bias_bytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = few_rows_gemv(x, self._weight_t.t(), self._scale[0], self._bias)
+        if y is not None:
+            return y
         rows = x.reshape(-1, self.in_features)
-        if x.is_cuda:
-            from hyperserve.layers import triton_gemv
-
-            if rows.shape[0] <= triton_gemv.MAX_ROWS:
-                y = triton_gemv.gemv(rows, self._weight_t.t(), self._scale[0], self._bias)
-                return y.view(*x.shape[:-1], self.out_features)
         x_scale = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # [M, 1]
         codes = (rows.float() / x_scale).to(torch.float8_e4m3fn)
         # CUDA's row-wise scaled GEMM writes bfloat16 only; the CPU's writes any float type
