@@ -26,16 +26,20 @@ import gc
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from transformers import LlamaConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.serving import start_server  # noqa: E402
 
 
 def llama3_8b_config(num_layers: int) -> LlamaConfig:
@@ -243,23 +247,8 @@ def run_server(model_dir: str, args) -> dict:
     if args.quantization:
         flags += ["--quantization", args.quantization]
     started = time.perf_counter()
-    log = open(os.path.join(args.out_dir, "server.log"), "w")
-    server = subprocess.Popen([sys.executable, "-m", "hyperserve.cli", "serve", "--port", str(port), *flags],
-                              stdout=log, stderr=subprocess.STDOUT)
-    import httpx
-
+    server = start_server(port, flags, log_path=os.path.join(args.out_dir, "server.log"))
     try:
-        while True:
-            if server.poll() is not None:
-                with open(log.name) as f:
-                    tail = "".join(f.readlines()[-30:])
-                raise RuntimeError(f"the server exited with {server.returncode}:\n{tail}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
         result = {"server_startup_seconds": time.perf_counter() - started, "serving": {}}
         parser = argparse.ArgumentParser()
         add_bench_args(parser)
@@ -274,7 +263,6 @@ def run_server(model_dir: str, args) -> dict:
     finally:
         server.terminate()
         server.wait(timeout=60)
-        log.close()
 
 
 def main() -> None:

@@ -21,13 +21,19 @@ from hyperserve.bench.run import add_bench_args, run_from_args
 
 
 def start_server(port: int, extra: list[str], command: str = "serve",
-                 env: dict[str, str] | None = None) -> subprocess.Popen:
+                 env: dict[str, str] | None = None, log_path: str | None = None) -> subprocess.Popen:
     """`hyperserve serve` (or `gateway`) on loopback, with `env` added to its environment, once
-    its /health answers 200."""
+    its /health answers 200; its output goes to log_path (else nowhere), whose end is in the
+    error if the server exits or never answers."""
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL
     process = subprocess.Popen([sys.executable, "-m", "hyperserve.cli", command, "--port", str(port), *extra],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               stdout=log, stderr=subprocess.STDOUT,
                                env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+    if log_path:
+        log.close()  # the child holds its own handle
     for _ in range(600):
+        if process.poll() is not None:
+            break
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
                 return process
@@ -35,7 +41,9 @@ def start_server(port: int, extra: list[str], command: str = "serve",
             pass
         time.sleep(0.2)
     process.kill()
-    raise RuntimeError(f"hyperserve {command} did not start")
+    process.wait()
+    tail = "".join(open(log_path).readlines()[-30:]) if log_path else ""
+    raise RuntimeError(f"hyperserve {command} did not start (exit code {process.returncode})\n{tail}")
 
 
 def main() -> None:

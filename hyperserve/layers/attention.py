@@ -12,7 +12,6 @@ forward: torch.compile turns writes into a view of an input into a copy of the w
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,6 +19,8 @@ from typing import Protocol
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from hyperserve.layers import HAS_TRITON
 
 # kv_cache_dtype -> (storage dtype, largest stored magnitude): quantized K/V keep one scale per
 # token and head, so an outlier token costs precision only in its own row
@@ -271,7 +272,7 @@ def attention_backend(device: str, name: str = "auto", block_size: int = 16, hea
     if name == "torch":
         return TorchPagedAttention()
     # the kernel's tiles: blocks of at least 16 tokens (tl.dot's smallest side), a power of two
-    usable = (importlib.util.find_spec("triton") is not None and block_size >= 16
+    usable = (HAS_TRITON and block_size >= 16
               and block_size & (block_size - 1) == 0 and head_dim >= 16)
     if name == "triton":
         if not usable:

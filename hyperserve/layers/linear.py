@@ -8,20 +8,18 @@ larger calls, and every call on the CPU, run F.linear.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-_TRITON = importlib.util.find_spec("triton") is not None
+from hyperserve.layers import on_triton
 
 
 def few_rows_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
                   bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] times weight [N, K] (per-channel scale [N], bias [N]) through the Triton GEMV
     when x is a few half-precision rows on CUDA; None where another path should run."""
-    if not (_TRITON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+    if not (on_triton(x) and x.dtype in (torch.bfloat16, torch.float16)):
         return None
     from hyperserve.layers import triton_gemv
 

@@ -11,19 +11,16 @@ and down end with an all-reduce; the embedding and LM head hold the rank's range
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from hyperserve.distributed.group import TensorParallel
+from hyperserve.layers import on_triton
 from hyperserve.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from hyperserve.layers.linear import Linear
 from hyperserve.layers.rotary import RotaryEmbedding
-
-_TRITON = importlib.util.find_spec("triton") is not None
 
 # HF projection name -> (our fused parameter, shard index)
 _FUSED = {
@@ -44,10 +41,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The norm of x; with a residual, (the norm of x + residual, x + residual), which on CUDA
-        is one Triton kernel (layers/triton_norm.py). In half precision it normalises in float32,
+        is one Triton kernel (layers/triton_elementwise.py). In half precision it normalises in float32,
         as transformers does."""
-        if x.is_cuda and _TRITON and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16):
-            from hyperserve.layers.triton_norm import add_rms_norm
+        if on_triton(x) and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16):
+            from hyperserve.layers.triton_elementwise import add_rms_norm
 
             normed, summed = add_rms_norm(x, residual, self.weight, self.eps)
             return normed if residual is None else (normed, summed)
@@ -244,10 +241,10 @@ class LlamaForCausalLM(nn.Module):
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of the fused gate/up projection's output: one Triton kernel on CUDA."""
-    if gate_up.is_cuda and _TRITON and gate_up.dim() == 2:
-        from hyperserve.layers import triton_norm
+    if on_triton(gate_up) and gate_up.dim() == 2:
+        from hyperserve.layers import triton_elementwise
 
-        return triton_norm.silu_and_mul(gate_up)
+        return triton_elementwise.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -17,7 +17,7 @@ pytestmark = needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_add_rms_norm_matches_pytorch(device, dtype, with_residual):
-    from hyperserve.layers.triton_norm import add_rms_norm
+    from hyperserve.layers.triton_elementwise import add_rms_norm
 
     generator = torch.Generator().manual_seed(0)
     x, residual = (torch.randn(2, 7, 300, generator=generator)[i].to(device, dtype) for i in range(2))
@@ -38,7 +38,7 @@ def test_add_rms_norm_matches_pytorch(device, dtype, with_residual):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_silu_and_mul_matches_pytorch(device, dtype):
-    from hyperserve.layers.triton_norm import silu_and_mul
+    from hyperserve.layers.triton_elementwise import silu_and_mul
 
     gate_up = torch.randn(5, 2 * 1500, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     gate, up = gate_up.chunk(2, dim=-1)
