@@ -22,7 +22,10 @@ whole call. Measured on SmolLM2-135M (benchmarks/quality.py):
 - `down_proj` and the LM head stay in float32 (KEEP_FLOAT_INT8). Their inputs carry outlier
   channels that one 8-bit scale cannot hold: quantizing `down_proj` made perplexity 70% worse,
   and the head alone added 2.5 points.
-- Activations use the full 8 bits (reduce_range off); the 7-bit range made perplexity 3x worse.
+- Activations use the full 8 bits where the CPU has VNNI; the 7-bit range (reduce_range) made
+  perplexity 3x worse there. Without VNNI fbgemm sums pairs of 8-bit products in 16 bits, which
+  full-range activations overflow (SmolLM2's perplexity went from 26 to 5,556 on an AVX2-only
+  EPYC), so those CPUs take the 7-bit range.
 - The activation scale is per call, so a request's numerics depend on the rows batched with it, as
   with vLLM's dynamic per-tensor FP8. Greedy output can differ between batched and single runs.
 """
@@ -124,6 +127,8 @@ class Int4Linear(DenseForLargeBatches):
         self.dense_dtype = dense
         if self.native:
             self.q41 = pack_q41(codes.to(torch.uint8), scale, low)
+            if interleaves_q41() and out_features % 8 == 0:
+                self.q41 = interleave_q41(self.q41)
             self.num_bytes = self.q41.numel()
         else:
             self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -165,6 +170,29 @@ def pack_q41(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tor
     nibbles = (codes[..., :16] | (codes[..., 16:] << 4)).flatten(1)
     halves = [t.to(torch.float16).contiguous().view(torch.uint8) for t in (scale, low)]
     return torch.cat([nibbles, *halves], dim=1).contiguous()
+
+
+def interleaves_q41() -> bool:
+    """Whether int4 weights are laid out for the interleaved kernel (interleave_q41): on CPUs whose
+    best kernel is AVX2 (no AVX-512 VNNI). Its 8-bit activations (as llama.cpp's Q8_1) take half the
+    instructions of the 16-bit kernel, which bounds decode there: SmolLM2's 30 layers went from 13.7
+    to 8.4 ms a token on a 2-core AMD EPYC (AVX2 only), for +1.1% decode-path perplexity over float32
+    against +0.01% (benchmarks/quality.py). With VNNI the 16-bit kernel is fast enough to keep."""
+    return kernels.isa() == "avx2"
+
+
+def interleave_q41(rows: torch.Tensor) -> torch.Tensor:
+    """pack_q41's rows [out, in / 2 + 4 * groups] -> the same bytes in blocks of 8 channels
+    [out / 8, groups, 160]: for each group, the 8 channels' codes 4 bytes at a time (byte 32 k + 4 c +
+    i is byte 4 k + i of channel c's group), then their 8 scales, then their 8 minimums. The native
+    kernels multiply this layout 8 channels at once against 8-bit activations (kernels/cpu_ops.cpp)."""
+    out_features, row_bytes = rows.shape
+    groups = row_bytes // 20
+    blocks = out_features // 8
+    codes = rows[:, : 16 * groups].reshape(blocks, 8, groups, 4, 4).permute(0, 2, 3, 1, 4)  # [b, g, k, c, i]
+    scales, mins = (rows[:, at: at + 2 * groups].reshape(blocks, 8, groups, 2).permute(0, 2, 1, 3)
+                    for at in (16 * groups, 18 * groups))
+    return torch.cat([t.reshape(blocks, groups, -1) for t in (codes, scales, mins)], dim=2).contiguous()
 
 
 def pack_q80(weight: torch.Tensor) -> torch.Tensor:
@@ -238,6 +266,12 @@ class Int8Head(DenseForLargeBatches):
         return self._int8(x)
 
 
+def int8_reduce_range() -> bool:
+    """Whether fbgemm's dynamic int8 linears need 7-bit activations: on CPUs without VNNI (see the
+    module's docstring). fbgemm picks its kernels from the hardware, so HYPERSERVE_MAX_ISA does not count."""
+    return not {"avx512_vnni", "avx_vnni", "amx_int8"} & hardware_cpu_flags()
+
+
 class Int8Linear(nn.Module):
     """y = x W^T + b with W in int8, per-output-channel scales (symmetric)."""
 
@@ -250,9 +284,10 @@ class Int8Linear(nn.Module):
         self._packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.detach().float())
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.num_bytes = weight.numel() + 8 * weight.shape[0] + (0 if bias is None else 4 * bias.numel())
+        self.reduce_range = int8_reduce_range()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic(x, self._packed, False)  # False: full 8-bit activations
+        return torch.ops.quantized.linear_dynamic(x, self._packed, self.reduce_range)
 
 
 class Fp8Linear(nn.Module):
@@ -260,7 +295,9 @@ class Fp8Linear(nn.Module):
     their input to float8 per row (token), so one token's outliers cost no other token precision,
     and run torch._scaled_mm: FP8 tensor cores on Hopper/Ada GPUs. Calls of a few rows on CUDA
     (decode) run the Triton GEMV instead (layers/triton_gemv.py): weight-only float8, reading
-    half the weight bytes of bfloat16 without the activation quantization's extra kernels."""
+    half the weight bytes of bfloat16 without the activation quantization's extra kernels. The CPU,
+    which has no float8 arithmetic, runs it weight-only too: the weight is widened per call (scaling
+    activations to e4m3 as well cost SmolLM2 +3.4% perplexity on an AVX2-only EPYC)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -277,12 +314,14 @@ class Fp8Linear(nn.Module):
         y = few_rows_gemv(x, self._weight_t.t(), self._scale[0], self._bias)
         if y is not None:
             return y
+        if not x.is_cuda:
+            weight = self._weight_t.t().to(x.dtype) * self._scale[0, :, None].to(x.dtype)
+            return F.linear(x, weight, None if self._bias is None else self._bias.to(x.dtype))
         rows = x.reshape(-1, self.in_features)
         x_scale = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # [M, 1]
         codes = (rows.float() / x_scale).to(torch.float8_e4m3fn)
-        # CUDA's row-wise scaled GEMM writes bfloat16 only; the CPU's writes any float type
-        out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
-        y = torch._scaled_mm(codes, self._weight_t, scale_a=x_scale, scale_b=self._scale, out_dtype=out_dtype)
+        # the row-wise scaled GEMM writes bfloat16 only
+        y = torch._scaled_mm(codes, self._weight_t, scale_a=x_scale, scale_b=self._scale, out_dtype=torch.bfloat16)
         if self._bias is not None:
             y = y + self._bias.to(y.dtype)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hyperserve import kernels
-from hyperserve.layers.quantization import cpu_flags, pack_q41, pack_q80
+from hyperserve.layers.quantization import cpu_flags, interleave_q41, pack_q41, pack_q80
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels could not be built here")
 
@@ -126,3 +126,59 @@ def test_the_instruction_set_follows_the_cpu_flags():
     if expected != "avx512_vnni":
         with pytest.raises(RuntimeError, match="cannot run avx512_vnni"):
             torch.ops.hyperserve.quantized_linear(torch.randn(1, 64), quantized(8, 64)[0], "q4_1", "avx512_vnni")
+
+
+def eight_bit_product(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T as the interleaved kernel computes it: x rounded to 8 bits per group of 32 (scale
+    amax / 127) against each weight's q * d, plus each group's minimum m times x's exact sum."""
+    groups = x.reshape(x.shape[0], -1, 32)
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    rounded = (torch.round(groups / scale) * scale).reshape(x.shape)
+    num_groups = x.shape[1] // 32
+    mins = packed[:, 18 * num_groups:].contiguous().view(torch.float16).float().repeat_interleave(32, dim=1)
+    return rounded @ (weight - mins).T + x @ mins.T
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("in_features", [64, 576])
+@pytest.mark.parametrize("rows", [1, 4, 5, 16])  # row tiles of 4, and what is left over
+def test_interleaved_q4_1_equals_the_dequantized_weight_against_8_bit_activations(rows, in_features, isa):
+    runnable(isa)
+    packed, weight = quantized(80, in_features)
+    x = torch.randn(rows, in_features)
+    expected = eight_bit_product(x, packed, weight)
+    got = torch.ops.hyperserve.quantized_linear(x, interleave_q41(packed), "q4_1", isa)
+    assert got.shape == (rows, 80)
+    assert (got - expected).norm() / expected.norm() < 1e-5
+    assert (got - x @ weight.T).norm() / expected.norm() > 1e-4  # the activations really are 8-bit
+    wrong = interleave_q41(quantized(80, in_features, seed=1)[0])
+    assert (torch.ops.hyperserve.quantized_linear(x, wrong, "q4_1", isa) - expected).norm() / expected.norm() > 0.3
+
+
+def test_interleaving_keeps_every_weight_in_its_place():
+    packed, weight = quantized(48, 96)
+    interleaved = interleave_q41(packed)
+    assert interleaved.shape == (6, 3, 160) and interleaved.numel() == packed.numel()
+    assert torch.equal(torch.ops.hyperserve.dequantize(interleaved, 96, "q4_1"), weight)
+
+
+def test_interleaved_rows_do_not_depend_on_their_batch_and_avx2_gives_the_portable_numbers():
+    runnable("avx2")
+    packed, _ = quantized(96, 576)
+    interleaved = interleave_q41(packed)
+    x = torch.randn(11, 576)
+    together = torch.ops.hyperserve.quantized_linear(x, interleaved, "q4_1", "avx2")
+    alone = torch.cat([torch.ops.hyperserve.quantized_linear(x[i : i + 1], interleaved, "q4_1", "avx2")
+                       for i in range(11)])
+    assert torch.equal(together, alone)
+    # the same integer sums; the group sums of x are added in another order
+    portable = torch.ops.hyperserve.quantized_linear(x, interleaved, "q4_1", "portable")
+    torch.testing.assert_close(together, portable, rtol=1e-5, atol=1e-5)
+
+
+def test_an_interleaved_weight_must_fit_its_input():
+    packed, _ = quantized(32, 64)
+    with pytest.raises(RuntimeError, match="Q4_1 interleaved"):
+        torch.ops.hyperserve.quantized_linear(torch.randn(2, 96), interleave_q41(packed), "q4_1")
+    with pytest.raises(RuntimeError, match="Q4_1 interleaved"):
+        torch.ops.hyperserve.quantized_linear(torch.randn(2, 64), interleave_q41(packed), "q8_0")

@@ -5,6 +5,7 @@ import torch
 
 from hyperserve import LLM, SamplingParams, kernels
 from hyperserve.engine.model_runner import SeqChunk
+from hyperserve.layers import quantization
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels could not be built here")
@@ -32,18 +33,38 @@ def _decode_both_ways(llm: LLM, loras: list | None = None) -> tuple[torch.Tensor
     return fused, plain
 
 
+@pytest.fixture(params=["rows", "interleaved"])
+def q41_layout(request, monkeypatch) -> str:
+    """Both int4 layouts on any CPU with AVX2: rows (16-bit activations) and interleaved (8-bit)."""
+    if request.param == "interleaved" and kernels.isa() == "portable":
+        pytest.skip("the interleaved layout is chosen only where the CPU has AVX2")
+    monkeypatch.setattr(quantization, "interleaves_q41", lambda: request.param == "interleaved")
+    return request.param
+
+
 @pytest.mark.parametrize("num_heads", [4, 16])  # head_dim 16 (vectorized attention) and 4 (portable)
-def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, num_heads):
+def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, num_heads, q41_layout):
+    """With 16-bit activations the two paths differ by float rounding. With 8-bit ones such a
+    difference can move an activation across a rounding boundary (a step of 1/127 of its group's
+    largest value), after which every later rounding differs too: on this tiny random model (two
+    groups per row) the two paths then differ by 3% of the logits' norm. Attention or the cache
+    written wrongly would differ by the logits' own size."""
     _, path = save_hf_model(tiny_config("llama", num_attention_heads=num_heads, num_key_value_heads=num_heads // 2))
     llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01)
     fused, plain = _decode_both_ways(llm)
     assert fused.shape == (6, 256)
-    assert (fused - plain).abs().max() <= 1e-3 * plain.abs().max()  # float rounding, 16-bit activations
+    if q41_layout == "rows":
+        assert (fused - plain).abs().max() <= 1e-3 * plain.abs().max()
+    else:
+        assert (fused - plain).norm() / plain.norm() < 0.1
     assert not torch.equal(fused[0], fused[1])  # the rows are different sequences
 
 
-def test_fused_decode_applies_each_rows_lora_adapter_as_the_pytorch_layers_do(save_hf_model, tmp_path):
+def test_fused_decode_applies_each_rows_lora_adapter_as_the_pytorch_layers_do(save_hf_model, tmp_path, monkeypatch):
+    """In the row layout, whose 16-bit activations leave only float rounding between the paths."""
     from hyperserve import LoRARequest
+
+    monkeypatch.setattr(quantization, "interleaves_q41", lambda: False)
     from tests.engine.test_lora import make_adapter
 
     _, path = save_hf_model(tiny_config("llama"))
@@ -62,17 +83,18 @@ def test_fused_decode_applies_each_rows_lora_adapter_as_the_pytorch_layers_do(sa
         assert unchanged == [lora is None for lora in mix]  # adapters change their rows, the base row stays
 
 
-def test_fused_decode_reads_a_bfloat16_cache(save_hf_model):
+def test_fused_decode_reads_a_bfloat16_cache(save_hf_model, q41_layout):
     """With int4's default bfloat16 the PyTorch path rounds activations to bfloat16; the fused
-    layer computes in float32 and agrees to bfloat16's precision."""
+    layer computes in float32 and agrees to bfloat16's precision (to 8-bit precision where the
+    activations are 8-bit, see above)."""
     _, path = save_hf_model(tiny_config("llama"))
     llm = LLM(model=path, quantization="int4", kv_cache_memory_gb=0.01)
     assert llm.engine.runner.kv_caches[0].key.dtype == torch.bfloat16
     fused, plain = _decode_both_ways(llm)
-    assert (fused - plain).norm() / plain.norm() < 0.02
+    assert (fused - plain).norm() / plain.norm() < (0.02 if q41_layout == "rows" else 0.1)
 
 
-def test_greedy_generation_is_the_same_batched_or_alone(save_hf_model):
+def test_greedy_generation_is_the_same_batched_or_alone(save_hf_model, q41_layout):
     _, path = save_hf_model(tiny_config("llama"))
     llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -80,9 +102,10 @@ def test_greedy_generation_is_the_same_batched_or_alone(save_hf_model):
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert together == alone
-    llm.engine.runner.fused_decode = None
-    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert plain == together
+    if q41_layout == "rows":  # with 8-bit activations a near-tie may go either way between the two paths
+        llm.engine.runner.fused_decode = None
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert plain == together
 
 
 @pytest.mark.parametrize(("arch", "options", "reason"), [
