@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hyperserve import LLM, SamplingParams
+from hyperserve.layers.quantization import interleaves_q41
 from tests.conftest import FLOAT32, tiny_config
 from tests.server.conftest import start_server, stop_server
 
@@ -19,11 +20,13 @@ pytestmark = pytest.mark.slow
 OPTIONS = dict(max_model_len=1024, num_kv_blocks=64, max_num_batched_tokens=64)  # long prompts prefill in chunks
 
 
-def generate(prompts, max_tokens: int = 16, **options) -> tuple[list[list[int]], list[list[float]], int]:
-    """Greedy tokens and their logprobs from one engine, and how many worker processes it ran;
+def generate(prompts, max_tokens: int = 16, **options) -> tuple[list[list[int]], list[list[float]],
+                                                                list[list[float]], int]:
+    """Greedy tokens, their logprobs and each step's margin (best logprob less the second best) from
+    one engine, and how many worker processes it ran;
     checks that every KV block came back and that closing the engine stopped its workers and gave
     the threads back."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     threads = torch.get_num_threads()  # the ranks split the cores while they run
     with LLM(**{**OPTIONS, **options}) as llm:
         free = llm.engine.kv_cache.num_free_blocks
@@ -35,12 +38,25 @@ def generate(prompts, max_tokens: int = 16, **options) -> tuple[list[list[int]],
     tokens = [o.outputs[0].token_ids for o in outputs]
     logprobs = [[entry[token].logprob for token, entry in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                 for o in outputs]
-    return tokens, logprobs, len(workers)
+    margins = [[float.__sub__(*sorted((e.logprob for e in entry.values()), reverse=True)[:2])
+                for entry in o.outputs[0].logprobs] for o in outputs]
+    return tokens, logprobs, margins, len(workers)
 
 
 def assert_close(actual: list[list[float]], expected: list[list[float]], tolerance: float) -> None:
     worst = max(abs(a - e) for row_a, row_e in zip(actual, expected) for a, e in zip(row_a, row_e))
     assert worst <= tolerance, f"logprobs differ by up to {worst}"
+
+
+def assert_same_until_a_near_tie(actual: tuple, expected: tuple, tolerance: float) -> None:
+    """Greedy (tokens, logprobs, margins) of two runs agree token for token, except that after a
+    step whose two best tokens were within `tolerance` of each other (logprob margin) the runs may
+    go different ways: rounding at other points (8-bit activations of the AVX2 kernels) can tip such
+    a tie. Until there, logprobs agree within `tolerance`."""
+    for tokens, logprobs, (ref_tokens, ref_logprobs, margins) in zip(actual[0], actual[1], zip(*expected[:3])):
+        same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(ref_tokens))
+        assert same == len(ref_tokens) or margins[same] <= tolerance, (tokens, ref_tokens, margins[same])
+        assert_close([logprobs[:same]], [ref_logprobs[:same]], tolerance)
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +65,19 @@ def smollm2_prompts(chat_prompt_ids, smollm2_tokenizer):
     return chat_prompt_ids[:3] + [story]  # the story (~150 tokens) prefills in three chunks
 
 
-@pytest.mark.parametrize("options,tolerance", [(FLOAT32, 1e-3), ({}, 0.1)], ids=["float32", "int4"])
+# int4's 8-bit activations on AVX2-only CPUs (quantization.interleaves_q41) move logprobs by up to 0.11 there
+INT4_TOLERANCE = 0.25 if interleaves_q41() else 0.1
+
+
+@pytest.mark.parametrize("options,tolerance", [(FLOAT32, 1e-3), ({}, INT4_TOLERANCE)], ids=["float32", "int4"])
 def test_smollm2_over_two_ranks_matches_one(smollm2_prompts, options, tolerance):
     """SmolLM2's 3 K/V heads split 2 and 1; its 49,152-token vocabulary and 1,536-wide MLP evenly.
-    int4 (the default) rounds activations to bfloat16 at other points than one rank does."""
-    tokens, logprobs, _ = generate(smollm2_prompts, **options)
-    tp_tokens, tp_logprobs, workers = generate(smollm2_prompts, tensor_parallel_size=2, **options)
+    int4 (the default) rounds activations to bfloat16 (and on AVX2-only CPUs to 8 bits) at other
+    points than one rank does."""
+    *single, _ = generate(smollm2_prompts, **options)
+    *split, workers = generate(smollm2_prompts, tensor_parallel_size=2, **options)
     assert workers == 1
-    assert tp_tokens == tokens
-    assert_close(tp_logprobs, logprobs, tolerance)
+    assert_same_until_a_near_tie(split, single, tolerance)
 
 
 TWO_GPUS = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -72,8 +92,8 @@ def test_uneven_heads_width_and_vocabulary(save_hf_model, device):
                          vocab_size=1001, hidden_size=96)
     _, path = save_hf_model(config)
     prompts = [[5, 17, 300, 999, 1000, 42], list(range(100, 260))]
-    tokens, logprobs, _ = generate(prompts, model=path, device=device, **FLOAT32)
-    tp_tokens, tp_logprobs, _ = generate(prompts, model=path, device=device, tensor_parallel_size=2, **FLOAT32)
+    tokens, logprobs, _, _ = generate(prompts, model=path, device=device, **FLOAT32)
+    tp_tokens, tp_logprobs, _, _ = generate(prompts, model=path, device=device, tensor_parallel_size=2, **FLOAT32)
     assert tp_tokens == tokens
     assert_close(tp_logprobs, logprobs, 1e-3)
 
@@ -84,7 +104,7 @@ def test_speculative_decoding_over_two_ranks(speculative):
     """Verification steps (k + 1 rows of a sequence) run on every rank; a draft model runs on rank
     0 alone, unsplit."""
     prompts = [[5, 6, 7, 8] * 10, list(range(1000, 1040))]  # the first repeats: n-grams find drafts
-    tokens, _, _ = generate(prompts, max_tokens=24, **FLOAT32)
+    tokens, *_ = generate(prompts, max_tokens=24, **FLOAT32)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with LLM(**OPTIONS, **FLOAT32, tensor_parallel_size=2,
              speculative={**speculative, "num_tokens": 3, "verify_cost": 0.0}) as llm:
