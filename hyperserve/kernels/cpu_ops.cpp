@@ -857,40 +857,58 @@ void silu_mul(const float* gate, const float* up, float* out, int64_t n, bool av
 }
 
 #ifdef HYPERSERVE_X86
-// attend's AVX2 path for head_dim a multiple of 64, in one function so that nothing is called per
-// token: each score in two independent sums, and the output held in registers 64 values at a time
-// while the tokens stream past (a call per token, and the output's round trip through memory, had
-// made up most of the attention's time).
-template <typename T>
-AVX2 void attend_avx2(const float* q, const T* keys, const T* values, const PagedKV& kv, int64_t length,
-                      int64_t kv_head, float* scores, float* out) {
+// attend for G query heads that share one K/V head (G <= 3), head_dim a multiple of 64: q [G, D],
+// scores [G, length], out [G, D]. Each cached vector is widened once for the G heads; nothing is
+// called per token; each score is two independent sums; the outputs stay in registers (64 or 32
+// values of each head at a time) while the tokens stream past. A head's numbers do not depend on
+// G. (A call per token and the output's round trip through memory had made up most of the
+// attention's time, and with G = 1 every K/V vector was widened three times for SmolLM2.)
+template <typename T, int G>
+AVX2 void attend_heads_avx2(const float* q, const T* keys, const T* values, const PagedKV& kv, int64_t length,
+                            int64_t kv_head, float* scores, float* out) {
   const int64_t d = kv.head_dim, stride = kv.num_kv_heads * d, bs = kv.block_size;
   for (int64_t b = 0, start = 0; start < length; ++b, start += bs) {
     const T* k = keys + kv.block_table[b] * bs * stride + kv_head * d;
     for (int64_t t = start; t < std::min(start + bs, length); ++t, k += stride) {
-      __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+      __m256 acc[G][2];
+      for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
       for (int64_t j = 0; j < d; j += 16) {
-        even = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load8(k + j), even);
-        odd = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), load8(k + j + 8), odd);
+        const __m256 even = load8(k + j), odd = load8(k + j + 8);
+        for (int g = 0; g < G; ++g) {
+          acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + j), even, acc[g][0]);
+          acc[g][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + j + 8), odd, acc[g][1]);
+        }
       }
-      scores[t] = hsum(_mm256_add_ps(even, odd));
+      for (int g = 0; g < G; ++g) scores[g * length + t] = hsum(_mm256_add_ps(acc[g][0], acc[g][1]));
     }
   }
-  const float best = *std::max_element(scores, scores + length);
-  int64_t i = 0;
-  float total = exp_shifted_avx2(scores, length, best, i);
-  for (; i < length; ++i) total += scores[i] = std::exp(scores[i] - best);
-  for (int64_t c = 0; c < d; c += 64) {
-    __m256 acc[8];
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  float total[G];
+  for (int g = 0; g < G; ++g) {
+    float* own = scores + g * length;
+    const float best = *std::max_element(own, own + length);
+    int64_t i = 0;
+    total[g] = exp_shifted_avx2(own, length, best, i);
+    for (; i < length; ++i) total[g] += own[i] = std::exp(own[i] - best);
+  }
+  constexpr int64_t kWidth = G == 1 ? 64 : 32;  // output values per head held in registers
+  constexpr int kVectors = kWidth / 8;
+  for (int64_t c = 0; c < d; c += kWidth) {
+    __m256 acc[G][kVectors];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < kVectors; ++j) acc[g][j] = _mm256_setzero_ps();
     for (int64_t b = 0, start = 0; start < length; ++b, start += bs) {
       const T* v = values + kv.block_table[b] * bs * stride + kv_head * d + c;
       for (int64_t t = start; t < std::min(start + bs, length); ++t, v += stride) {
-        const __m256 weight = _mm256_set1_ps(scores[t] / total);
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(weight, load8(v + 8 * j), acc[j]);
+        __m256 widened[kVectors];
+        for (int j = 0; j < kVectors; ++j) widened[j] = load8(v + 8 * j);
+        for (int g = 0; g < G; ++g) {
+          const __m256 weight = _mm256_set1_ps(scores[g * length + t] / total[g]);
+          for (int j = 0; j < kVectors; ++j) acc[g][j] = _mm256_fmadd_ps(weight, widened[j], acc[g][j]);
+        }
       }
     }
-    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + c + 8 * j, acc[j]);
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < kVectors; ++j) _mm256_storeu_ps(out + g * d + c + 8 * j, acc[g][j]);
   }
 }
 #endif
@@ -902,7 +920,6 @@ void attend(const float* q, const T* keys, const T* values, const PagedKV& kv, i
             float* scores, float* out, bool avx2) {
   const int64_t d = kv.head_dim;
 #ifdef HYPERSERVE_X86
-  if (avx2 && d % 64 == 0) return attend_avx2(q, keys, values, kv, length, kv_head, scores, out);
   if (avx2) {
     kv.for_each_token(length, kv_head, [&](int64_t t, int64_t offset) { scores[t] = dot_avx2(q, keys + offset, d); });
   } else
@@ -959,6 +976,31 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
     for (int64_t j = 0; j < num_heads * head_dim; ++j) q[j] *= scale;
     longest = std::max(longest, batch.lengths[r]);
   }
+#ifdef HYPERSERVE_X86
+  if (avx2 && head_dim % 64 == 0) {
+    // tasks of up to 3 query heads sharing a K/V head; one head a task where that leaves too few tasks
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t per_task = rows * num_kv_heads >= 2 * at::get_num_threads() ? std::min<int64_t>(3, group) : 1;
+    const int64_t tasks_per_kv_head = (group + per_task - 1) / per_task;
+    at::parallel_for(0, rows * num_kv_heads * tasks_per_kv_head, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(per_task * longest);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = i / (num_kv_heads * tasks_per_kv_head), kv_head = i / tasks_per_kv_head % num_kv_heads;
+        const int64_t first = kv_head * group + i % tasks_per_kv_head * per_task;  // its first query head
+        const int64_t length = batch.lengths[r];
+        const PagedKV kv{batch.block_size, num_kv_heads, head_dim, batch.block_tables + r * batch.max_blocks};
+        const float* q = qkv + r * width + first * head_dim;
+        float* o = out + (r * num_heads + first) * head_dim;
+        switch (std::min(per_task, kv_head * group + group - first)) {
+          case 3: attend_heads_avx2<T, 3>(q, keys, values, kv, length, kv_head, scores.data(), o); break;
+          case 2: attend_heads_avx2<T, 2>(q, keys, values, kv, length, kv_head, scores.data(), o); break;
+          default: attend_heads_avx2<T, 1>(q, keys, values, kv, length, kv_head, scores.data(), o);
+        }
+      }
+    });
+    return;
+  }
+#endif
   const bool vectorized = avx2 && head_dim % 8 == 0;
   at::parallel_for(0, rows * num_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(longest);

@@ -54,6 +54,7 @@ INT4_GROUP_SIZE = 32
 # decoding 8 / 16 / 24 sequences on the 2-core AMX VM: threshold 4: 207 / 359 / 467; 16: 294 / 361
 # / 472; 32: 283 / 362 / 416. It also covers a speculative verify step (k + 1 rows per request).
 QUANTIZED_MAX_ROWS = 16
+PREFILL_PACKED_ROWS = 1 << 20  # the interleaved layout's kernel runs steps of any size (Int4Linear)
 
 
 @functools.cache
@@ -88,10 +89,12 @@ def dense_dtype() -> torch.dtype:
 
 class DenseForLargeBatches(nn.Module):
     """A quantized linear for small batches that multiplies a dense weight (`dense()`, in
-    `dense_dtype`) for more than QUANTIZED_MAX_ROWS rows. Subclasses implement both."""
+    `dense_dtype`) for more than `max_packed_rows` rows. Subclasses implement both."""
+
+    max_packed_rows = QUANTIZED_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > QUANTIZED_MAX_ROWS:
+        if x.shape[0] > self.max_packed_rows:
             weight = self.dense()
             return F.linear(x.to(weight.dtype), weight).to(x.dtype)
         return self.small_batch(x).to(x.dtype)
@@ -129,6 +132,8 @@ class Int4Linear(DenseForLargeBatches):
             self.q41 = pack_q41(codes.to(torch.uint8), scale, low)
             if interleaves_q41() and out_features % 8 == 0:
                 self.q41 = interleave_q41(self.q41)
+                # its integer kernel also outruns float32 GEMMs on prefill there (AVX2: no fast bfloat16)
+                self.max_packed_rows = PREFILL_PACKED_ROWS
             self.num_bytes = self.q41.numel()
         else:
             self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(

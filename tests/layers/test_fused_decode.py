@@ -42,14 +42,20 @@ def q41_layout(request, monkeypatch) -> str:
     return request.param
 
 
-@pytest.mark.parametrize("num_heads", [4, 16])  # head_dim 16 (vectorized attention) and 4 (portable)
-def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, num_heads, q41_layout):
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [
+    (4, 2),  # head_dim 16: the vectorized attention
+    (16, 8),  # head_dim 4: the portable one
+    (3, 1),  # head_dim 64 and three query heads a K/V head, as SmolLM2's: heads read each cached vector together
+])
+def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, num_heads, num_kv_heads, q41_layout):
     """With 16-bit activations the two paths differ by float rounding. With 8-bit ones such a
     difference can move an activation across a rounding boundary (a step of 1/127 of its group's
     largest value), after which every later rounding differs too: on this tiny random model (two
     groups per row) the two paths then differ by 3% of the logits' norm. Attention or the cache
     written wrongly would differ by the logits' own size."""
-    _, path = save_hf_model(tiny_config("llama", num_attention_heads=num_heads, num_key_value_heads=num_heads // 2))
+    hidden = 192 if num_heads == 3 else 64
+    _, path = save_hf_model(tiny_config("llama", num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                                        hidden_size=hidden))
     llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01)
     fused, plain = _decode_both_ways(llm)
     assert fused.shape == (6, 256)
