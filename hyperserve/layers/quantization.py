@@ -10,11 +10,12 @@ head are GGUF's Q8_0 (int8 in groups of 32, a float16 scale each; again exact fo
 embedding is Q8_0, as SmolLM2's is), one copy serving both when they are tied; without them the
 head is a PyTorch int8 linear (`Int8Head`) and the embedding stays float.
 
-Both quantized layers run their packed kernel only for small batches (decode and speculative
+Both quantized layers run their packed kernel for small batches (decode and speculative
 verification, up to `QUANTIZED_MAX_ROWS` rows): bandwidth-bound, they gain from reading fewer
-bytes. Larger batches (prefill, wide decode batches) are compute-bound and run a dense copy of
-the same dequantized weights in the CPU's fastest dense type (bfloat16 where the CPU multiplies
-it natively, see `dense_dtype`), so weight memory is the packed copy plus the dense one.
+bytes. Larger batches (prefill, wide decode batches) are compute-bound and multiply the weights
+dequantized per call in the CPU's fastest dense type (bfloat16 where the CPU multiplies it
+natively, see `dense_dtype`), except int4 weights in the interleaved layout of AVX2-only CPUs
+(`interleaves_q41`), whose 8-bit integer kernel beats float32 GEMMs there at any size.
 
 `int8` (and int4's head): int8 weights with one scale per output channel, run by PyTorch's x86 quantized engine
 (fbgemm) as dynamic linears: each call quantizes its input to 8 bits with one scale for the
