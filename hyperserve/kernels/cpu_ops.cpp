@@ -167,14 +167,19 @@ struct QuantizedRows {  // the input, 16 bits per group of 32
 // One group of 32 inputs: its scale, its sum, and its codes 0..15 at `first`, 16..31 at `second`.
 // Division rather than a multiply by 1 / scale, whose rounding would break exact ties (frequent
 // with bfloat16 inputs) towards zero.
-void quantize_group(const float* src, int16_t* first, int16_t* second, float& scale, float& sum) {
+// A group's largest magnitude; its sum into `sum`.
+float group_amax(const float* src, float& sum) {
   float amax = 0.f;
   sum = 0.f;
   for (int64_t j = 0; j < kGroup; ++j) {
     amax = std::max(amax, std::fabs(src[j]));
     sum += src[j];
   }
-  scale = amax / 32767.f;
+  return amax;
+}
+
+void quantize_group(const float* src, int16_t* first, int16_t* second, float& scale, float& sum) {
+  scale = group_amax(src, sum) / 32767.f;
   for (int64_t j = 0; j < kGroup; ++j) {
     (j < kGroup / 2 ? first : second - kGroup / 2)[j] =
         scale > 0.f ? static_cast<int16_t>(std::nearbyint(src[j] / scale)) : 0;
@@ -191,10 +196,10 @@ AVX2 inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// quantize_group in four vectors (the sum in another order: equal within float rounding).
-AVX2 void quantize_group_avx2(const float* src, int16_t* first, int16_t* second, float& scale, float& sum) {
+// group_amax in four vectors, left in v (the sum in another order: equal within float rounding).
+AVX2 float group_amax_avx2(const float* src, __m256 (&v)[4], float& sum) {
   const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 v[4], amax = _mm256_setzero_ps();
+  __m256 amax = _mm256_setzero_ps();
   for (int k = 0; k < 4; ++k) {
     v[k] = _mm256_loadu_ps(src + 8 * k);
     amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
@@ -203,7 +208,13 @@ AVX2 void quantize_group_avx2(const float* src, int16_t* first, int16_t* second,
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
   sum = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-  scale = _mm_cvtss_f32(m) / 32767.f;
+  return _mm_cvtss_f32(m);
+}
+
+// quantize_group in four vectors.
+AVX2 void quantize_group_avx2(const float* src, int16_t* first, int16_t* second, float& scale, float& sum) {
+  __m256 v[4];
+  scale = group_amax_avx2(src, v, sum) / 32767.f;
   const __m256 divisor = _mm256_set1_ps(scale);
   for (int k = 0; k < 4; k += 2) {  // rounds to nearest, ties to even, as nearbyint does
     const __m256i a = scale > 0.f ? _mm256_cvtps_epi32(_mm256_div_ps(v[k], divisor)) : _mm256_setzero_si256();
@@ -247,30 +258,15 @@ struct QuantizedRows8 {
 };
 
 void quantize_group8(const float* src, int8_t* dst, float& scale, float& sum) {
-  float amax = 0.f;
-  sum = 0.f;
-  for (int64_t j = 0; j < kGroup; ++j) {
-    amax = std::max(amax, std::fabs(src[j]));
-    sum += src[j];
-  }
-  scale = amax / 127.f;
+  scale = group_amax(src, sum) / 127.f;
   for (int64_t j = 0; j < kGroup; ++j) dst[j] = scale > 0.f ? static_cast<int8_t>(std::nearbyint(src[j] / scale)) : 0;
 }
 
 #ifdef HYPERSERVE_X86
-// quantize_group8 in four vectors (the sum in another order: equal within float rounding).
+// quantize_group8 in four vectors.
 AVX2 void quantize_group8_avx2(const float* src, int8_t* dst, float& scale, float& sum) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 v[4], amax = _mm256_setzero_ps();
-  for (int k = 0; k < 4; ++k) {
-    v[k] = _mm256_loadu_ps(src + 8 * k);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
-  }
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  sum = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-  scale = _mm_cvtss_f32(m) / 127.f;
+  __m256 v[4];
+  scale = group_amax_avx2(src, v, sum) / 127.f;
   if (scale == 0.f) {
     std::memset(dst, 0, kGroup);
     return;
