@@ -14,8 +14,10 @@ Both quantized layers run their packed kernel for small batches (decode and spec
 verification, up to `QUANTIZED_MAX_ROWS` rows): bandwidth-bound, they gain from reading fewer
 bytes. Larger batches (prefill, wide decode batches) are compute-bound and multiply the weights
 dequantized per call in the CPU's fastest dense type (bfloat16 where the CPU multiplies it
-natively, see `dense_dtype`), except int4 weights in the interleaved layout of AVX2-only CPUs
-(`interleaves_q41`), whose 8-bit integer kernel beats float32 GEMMs there at any size.
+natively, see `dense_dtype`). On AVX2-only CPUs the interleaved layout's 8-bit kernel prefilled
+1.5x faster than float32 GEMMs, but its rounding tipped near-ties at the first token (SmolLM2
+began "L'Étoile" for the capital of France, not "The capital of France is Paris"), so prompts
+keep float32 activations and only decode-sized steps take 8 bits.
 
 `int8` (and int4's head): int8 weights with one scale per output channel, run by PyTorch's x86 quantized engine
 (fbgemm) as dynamic linears: each call quantizes its input to 8 bits with one scale for the
@@ -55,7 +57,6 @@ INT4_GROUP_SIZE = 32
 # decoding 8 / 16 / 24 sequences on the 2-core AMX VM: threshold 4: 207 / 359 / 467; 16: 294 / 361
 # / 472; 32: 283 / 362 / 416. It also covers a speculative verify step (k + 1 rows per request).
 QUANTIZED_MAX_ROWS = 16
-PREFILL_PACKED_ROWS = 1 << 20  # the interleaved layout's kernel runs steps of any size (Int4Linear)
 
 
 @functools.cache
@@ -90,12 +91,10 @@ def dense_dtype() -> torch.dtype:
 
 class DenseForLargeBatches(nn.Module):
     """A quantized linear for small batches that multiplies a dense weight (`dense()`, in
-    `dense_dtype`) for more than `max_packed_rows` rows. Subclasses implement both."""
-
-    max_packed_rows = QUANTIZED_MAX_ROWS
+    `dense_dtype`) for more than QUANTIZED_MAX_ROWS rows. Subclasses implement both."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_packed_rows:
+        if x.shape[0] > QUANTIZED_MAX_ROWS:
             weight = self.dense()
             return F.linear(x.to(weight.dtype), weight).to(x.dtype)
         return self.small_batch(x).to(x.dtype)
@@ -133,8 +132,6 @@ class Int4Linear(DenseForLargeBatches):
             self.q41 = pack_q41(codes.to(torch.uint8), scale, low)
             if interleaves_q41() and out_features % 8 == 0:
                 self.q41 = interleave_q41(self.q41)
-                # its integer kernel also outruns float32 GEMMs on prefill there (AVX2: no fast bfloat16)
-                self.max_packed_rows = PREFILL_PACKED_ROWS
             self.num_bytes = self.q41.numel()
         else:
             self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
