@@ -6,9 +6,9 @@
 // - Q4_1 (the int4 projections): w = q * d + m, q in 0..15; byte j of a group holds q[j] in the low
 //   nibble and q[j + 16] in the high one. 20 bytes per 32 weights.
 // - Q8_0 (the embedding and LM head of an int4 model): w = q * d, q in -127..127. 34 bytes per 32.
-// - Q4_1 interleaved by 8 channels (a 3-D weight [out / 8, groups, 160]; AVX2-only CPUs, see
-//   kernels/__init__.py): for each block of 8 channels and group g, 128 code bytes, then the 8
-//   channels' float16 scales, then their minimums. Code byte 32 k + 4 c + i is GGUF's byte 4 k + i of
+// - Q4_1 interleaved by 8 channels (a 3-D weight [out / 8, groups, 160]; on AVX2-only CPUs, see
+//   interleaves_q41 in layers/quantization.py): for each block of 8 channels and group g, 128 code
+//   bytes, then the 8 channels' float16 scales, then their minimums. Code byte 32 k + 4 c + i is GGUF's byte 4 k + i of
 //   channel c's group (k, i in 0..3), so one 32-byte load holds 4 codes of each of the 8 channels.
 //
 // The input is quantized to 16 bits per group of 32 (scale dx, and its exact float sum s), so a
