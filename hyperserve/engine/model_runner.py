@@ -4,10 +4,10 @@ Owns the model, the KV cache tensors and the per-request random generators. Logi
 only for the rows that are sampled: the last new token of each request that reaches its end, and
 with speculation also the rows of its draft tokens, which are verified against them.
 
-For int4 models on the CPU, steps of up to QUANTIZED_MAX_ROWS tokens run the fused native
-decoder layers (layers/fused_decode.py): one call per layer, every token a row with its own slot,
-block table, context length and LoRA adapter (the PyTorch layers' projections add each row's
-adapter delta too: layers/lora.py). Otherwise, with `compile`, steps that only decode
+For int4 models on the CPU, steps run the fused native decoder layers (layers/fused_decode.py,
+which says which steps: every step on AVX2-only CPUs, those of up to QUANTIZED_MAX_ROWS tokens
+elsewhere): one call per layer, every token a row with its own slot, block table, context length
+and LoRA adapter (the PyTorch layers' projections add each row's adapter delta too: layers/lora.py). Otherwise, with `compile`, steps that only decode
 (one new token per sequence, the common step of continuous batching) run a torch.compile'd forward: elementwise
 ops fuse and most per-op Python goes away, which at one token per step is as much time as the
 matmuls. Its decodes attend as one group over block tables at least two blocks wide, so only two
@@ -284,7 +284,7 @@ class ModelRunner:
             return self.decode_graphs.run([c.token_ids[0] for c in chunks], [c.start for c in chunks],
                                           [c.block_table for c in chunks])
         if (self.fused_decode is not None and model is self.model and kv_caches is None
-                and sum(len(c.token_ids) for c in chunks) <= QUANTIZED_MAX_ROWS):
+                and self.fused_decode.takes(sum(len(c.token_ids) for c in chunks))):
             return self._fused_forward(chunks, with_lora)
         compiled = decode_only and self._compiled_decode is not None
         batch = self._prepare(chunks, model.sliding_window, model.attention_backend.ragged_decode,

@@ -1,4 +1,4 @@
-"""Small steps of an int4 Llama on the CPU, one native call per decoder layer.
+"""Steps of an int4 Llama on the CPU, one native call per decoder layer.
 
 At a few tokens per step a decoder layer is ~20 small PyTorch ops whose dispatch costs more than
 their arithmetic: eager decoding of SmolLM2-135M spent half its time outside the matmuls.
@@ -6,9 +6,16 @@ their arithmetic: eager decoding of SmolLM2-135M spent half its time outside the
 rotary, the K/V write, paged attention over the block tables, SwiGLU) in one call, in float32,
 reading K/V in place. Every token is a row with its own slot, block table and context length, so
 one call serves decodes, speculative verification (k + 1 tokens of a sequence, each attending to
-those before it) and short prefill chunks alike, up to QUANTIZED_MAX_ROWS tokens; larger steps
-keep the PyTorch path (dense, compute-bound). `FusedDecode.unsupported` says why a model cannot
-use it.
+those before it) and prefill chunks alike, and a row's numbers do not depend on the rows beside it.
+
+Which steps it takes (`FusedDecode.takes`): where the int4 weights are interleaved (AVX2-only
+CPUs, `quantization.interleaves_q41`), every step. There its 8-bit kernels prefill faster than the
+dense float32 path, and one path for every token means that a prompt's last tokens, computed here
+after a prefix-cache hit, round exactly as they do when the whole prompt is computed: a request
+gives the same answer whether its prefix was cached, and whatever ran beside it. Elsewhere
+(AVX-512 VNNI: 16-bit activations) only steps of up to QUANTIZED_MAX_ROWS tokens, since larger
+ones run faster as dense bfloat16 or float32 matrix products. `FusedDecode.unsupported` says why a model
+cannot use it at all.
 """
 
 from __future__ import annotations
@@ -18,11 +25,11 @@ import torch
 from hyperserve import kernels
 from hyperserve.layers.attention import KVCache
 from hyperserve.layers.lora import LoRABatch, unwrapped
-from hyperserve.layers.quantization import Int4Linear
+from hyperserve.layers.quantization import QUANTIZED_MAX_ROWS, Int4Linear
 
 
 class FusedDecode:
-    """Runs small steps of `model` (already int4-quantized) through decode_layer."""
+    """Runs steps of `model` (already int4-quantized) through decode_layer."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -33,6 +40,12 @@ class FusedDecode:
         self.dtype = model.model.norm.weight.dtype
         self.layers = [self._weights(layer) for layer in model.model.layers]
         self._no_rows = torch.empty(0, dtype=torch.long)
+        # int4 weights in the interleaved layout (norms are weights 0 and 3)
+        self.every_step = all(w.dim() == 3 for layer in self.layers for w in layer[1:3] + layer[4:])
+
+    def takes(self, num_tokens: int) -> bool:
+        """Whether a step of this many tokens runs here (see the module's docstring)."""
+        return self.every_step or num_tokens <= QUANTIZED_MAX_ROWS
 
     @staticmethod
     def unsupported(model: torch.nn.Module, kv_caches: list[KVCache]) -> str | None:

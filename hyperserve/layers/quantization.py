@@ -10,14 +10,13 @@ head are GGUF's Q8_0 (int8 in groups of 32, a float16 scale each; again exact fo
 embedding is Q8_0, as SmolLM2's is), one copy serving both when they are tied; without them the
 head is a PyTorch int8 linear (`Int8Head`) and the embedding stays float.
 
-Both quantized layers run their packed kernel for small batches (decode and speculative
-verification, up to `QUANTIZED_MAX_ROWS` rows): bandwidth-bound, they gain from reading fewer
-bytes. Larger batches (prefill, wide decode batches) are compute-bound and multiply the weights
-dequantized per call in the CPU's fastest dense type (bfloat16 where the CPU multiplies it
-natively, see `dense_dtype`). On AVX2-only CPUs the interleaved layout's 8-bit kernel prefilled
-1.5x faster than float32 GEMMs, but its rounding tipped near-ties at the first token (SmolLM2
-began "L'Étoile" for the capital of France, not "The capital of France is Paris"), so prompts
-keep float32 activations and only decode-sized steps take 8 bits.
+Int4 projections run their packed kernel for small batches (decode and speculative verification,
+up to `QUANTIZED_MAX_ROWS` rows): bandwidth-bound, they gain from reading fewer bytes. Larger
+batches (prefill, wide decode batches) are compute-bound and multiply the weights dequantized per
+call in the CPU's fastest dense type (bfloat16 where the CPU multiplies it natively, see
+`dense_dtype`). On AVX2-only CPUs the fused decoder layers (layers/fused_decode.py) take every
+step instead: the interleaved layout's 8-bit kernel prefills faster than float32 products there.
+The Q8_0 head runs its kernel for any number of rows.
 
 `int8` (and int4's head): int8 weights with one scale per output channel, run by PyTorch's x86 quantized engine
 (fbgemm) as dynamic linears: each call quantizes its input to 8 bits with one scale for the
@@ -227,24 +226,21 @@ class Q8Embedding(nn.Module):
         return hidden.view(*input_ids.shape, self.embedding_dim).to(self.dtype)
 
 
-class Q8Head(DenseForLargeBatches):
-    """The LM head of an int4 model in Q8_0, run by the native kernel (16-bit activations per group
-    of 32, so a row's logits do not depend on its batch). `shared`: the bytes belong to a tied
-    Q8Embedding, which counts them."""
+class Q8Head(nn.Module):
+    """The LM head of an int4 model in Q8_0, run by the native kernel for any number of rows (16-bit
+    activations per group of 32), so a row's logits never depend on how many rows its step samples.
+    A step samples one row per request (and its drafts), and up to 128 rows the kernel beat the
+    dequantized float32 product (at 16 rows 22 against 125 ms; 2-core AMD EPYC, AVX2 only).
+    `shared`: the bytes belong to a tied Q8Embedding, which counts them."""
 
-    def __init__(self, q80: torch.Tensor, in_features: int, dense: torch.dtype, shared: bool) -> None:
+    def __init__(self, q80: torch.Tensor, in_features: int, shared: bool) -> None:
         super().__init__()
-        self.q80, self.in_features, self.dense_dtype = q80, in_features, dense
+        self.q80, self.in_features = q80, in_features
         self.num_bytes = 0 if shared else q80.numel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.float())  # float32 logits: in bfloat16 near-ties would tie
-
-    def dense(self) -> torch.Tensor:
-        return torch.ops.hyperserve.dequantize(self.q80, self.in_features, "q8_0").to(self.dense_dtype)
-
-    def small_batch(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.hyperserve.quantized_linear(x, self.q80, "q8_0")
+        # float32 logits: in bfloat16 near-ties would tie
+        return torch.ops.hyperserve.quantized_linear(x.float(), self.q80, "q8_0")
 
 
 class Int8Head(DenseForLargeBatches):
@@ -358,7 +354,7 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> tuple[i
             embedding = pack_q80(model.model.embed_tokens.weight)
             model.model.embed_tokens = Q8Embedding(embedding, hidden_size, dtype)
             head = embedding if tied else pack_q80(model.lm_head.weight)
-            model.lm_head = Q8Head(head, hidden_size, dense, shared=tied)
+            model.lm_head = Q8Head(head, hidden_size, shared=tied)
         else:
             model.lm_head = Int8Head(model.model.embed_tokens.weight if tied else model.lm_head.weight, dense)
     elif method == "int8":

@@ -23,7 +23,7 @@ def _decode_both_ways(llm: LLM, loras: list | None = None) -> tuple[torch.Tensor
     loras = loras or [None] * len(prompts)
     with torch.inference_mode():
         for prompt, table, n, lora in zip(prompts, tables, lengths, loras):
-            runner.forward([SeqChunk(prompt[:n], 0, table, 1, lora)])  # prefill through PyTorch
+            runner.forward([SeqChunk(prompt[:n], 0, table, 1, lora)])  # prefill
         step = [SeqChunk(prompt[n:], n, table, k, lora)
                 for prompt, table, n, k, lora in zip(prompts, tables, lengths, new, loras)]
         fused = runner.forward(step)
@@ -112,6 +112,33 @@ def test_greedy_generation_is_the_same_batched_or_alone(save_hf_model, q41_layou
         llm.engine.runner.fused_decode = None
         plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert plain == together
+
+
+def test_where_every_step_is_fused_a_request_is_the_same_cached_chunked_or_batched(save_hf_model, monkeypatch):
+    """With the interleaved layout (the AVX2-only class) every token runs the fused layers' 8-bit
+    kernels however it is scheduled, so a request's tokens and logprobs are the same bit for bit
+    computed whole, in chunks, after a prefix-cache hit (its last tokens are a step of a few rows),
+    and beside other requests. Elsewhere a long prompt runs the dense path and the same few rows
+    the fused one, which round differently."""
+    if kernels.isa() == "portable":
+        pytest.skip("the interleaved layout is chosen only where the CPU has AVX2")
+    monkeypatch.setattr(quantization, "interleaves_q41", lambda: True)
+    _, path = save_hf_model(tiny_config("llama", hidden_size=192, num_attention_heads=3, num_key_value_heads=1))
+    generator = torch.Generator().manual_seed(1)
+    prompt, *others = (torch.randint(0, 256, (n,), generator=generator).tolist() for n in (70, 45, 30))
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+    options = dict(quantization="int4", kv_cache_memory_gb=0.01, block_size=16)
+
+    def run(llm: LLM, prompts: list[list[int]]) -> tuple:
+        output = llm.generate(prompts, params, use_tqdm=False)[prompts.index(prompt)]
+        return output.outputs[0].token_ids, output.outputs[0].logprobs, output.metrics.num_cached_tokens
+
+    whole = LLM(model=path, enable_prefix_caching=False, **options)
+    assert whole.engine.runner.fused_decode.every_step
+    tokens, logprobs, _ = run(whole, [prompt])
+    chunked = LLM(model=path, max_num_batched_tokens=24, **options)
+    for prompts, num_cached in (([prompt], 0), ([prompt], 64), ([others[0], prompt, others[1]], 64)):
+        assert run(chunked, prompts) == (tokens, logprobs, num_cached)
 
 
 @pytest.mark.parametrize(("arch", "options", "reason"), [
