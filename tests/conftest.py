@@ -102,12 +102,20 @@ def chat_prompt_ids(smollm2_tokenizer) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_source):
     """transformers' own model, dequantized from the same GGUF: the reference."""
+    return hf_model_from_gguf(smollm2_source)
+
+
+def hf_model_from_gguf(source):
+    """transformers' model of a GGUF, its weights dequantized by transformers. The config is the
+    one transformers derived from the same GGUF, as the loader saved it (test_loader checks that
+    they are equal): parsing a GGUF's metadata again costs 10-30 s a time (262k vocabulary entries
+    for Gemma 3)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        smollm2_source.directory, gguf_file=smollm2_source.gguf_file, dtype=torch.float32
-    )
-    return model.eval()
+    from hyperserve.models.loader import load_config
+
+    return AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file,
+                                                config=load_config(source), dtype=torch.float32).eval()
 
 
 def tiny_config(arch: str, **overrides):

@@ -9,6 +9,7 @@ import torch
 
 from hyperserve import LLM, SamplingParams
 from hyperserve.models.registry import resolve_model
+from tests.conftest import hf_model_from_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -22,10 +23,7 @@ def source():
 
 @pytest.fixture(scope="module")
 def hf_gemma(source):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file,
-                                                dtype=torch.float32).eval()
+    return hf_model_from_gguf(source)
 
 
 @pytest.fixture(scope="module")
