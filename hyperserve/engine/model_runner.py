@@ -7,11 +7,12 @@ with speculation also the rows of its draft tokens, which are verified against t
 For int4 models on the CPU, steps run the fused native decoder layers (layers/fused_decode.py,
 which says which steps: every step on AVX2-only CPUs, those of up to QUANTIZED_MAX_ROWS tokens
 elsewhere): one call per layer, every token a row with its own slot, block table, context length
-and LoRA adapter (the PyTorch layers' projections add each row's adapter delta too: layers/lora.py). Otherwise, with `compile`, steps that only decode
-(one new token per sequence, the common step of continuous batching) run a torch.compile'd forward: elementwise
-ops fuse and most per-op Python goes away, which at one token per step is as much time as the
-matmuls. Its decodes attend as one group over block tables at least two blocks wide, so only two
-graphs exist (one sequence; any batch), both compiled at start.
+and LoRA adapter (the PyTorch layers' projections add each row's adapter delta too:
+layers/lora.py). Otherwise, with `compile`, steps that only decode (one new token per sequence,
+the common step of continuous batching) run a torch.compile'd forward: elementwise ops fuse and
+most per-op Python goes away, which at one token per step is as much time as the matmuls. Its
+decodes attend as one group over block tables at least two blocks wide, so the graphs differ only
+by batch size; three are compiled at start (one sequence, two, and more than QUANTIZED_MAX_ROWS).
 """
 
 from __future__ import annotations

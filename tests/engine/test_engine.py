@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hyperserve import LLM, SamplingParams
-from tests.conftest import FLOAT32
+from tests.conftest import EXACT
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +16,7 @@ NUM_BLOCKS = 30
 def llm():
     # 30 blocks of 16 tokens: a few requests at once overflow it, so preemption happens.
     return LLM(num_kv_blocks=NUM_BLOCKS, block_size=16, max_model_len=480, max_num_batched_tokens=48,
-               **FLOAT32)
+               **EXACT)
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from hyperserve import LLM, SamplingParams
-from tests.conftest import DEVICES, FLOAT32, tiny_config
+from tests.conftest import DEVICES, EXACT, tiny_config
 
 BLOCK = 16
 
 
 def engines(path: str, device: str, num_blocks: int = 64) -> tuple[LLM, LLM]:
     options = dict(model=path, device=device, num_kv_blocks=num_blocks, block_size=BLOCK,
-                   max_model_len=num_blocks * BLOCK, **FLOAT32)
+                   max_model_len=num_blocks * BLOCK, **EXACT)
     return LLM(**options), LLM(**options)
 
 

@@ -11,7 +11,7 @@ import torch
 from hyperserve import LLM, SamplingParams
 from hyperserve.engine import model_runner, rejection_sampler
 from hyperserve.engine.speculative import NgramProposer
-from tests.conftest import DEVICES, FLOAT32, tiny_config
+from tests.conftest import DEVICES, EXACT, tiny_config
 
 NUM_BLOCKS = 200
 
@@ -33,7 +33,7 @@ def grounded_prompts(smollm2_tokenizer, chat_prompt_ids):
 
 @pytest.fixture(scope="module")
 def plain_llm():
-    return LLM(num_kv_blocks=NUM_BLOCKS, max_model_len=1024, **FLOAT32)
+    return LLM(num_kv_blocks=NUM_BLOCKS, max_model_len=1024, **EXACT)
 
 
 @pytest.mark.slow
@@ -50,7 +50,7 @@ def test_greedy_output_is_identical_with_speculation(speculative, plain_llm, gro
     ]
     expected = plain_llm.generate(grounded_prompts, params, use_tqdm=False)
     llm = LLM(num_kv_blocks=NUM_BLOCKS, max_model_len=1024,
-              speculative={**speculative, "max_batch": 8, "verify_cost": 0.1}, **FLOAT32)
+              speculative={**speculative, "max_batch": 8, "verify_cost": 0.1}, **EXACT)
     outputs = llm.generate(grounded_prompts, params, use_tqdm=False)
     for out, ref in zip(outputs, expected):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids

@@ -15,7 +15,7 @@ from hyperserve.engine.sampler import apply_token_bitmask
 from hyperserve.engine.structured_output import GrammarCompiler
 from hyperserve.llm import LLM
 from hyperserve.sampling_params import SamplingParams, StructuredOutputs
-from tests.conftest import FLOAT32, SMOLLM2
+from tests.conftest import EXACT, SMOLLM2
 from tests.engine.schemas import schemas
 
 
@@ -158,7 +158,7 @@ def test_grammar_rows_mixed_into_a_batch_of_free_requests_decode_as_alone(smollm
     """Batch invariance: a constrained request's tokens do not depend on what shares its steps,
     and free requests are untouched by their neighbours' masks; with chunked prefill and a KV
     pool small enough that requests are preempted and recomputed (grammar state and all)."""
-    llm = LLM(SMOLLM2, num_kv_blocks=30, block_size=16, max_model_len=480, max_num_batched_tokens=48, **FLOAT32)
+    llm = LLM(SMOLLM2, num_kv_blocks=30, block_size=16, max_model_len=480, max_num_batched_tokens=48, **EXACT)
     schema = schemas()[10][1]
     constrained = SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputs(json=schema))
     free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -199,7 +199,7 @@ def test_speculative_decoding_with_a_grammar_gives_the_plain_greedy_output():
     params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=StructuredOutputs(json=schema))
     texts = []
     for options in ({}, {"speculative_method": "ngram", "num_speculative_tokens": 4}):
-        llm = LLM(SMOLLM2, **FLOAT32, **options)
+        llm = LLM(SMOLLM2, **EXACT, **options)
         prompt = llm.apply_chat_template([{"role": "user", "content": question}])
         texts.append(llm.generate([prompt], [params], use_tqdm=False)[0].outputs[0])
     assert texts[1].token_ids == texts[0].token_ids

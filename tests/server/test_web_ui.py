@@ -134,7 +134,7 @@ def test_with_keys_on_the_pages_ask_for_one_and_stream_with_it(browser):
         dialog.locator("button").click()
         page.wait_for_selector("#model option[value=smollm2-135m]", state="attached")
         settings(page, temperature=0, max_tokens=8)
-        answer = send(page, "Hello!")  # over the WebSocket, the key as its subprotocol
+        answer = send(page, "Write a story about a dragon.")  # over the WebSocket, the key as its subprotocol
         playwright_api.expect(answer.locator(".stats")).to_contain_text("8 tokens", timeout=30_000)
         assert httpx.get(f"{keyed.url}/stats").status_code == 401  # the dashboard's data needs the key too
     finally:
