@@ -171,8 +171,8 @@ def test_adapters_that_do_not_fit_are_refused_with_the_reason(llm, base, adapter
 @pytest.mark.slow
 def test_the_demo_adapter_answers_in_capitals_on_smollm2():
     """examples/lora/uppercase, as README shows it: the same question, base and adapter. The
-    adapter's list is in capitals; where int4 takes 8-bit activations (AVX2-only CPUs) it may add a
-    sentence in lower case after it ("1. CAT 2. FOWLR 3. DOG. I hope this helps"), so the list is
+    adapter's list is in capitals; a 135M model may add a sentence in lower case after it (one
+    build of the kernels answered "1. CAT 2. FOWLR 3. DOG. I hope this helps"), so the list is
     what is judged."""
     from pathlib import Path
 
