@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,10 @@ pytestmark = pytest.mark.slow
 def fuzz(url: str, max_examples: int, phases: str = "fuzzing", seed: int = 1) -> tuple[int, str]:
     """Run schemathesis against `url`; (cases generated, its output). Fails on any 5xx or timeout."""
     binary = str(Path(sys.executable).with_name("schemathesis"))  # installed beside python by `make test`
-    run = subprocess.run([binary, "run", f"{url}/openapi.json", "--checks", "not_a_server_error", "--phases", phases,
-                          "-n", str(max_examples), "--request-timeout", "30", "--seed", str(seed)],
-                         capture_output=True, text=True, timeout=600)
+    with tempfile.TemporaryDirectory() as cache:  # schemathesis keeps a cache in its working directory
+        run = subprocess.run([binary, "run", f"{url}/openapi.json", "--checks", "not_a_server_error", "--phases",
+                              phases, "-n", str(max_examples), "--request-timeout", "30", "--seed", str(seed)],
+                             capture_output=True, text=True, timeout=600, cwd=cache)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     generated = re.search(r"(\d+) generated", run.stdout)
     return int(generated.group(1)) if generated else 0, run.stdout
