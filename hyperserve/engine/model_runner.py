@@ -53,6 +53,7 @@ CAPTURE_GRAPHS = "capture_graphs"  # rank 0's word to the other ranks: capture w
 # Decodes whose context lengths differ by more than this factor attend in separate batches.
 DECODE_GROUP_SPREAD = 1.25
 MIN_DECODE_GROUP = 8
+VERIFY_TIMING_CONTEXT = 256  # tokens of context behind the steps verify_row_cost times
 
 logger = logging.getLogger("hyperserve.runner")
 
@@ -107,6 +108,7 @@ class ModelRunner:
         self.num_window_blocks = num_window_blocks
         self.padding_slot = num_blocks * self.block_size  # the first slot of one block past the pool's
         self.vocab_size = model.config.vocab_size
+        self.max_model_len = config.model.max_model_len or model.config.max_position_embeddings
         self.kv_caches = self.allocate_kv_caches(model.config, model.window_layers,
                                                  model.model.layers[0].self_attn.num_kv_heads)
         self.shared_generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
@@ -164,13 +166,20 @@ class ModelRunner:
         logger.info("decode step compiled in %.1f s", time.perf_counter() - started)
 
     @torch.inference_mode()
-    def verify_row_cost(self, rows: int = 5, repeats: int = 5) -> float:
+    def verify_row_cost(self, rows: int = 5, repeats: int = 10) -> float:
         """What one more token in a sequence's step costs, relative to a one-token step, timed here:
-        on a CPU whose matrix kernels do integer work per row it is about 0.6, on a GPU or a
+        on a CPU whose matrix kernels do integer work per row it is about 0.3-0.6, on a GPU or a
         bandwidth-bound CPU far less, and speculation pays only below the acceptance it implies.
-        The timed steps write block 0 of the still-empty pool, as the compile warm-up does."""
+        The steps are timed after VERIFY_TIMING_CONTEXT tokens of context, since each extra row
+        attends to it too (timed at the start of a sequence, n-gram speculation slowed open chat on
+        an AVX2-only CPU by 6%). They write the first blocks of the still-empty pool, as the compile
+        warm-up does."""
+        pool_blocks = min(self.num_blocks, self.num_window_blocks or self.num_blocks)  # the smaller of two pools
+        context = max(0, min(VERIFY_TIMING_CONTEXT, (pool_blocks - 1) * self.block_size, self.max_model_len) - rows)
+
         def fastest(num_tokens: int) -> float:
-            chunk = SeqChunk([0] * num_tokens, 0, [0] * -(-num_tokens // self.block_size), num_tokens)
+            end = context + num_tokens
+            chunk = SeqChunk([0] * num_tokens, context, list(range(-(-end // self.block_size))), num_tokens)
             times = []
             for _ in range(repeats + 1):  # the first is a warm-up
                 started = time.perf_counter()
