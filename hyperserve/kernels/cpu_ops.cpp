@@ -853,19 +853,30 @@ void silu_mul(const float* gate, const float* up, float* out, int64_t n, bool av
 }
 
 #ifdef HYPERSERVE_X86
-// attend for G query heads that share one K/V head (G <= 3), head_dim a multiple of 64: q [G, D],
-// scores [G, length], out [G, D]. Each cached vector is widened once for the G heads; nothing is
+// Attention is computed in spans of kAttentionSpan positions of a sequence's context, cut at
+// multiples of it whatever the batch, each span a task of its own: a single decoding sequence
+// (SmolLM2: 3 K/V heads) spreads over both threads of a 2-core CPU, and a span's values, read
+// twice when three heads share them (below), are still in cache the second time. At 8,000 tokens
+// of context SmolLM2's attention took 16-21 ms a token against 19-29 with whole-context tasks
+// (2-core EPYC, AVX2): about what reading its 184 MB of cached K/V takes there.
+constexpr int64_t kAttentionSpan = 256;
+constexpr int64_t kMaxAttentionHeadDim = 512;
+
+// One span [begin, end) of G query heads that share one K/V head (G <= 3), head_dim a multiple of
+// 64: q [G, D] -> for each head its scores' largest value (`best`), the sum of exp(score - best)
+// (`total`) and the unnormalised sum of exp(score - best) * v (`out` [G, D]); combine_spans makes
+// one output of a sequence's spans. Each cached vector is widened once for the G heads; nothing is
 // called per token; each score is two independent sums; the outputs stay in registers (64 or 32
-// values of each head at a time) while the tokens stream past. A head's numbers do not depend on
-// G. (A call per token and the output's round trip through memory had made up most of the
-// attention's time, and with G = 1 every K/V vector was widened three times for SmolLM2.)
+// values of each head at a time) while the tokens stream past. A head's numbers do not depend on G.
 template <typename T, int G>
-AVX2 void attend_heads_avx2(const float* q, const T* keys, const T* values, const PagedKV& kv, int64_t length,
-                            int64_t kv_head, float* scores, float* out) {
-  const int64_t d = kv.head_dim, stride = kv.num_kv_heads * d, bs = kv.block_size;
-  for (int64_t b = 0, start = 0; start < length; ++b, start += bs) {
-    const T* k = keys + kv.block_table[b] * bs * stride + kv_head * d;
-    for (int64_t t = start; t < std::min(start + bs, length); ++t, k += stride) {
+AVX2 void attend_span_avx2(const float* q, const T* keys, const T* values, const PagedKV& kv, int64_t begin,
+                           int64_t end, int64_t kv_head, float* scores, float* out, float* best, float* total) {
+  const int64_t d = kv.head_dim, stride = kv.num_kv_heads * d, bs = kv.block_size, span = end - begin;
+  // tokens are visited a block at a time (no division per token), in plain loops: a lambda would
+  // not inherit this function's target attribute
+  for (int64_t t = begin; t < end;) {
+    const T* k = keys + (kv.block_table[t / bs] * bs + t % bs) * stride + kv_head * d;
+    for (const int64_t block_end = std::min(end, (t / bs + 1) * bs); t < block_end; ++t, k += stride) {
       __m256 acc[G][2];
       for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
       for (int64_t j = 0; j < d; j += 16) {
@@ -875,16 +886,15 @@ AVX2 void attend_heads_avx2(const float* q, const T* keys, const T* values, cons
           acc[g][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + j + 8), odd, acc[g][1]);
         }
       }
-      for (int g = 0; g < G; ++g) scores[g * length + t] = hsum(_mm256_add_ps(acc[g][0], acc[g][1]));
+      for (int g = 0; g < G; ++g) scores[g * span + t - begin] = hsum(_mm256_add_ps(acc[g][0], acc[g][1]));
     }
   }
-  float total[G];
   for (int g = 0; g < G; ++g) {
-    float* own = scores + g * length;
-    const float best = *std::max_element(own, own + length);
+    float* own = scores + g * span;
+    best[g] = *std::max_element(own, own + span);
     int64_t i = 0;
-    total[g] = exp_shifted_avx2(own, length, best, i);
-    for (; i < length; ++i) total[g] += own[i] = std::exp(own[i] - best);
+    total[g] = exp_shifted_avx2(own, span, best[g], i);
+    for (; i < span; ++i) total[g] += own[i] = std::exp(own[i] - best[g]);
   }
   constexpr int64_t kWidth = G == 1 ? 64 : 32;  // output values per head held in registers
   constexpr int kVectors = kWidth / 8;
@@ -892,13 +902,13 @@ AVX2 void attend_heads_avx2(const float* q, const T* keys, const T* values, cons
     __m256 acc[G][kVectors];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < kVectors; ++j) acc[g][j] = _mm256_setzero_ps();
-    for (int64_t b = 0, start = 0; start < length; ++b, start += bs) {
-      const T* v = values + kv.block_table[b] * bs * stride + kv_head * d + c;
-      for (int64_t t = start; t < std::min(start + bs, length); ++t, v += stride) {
+    for (int64_t t = begin; t < end;) {
+      const T* v = values + (kv.block_table[t / bs] * bs + t % bs) * stride + kv_head * d + c;
+      for (const int64_t block_end = std::min(end, (t / bs + 1) * bs); t < block_end; ++t, v += stride) {
         __m256 widened[kVectors];
         for (int j = 0; j < kVectors; ++j) widened[j] = load8(v + 8 * j);
         for (int g = 0; g < G; ++g) {
-          const __m256 weight = _mm256_set1_ps(scores[g * length + t] / total[g]);
+          const __m256 weight = _mm256_set1_ps(scores[g * span + t - begin]);
           for (int j = 0; j < kVectors; ++j) acc[g][j] = _mm256_fmadd_ps(weight, widened[j], acc[g][j]);
         }
       }
@@ -906,6 +916,22 @@ AVX2 void attend_heads_avx2(const float* q, const T* keys, const T* values, cons
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < kVectors; ++j) _mm256_storeu_ps(out + g * d + c + 8 * j, acc[g][j]);
   }
+}
+
+// out [D] = the softmax-weighted sum over a head's spans (each: out [D], best, total, `pitch`
+// floats apart), combined in span order.
+void combine_spans(const float* spans, int64_t count, int64_t pitch, int64_t d, const float* best,
+                   const float* total, float* out) {
+  float top = best[0];
+  for (int64_t s = 1; s < count; ++s) top = std::max(top, best[s * pitch]);
+  float denominator = 0.f;
+  std::fill(out, out + d, 0.f);
+  for (int64_t s = 0; s < count; ++s) {
+    const float weight = std::exp(best[s * pitch] - top);
+    denominator += weight * total[s * pitch];
+    for (int64_t j = 0; j < d; ++j) out[j] += weight * spans[s * pitch + j];
+  }
+  for (int64_t j = 0; j < d; ++j) out[j] /= denominator;
 }
 #endif
 
@@ -974,25 +1000,59 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
   }
 #ifdef HYPERSERVE_X86
   if (avx2 && head_dim % 64 == 0) {
-    // tasks of up to 3 query heads sharing a K/V head: even one row's 3 tasks of 3 heads (SmolLM2) end
-    // sooner on 2 threads than its 9 heads one by one, since a task's cost grows by 40% a head
+    // tasks of up to 3 query heads sharing a K/V head and one span of its context: even one row's 3
+    // K/V heads of 3 query heads (SmolLM2) make several tasks once its context passes one span
     const int64_t group = num_heads / num_kv_heads;
     const int64_t per_task = std::min<int64_t>(3, group);
     const int64_t tasks_per_kv_head = (group + per_task - 1) / per_task;
-    at::parallel_for(0, rows * num_kv_heads * tasks_per_kv_head, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(per_task * longest);
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t r = i / (num_kv_heads * tasks_per_kv_head), kv_head = i / tasks_per_kv_head % num_kv_heads;
-        const int64_t first = kv_head * group + i % tasks_per_kv_head * per_task;  // its first query head
-        const int64_t length = batch.lengths[r];
-        const PagedKV kv{batch.block_size, num_kv_heads, head_dim, batch.block_tables + r * batch.max_blocks};
-        const float* q = qkv + r * width + first * head_dim;
-        float* o = out + (r * num_heads + first) * head_dim;
-        switch (std::min(per_task, kv_head * group + group - first)) {
-          case 3: attend_heads_avx2<T, 3>(q, keys, values, kv, length, kv_head, scores.data(), o); break;
-          case 2: attend_heads_avx2<T, 2>(q, keys, values, kv, length, kv_head, scores.data(), o); break;
-          default: attend_heads_avx2<T, 1>(q, keys, values, kv, length, kv_head, scores.data(), o);
+    const int64_t pitch = head_dim + 2;  // a span's floats for one head: out, best, total
+    struct Task { int64_t row, kv_head, first_head, heads, span, slot; };  // slot: its partials' offset
+    std::vector<Task> tasks;
+    std::vector<int64_t> first_slot(rows * num_heads);  // each (row, head): its first span's slot
+    int64_t slots = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t spans = (batch.lengths[r] + kAttentionSpan - 1) / kAttentionSpan;
+      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+        for (int64_t k = 0; k < tasks_per_kv_head; ++k) {
+          const int64_t first = kv_head * group + k * per_task, heads = std::min(per_task, kv_head * group + group - first);
+          for (int64_t h = 0; h < heads; ++h) first_slot[r * num_heads + first + h] = slots + h * spans;
+          for (int64_t sp = 0; sp < spans; ++sp) tasks.push_back({r, kv_head, first, heads, sp, slots + sp});
+          slots += heads * spans;
         }
+      }
+    }
+    TORCH_CHECK(head_dim <= kMaxAttentionHeadDim, "decode_layer: head_dim above ", kMaxAttentionHeadDim);
+    thread_local std::vector<float> partials;
+    if (static_cast<int64_t>(partials.size()) < slots * pitch) partials.resize(slots * pitch);
+    float* parts = partials.data();
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+      float scores[3 * kAttentionSpan];
+      float out_g[3 * kMaxAttentionHeadDim], best[3], total[3];
+      for (int64_t i = begin; i < end; ++i) {
+        const Task& task = tasks[i];
+        const int64_t length = batch.lengths[task.row];
+        const int64_t from = task.span * kAttentionSpan, to = std::min(length, from + kAttentionSpan);
+        const PagedKV kv{batch.block_size, num_kv_heads, head_dim, batch.block_tables + task.row * batch.max_blocks};
+        const float* q = qkv + task.row * width + task.first_head * head_dim;
+        switch (task.heads) {
+          case 3: attend_span_avx2<T, 3>(q, keys, values, kv, from, to, task.kv_head, scores, out_g, best, total); break;
+          case 2: attend_span_avx2<T, 2>(q, keys, values, kv, from, to, task.kv_head, scores, out_g, best, total); break;
+          default: attend_span_avx2<T, 1>(q, keys, values, kv, from, to, task.kv_head, scores, out_g, best, total);
+        }
+        const int64_t spans = (length + kAttentionSpan - 1) / kAttentionSpan;
+        for (int64_t g = 0; g < task.heads; ++g) {  // head g's spans are consecutive slots
+          float* part = parts + (task.slot + g * spans) * pitch;
+          std::copy(out_g + g * head_dim, out_g + (g + 1) * head_dim, part);
+          part[head_dim] = best[g];
+          part[head_dim + 1] = total[g];
+        }
+      }
+    });
+    at::parallel_for(0, rows * num_heads, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t spans = (batch.lengths[i / num_heads] + kAttentionSpan - 1) / kAttentionSpan;
+        const float* part = parts + first_slot[i] * pitch;
+        combine_spans(part, spans, pitch, head_dim, part + head_dim, part + head_dim + 1, out + i * head_dim);
       }
     });
     return;

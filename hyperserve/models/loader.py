@@ -123,7 +123,14 @@ def gguf_metadata_directory(path: Path) -> Path | None:
 
 
 def save_gguf_metadata(gguf_path: str, directory: str) -> None:
-    """gguf_metadata_directory's child: writes a temporary directory, then renames it whole."""
+    """gguf_metadata_directory's child: writes a temporary directory, then renames it whole. One
+    parse of the file by gguf's reader serves transformers' config, its tokenizer and our index,
+    which would each parse it again (20-30 s apiece for Gemma 3's 262k-entry vocabulary): this
+    process reads nothing else, so its GGUFReader is made to hand out that one reader."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    gguf.GGUFReader = lambda *args, **kwargs: reader
     path, target = Path(gguf_path), Path(directory)
     partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     AutoConfig.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(partial)

@@ -11,14 +11,18 @@ from tests.conftest import tiny_config
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels could not be built here")
 
 
-def _decode_both_ways(llm: LLM, loras: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_both_ways(llm: LLM, loras: list | None = None, lengths: tuple[int, ...] = (20, 7, 40)
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of one step, fused and then layer by layer (which rewrites the same slots with the
-    same K/V): three sequences of different lengths in scattered blocks, two decoding one token,
+    same K/V): three sequences of these context lengths in scattered blocks, two decoding one token,
     one verifying four (each attends to those before it); each with its adapter from `loras`."""
     runner = llm.engine.runner
     assert runner.fused_decode is not None
-    tables, lengths, new = [[5, 2], [0], [7, 3, 9]], [20, 7, 40], [1, 1, 4]
+    new = [1, 1, 4]
     generator = torch.Generator().manual_seed(0)
+    needed = [-(-(n + k) // runner.block_size) for n, k in zip(lengths, new)]
+    blocks = torch.randperm(sum(needed), generator=generator).tolist()
+    tables = [blocks[sum(needed[:i]):sum(needed[:i + 1])] for i in range(len(needed))]
     prompts = [torch.randint(0, 256, (n + k,), generator=generator).tolist() for n, k in zip(lengths, new)]
     loras = loras or [None] * len(prompts)
     with torch.inference_mode():
@@ -64,6 +68,20 @@ def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, num_h
     else:
         assert (fused - plain).norm() / plain.norm() < 0.1
     assert not torch.equal(fused[0], fused[1])  # the rows are different sequences
+
+
+def test_attention_over_contexts_of_several_spans_matches_the_pytorch_layers(save_hf_model, q41_layout):
+    """The fused attention cuts a context into spans of 256 positions (kAttentionSpan), each its own
+    task, and combines them: contexts of 600 and 300 tokens, in blocks of 24 that spans cut through,
+    against PyTorch's attention over the same cache (tolerances as above)."""
+    _, path = save_hf_model(tiny_config("llama", num_attention_heads=3, num_key_value_heads=1, hidden_size=192,
+                                        max_position_embeddings=1024))
+    llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.05, block_size=24)
+    fused, plain = _decode_both_ways(llm, lengths=(600, 7, 300))
+    if q41_layout == "rows":
+        assert (fused - plain).abs().max() <= 1e-3 * plain.abs().max()
+    else:
+        assert (fused - plain).norm() / plain.norm() < 0.1
 
 
 def test_fused_decode_applies_each_rows_lora_adapter_as_the_pytorch_layers_do(save_hf_model, tmp_path, monkeypatch):

@@ -60,6 +60,7 @@ def test_int4_holds_the_gguf_weights_exactly(smollm2_source, hf_smollm2):
 
 
 def test_gguf_metadata_is_parsed_once_into_files_that_read_back_the_same(smollm2_source, tmp_path, monkeypatch):
+    import gguf
     from transformers import AutoConfig, AutoTokenizer
 
     from hyperserve.models import loader
@@ -71,6 +72,8 @@ def test_gguf_metadata_is_parsed_once_into_files_that_read_back_the_same(smollm2
         directory = loader.gguf_metadata_directory(smollm2_source.path)
         assert directory.parent == tmp_path
         assert {p.name for p in directory.iterdir()} >= {"config.json", "tokenizer.json", "gguf_index.json"}
+        reader = gguf.GGUFReader(smollm2_source.path)  # the references below share one parse of the file
+        monkeypatch.setattr(gguf, "GGUFReader", lambda *args, **kwargs: reader)
         assert loader.gguf_index(smollm2_source.path) == loader._read_gguf_index(smollm2_source.path)
         reference = AutoConfig.from_pretrained(smollm2_source.directory, gguf_file=smollm2_source.gguf_file)
         ours = loader.load_config(smollm2_source)
