@@ -65,8 +65,11 @@ def smollm2_prompts(chat_prompt_ids, smollm2_tokenizer):
     return chat_prompt_ids[:3] + [story]  # the story (~150 tokens) prefills in three chunks
 
 
-# int4's 8-bit activations on AVX2-only CPUs (quantization.interleaves_q41) move logprobs by up to 0.11 there
-INT4_TOLERANCE = 0.25 if interleaves_q41() else 0.1
+# On AVX2-only CPUs (quantization.interleaves_q41) one process runs every int4 step through the fused
+# layers, in float32 with 8-bit activations, while the ranks run the PyTorch layers (bfloat16 between
+# ops, prompts through dense float32 products): SmolLM2's logprobs differed by up to 0.37 there
+# (2-core EPYC). A wrong split differs by whole nats.
+INT4_TOLERANCE = 0.4 if interleaves_q41() else 0.1
 
 
 @pytest.mark.parametrize("options,tolerance", [(FLOAT32, 1e-3), ({}, INT4_TOLERANCE)], ids=["float32", "int4"])
