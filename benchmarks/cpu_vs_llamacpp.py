@@ -6,7 +6,8 @@ HyperServe runs its engine offline (decode and prefill, as llama-bench measures 
 `hyperserve serve` with each configuration's flags. Both servers get the same `hyperserve bench`
 load: 1 stream (ITL and TTFT) and 16 streams (output tokens/s), prompts of ~200 tokens, 128 output
 tokens. Start-up is the time from launch to /health answering; RSS is the server's resident memory
-after the load (peak in brackets).
+after the load (peak in brackets). All servers run at once and take the loads in turns
+(`--rounds`, medians), each turn with its own prompts.
 
     bash scripts/build_llama_cpp.sh          # once, ~6 minutes on 2 cores
     python benchmarks/cpu_vs_llamacpp.py [--configs default float32 default+compile] [--isa avx2]
@@ -20,7 +21,9 @@ clock are not those of an AVX2-only CPU: this stands in for that class without r
 
 Configurations as in benchmarks/quality.py, plus `default`: no flags at all (what `make serve` runs).
 Decode is compared in turns (`--rounds`, medians; the decode ratio is against the llama-bench runs
-taken between ours), since this kind of VM drifts by 20% over minutes.
+taken between ours), since this kind of VM drifts by 20% over minutes. `--depths 1000 4000 8000`
+adds decode after that many tokens of context (llama-bench's `tg32 @ dN` against 32 of our tokens
+after an N-token prompt), also in turns: what a long conversation or document costs per token.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from benchmarks.quality import engine_options, server_args, speed  # noqa: E402
-from hyperserve import LLM  # noqa: E402
+from hyperserve import LLM, SamplingParams  # noqa: E402
 from hyperserve.bench.run import add_bench_args, run_from_args  # noqa: E402
 from hyperserve.layers.quantization import cpu_flags, hardware_cpu_flags  # noqa: E402
 from hyperserve.models.registry import resolve_model  # noqa: E402
@@ -76,40 +79,50 @@ def _memory_mb(pid: int) -> tuple[float, float]:
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
-def _bench(port: int, concurrency: int, num_requests: int) -> dict:
+def _bench(port: int, concurrency: int, num_requests: int, seed: int = 0) -> dict:
     parser = argparse.ArgumentParser()
     add_bench_args(parser)
     return run_from_args(parser.parse_args([
         "--base-url", f"http://127.0.0.1:{port}", "--concurrency", str(concurrency), "--num-requests",
-        str(num_requests), "--input-tokens", "200", "--output-tokens", "128"]))
+        str(num_requests), "--input-tokens", "200", "--output-tokens", "128", "--seed", str(seed)]))
 
 
-def serve_and_load(command: list[str], port: int) -> dict:
-    """Start a server, time it to /health, put both loads on it, read its memory, stop it."""
+def start_timed(command: list[str], port: int) -> tuple[subprocess.Popen, float]:
+    """A server, and the seconds from launch to its /health answering 200 (ours: model loaded)."""
     started = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{command[0]} exited with {process.returncode}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.perf_counter() - started > 900:
-                raise RuntimeError(f"{command[0]} did not start in 900 s")
-            time.sleep(0.2)
-        startup = time.perf_counter() - started
-        _bench(port, 1, 2)  # warm-up
-        one = _bench(port, 1, 8)
-        sixteen = _bench(port, 16, 32)
-        rss, peak = _memory_mb(process.pid)
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-    return {"startup_s": startup, "itl_p50_ms": one["itl_p50_ms"], "ttft_p50_ms": one["ttft_p50_ms"],
-            "server16_output_tok_s": sixteen["output_token_throughput"], "rss_mb": rss, "peak_rss_mb": peak}
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{command[0]} exited with {process.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return process, time.perf_counter() - started
+        except httpx.HTTPError:
+            pass
+        if time.perf_counter() - started > 900:
+            process.kill()
+            raise RuntimeError(f"{command[0]} did not start in 900 s")
+        time.sleep(0.2)
+
+
+def load_in_turns(servers: dict[str, tuple[subprocess.Popen, int]], rounds: int) -> dict[str, dict]:
+    """Both loads on every server, one server after another, for `rounds` turns (medians): the
+    servers idle while another is measured, and the VM's drift falls on all of them alike. Each
+    turn has its own prompts (the same for every server), so no turn hits an earlier one's cache."""
+    for _, port in servers.values():
+        _bench(port, 1, 2, seed=-1)  # warm-up
+    turns: dict[str, list[dict]] = {name: [] for name in servers}
+    for turn in range(max(rounds, 1)):
+        for name, (_, port) in servers.items():
+            one, sixteen = _bench(port, 1, 8, seed=turn), _bench(port, 16, 32, seed=100 + turn)
+            turns[name].append({"itl_p50_ms": one["itl_p50_ms"], "ttft_p50_ms": one["ttft_p50_ms"],
+                                "server16_output_tok_s": sixteen["output_token_throughput"]})
+            print(f"turn {turn + 1}: {name}: {turns[name][-1]}", flush=True)
+    results = {}
+    for name, (process, _) in servers.items():
+        results[name] = {key: statistics.median(t[key] for t in turns[name]) for key in turns[name][0]}
+        results[name]["rss_mb"], results[name]["peak_rss_mb"] = _memory_mb(process.pid)
+    return results
 
 
 def llama_cpp_bin() -> Path:
@@ -117,14 +130,6 @@ def llama_cpp_bin() -> Path:
                                   text=True, check=True).stdout.strip())
     print(f"llama.cpp: {bin_dir}", file=sys.stderr)
     return bin_dir
-
-
-def llama_cpp(bin_dir: Path, gguf: Path, threads: int) -> dict:
-    port = free_port()
-    result = llama_bench(bin_dir, gguf, threads)
-    result.update(serve_and_load([str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(threads),
-                                  "-np", "16", "-c", "8192", "--host", "127.0.0.1", "--port", str(port)], port))
-    return result
 
 
 def paired_decode(llm: LLM, bin_dir: Path, gguf: Path, threads: int, rounds: int) -> tuple[float, float]:
@@ -139,18 +144,45 @@ def paired_decode(llm: LLM, bin_dir: Path, gguf: Path, threads: int, rounds: int
     return statistics.median(ours), statistics.median(theirs)
 
 
-def hyperserve(config: str, bin_dir: Path, gguf: Path, threads: int, rounds: int) -> dict:
+def decode_at_depths(llm: LLM, bin_dir: Path, gguf: Path, threads: int, depths: list[int],
+                     rounds: int) -> dict[str, dict[str, float]]:
+    """Median decode tok/s after `depth` tokens of context, ours and llama-bench's tg32 @ depth, in
+    turns. Our later turns find the prompt in the prefix cache: only the decode is timed anyway."""
+    results = {}
+    for depth in depths:
+        prompt = [100 + (i * 7919) % 49000 for i in range(depth)]
+        ours, theirs = [], []
+        for _ in range(max(rounds, 1)):
+            out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n",
+                                  "32", "-d", str(depth), "-r", "1", "-o", "json"],
+                                 capture_output=True, text=True, check=True).stdout
+            theirs.append(json.loads(out)[0]["avg_ts"])
+            metrics = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=33, ignore_eos=True),
+                                   use_tqdm=False)[0].metrics
+            ours.append(32 / (metrics.finished_time - metrics.first_token_time))
+        results[str(depth)] = {"decode_tok_s": statistics.median(ours), "llama_decode_tok_s": statistics.median(theirs)}
+        print(f"decode at {depth} tokens of context: ours {results[str(depth)]['decode_tok_s']:.1f}, "
+              f"llama.cpp {results[str(depth)]['llama_decode_tok_s']:.1f} tok/s", flush=True)
+    return results
+
+
+def hyperserve_offline(config: str, bin_dir: Path, gguf: Path, threads: int, rounds: int,
+                       depths: list[int]) -> dict:
+    """Our engine offline: decode (in turns with llama-bench) and prefill, and decode at depth."""
     options = {} if config == "default" else engine_options(config.removeprefix("default+"))
     llm = LLM(**options)
     result = speed(llm)
     if rounds:
         result["decode_tok_s"], result["paired_llama_decode_tok_s"] = paired_decode(llm, bin_dir, gguf, threads,
                                                                                     rounds)
-    del llm
-    port = free_port()
-    flags = [] if config == "default" else server_args(config.removeprefix("default+"))
-    result.update(serve_and_load([sys.executable, "-m", "hyperserve.cli", "serve", "--port", str(port), *flags], port))
+    if depths:
+        result["decode_at_depth"] = decode_at_depths(llm, bin_dir, gguf, threads, depths, rounds)
     return result
+
+
+def server_command(config: str, port: int) -> list[str]:
+    flags = [] if config == "default" else server_args(config.removeprefix("default+"))
+    return [sys.executable, "-m", "hyperserve.cli", "serve", "--port", str(port), *flags]
 
 
 def main() -> None:
@@ -158,7 +190,9 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["default", "float32"])
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--rounds", type=int, default=5,
-                        help="decode: medians of this many turns of llama-bench tg128 and ours (0: one run each)")
+                        help="medians of this many turns: decode (llama-bench tg128 and ours) and the servers' loads")
+    parser.add_argument("--depths", nargs="*", type=int, default=[],
+                        help="also decode after this many tokens of context (e.g. 1000 4000 8000)")
     parser.add_argument("--isa", choices=["native", "avx2"], default="native",
                         help="avx2: both systems' AVX2 code paths, on a CPU that has more")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/cpu_vs_llamacpp[-ISA].json")
@@ -170,9 +204,26 @@ def main() -> None:
     out = args.out or str(ROOT / "benchmarks" / "results" / f"cpu_vs_llamacpp{suffix}.json")
     source = resolve_model("smollm2-135m")
     bin_dir = llama_cpp_bin()
-    results = {"llama.cpp": llama_cpp(bin_dir, source.path, args.threads)}
+    results = {"llama.cpp": llama_bench(bin_dir, source.path, args.threads)}
     for config in args.configs:
-        results[f"hyperserve {config}"] = hyperserve(config, bin_dir, source.path, args.threads, args.rounds)
+        print(f"offline: {config} ...", flush=True)
+        results[f"hyperserve {config}"] = hyperserve_offline(config, bin_dir, source.path, args.threads, args.rounds,
+                                                             args.depths)
+    servers = {}
+    try:
+        for name in results:
+            port = free_port()
+            command = ([str(bin_dir / "llama-server"), "-m", str(source.path), "-t", str(args.threads), "-np", "16",
+                        "-c", "8192", "--host", "127.0.0.1", "--port", str(port)] if name == "llama.cpp"
+                       else server_command(name.removeprefix("hyperserve "), port))
+            process, results[name]["startup_s"] = start_timed(command, port)
+            servers[name] = (process, port)
+        for name, measured in load_in_turns(servers, args.rounds).items():
+            results[name].update(measured)
+    finally:
+        for process, _ in servers.values():
+            process.terminate()
+            process.wait(timeout=60)
     header = cpu_header(args.threads)
     Path(out).write_text(json.dumps({"machine": header, "results": results}, indent=2))
     base = results["llama.cpp"]
@@ -200,6 +251,18 @@ def main() -> None:
                 cell += f" ({ratio:.2f}x)"
             cells.append(cell)
         print(f"| {name} | " + " | ".join(cells) + " |")
+    if args.depths:
+        print("\n| system | " + " | ".join(f"decode tok/s at {d} of context" for d in args.depths) + " |")
+        print("|---" * (len(args.depths) + 1) + "|")
+        for name, r in results.items():
+            if "decode_at_depth" not in r:
+                continue
+            at = r["decode_at_depth"]
+            print(f"| llama.cpp (turns beside {name}) | "
+                  + " | ".join(f"{at[str(d)]['llama_decode_tok_s']:.1f}" for d in args.depths) + " |")
+            print(f"| {name} | " + " | ".join(f"{at[str(d)]['decode_tok_s']:.1f} "
+                                             f"({at[str(d)]['decode_tok_s'] / at[str(d)]['llama_decode_tok_s']:.2f}x)"
+                                             for d in args.depths) + " |")
 
 
 if __name__ == "__main__":

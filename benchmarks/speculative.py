@@ -3,16 +3,21 @@
 Two workloads of greedy requests, run one at a time:
   (a) input-grounded: rewrite, extract or continue a given text or code (output repeats input)
   (b) open chat
-Each method runs in a fresh engine; decode tokens/s counts output tokens after the first over
-the time from the first token to the last, so prefill time (the same for all) is left out.
+Every method has its own engine, all loaded at once, and each prompt runs on each of them in turn,
+for --rounds rounds: a shared VM's drift (10-20% within minutes) then falls on every method alike,
+where a run of one method after another measured it. Decode tokens/s counts output tokens after
+the first over the time from the first token to the last, so prefill time (the same for all) is
+left out. --ignore-eos keeps every answer going to --max-tokens; past its answer SmolLM2 goes on
+to invent a new conversation, which is no longer input-grounded, so --no-ignore-eos (stop where
+the model stops) measures the grounded workload as users get it.
 
-    python benchmarks/speculative.py [--max-tokens 128] [--num-tokens 5] [--methods none ngram self self:27]
+    python benchmarks/speculative.py [--max-tokens 128] [--num-tokens 5] [--rounds 2] [--no-ignore-eos]
+        [--methods none ngram self self:27]
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import time
@@ -50,7 +55,16 @@ CHAT = [
 ]
 
 
-def run(method: str, workloads: dict[str, list[str]], max_tokens: int, num_tokens: int) -> dict:
+def header() -> str:
+    from hyperserve.layers.quantization import cpu_flags
+
+    flags = cpu_flags()
+    names = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+    shown = " ".join(name for name in names if name in flags)
+    return f"CPU flags: {shown or 'none of avx2/avx512/amx'}; {os.cpu_count()} cores"
+
+
+def engine(method: str, num_tokens: int):
     from hyperserve import LLM, SamplingParams
 
     speculative = None
@@ -58,28 +72,41 @@ def run(method: str, workloads: dict[str, list[str]], max_tokens: int, num_token
         name, _, layers = method.partition(":")
         speculative = {"method": name, "num_tokens": num_tokens, **({"num_layers": int(layers)} if layers else {})}
     llm = LLM(max_model_len=2048, kv_cache_memory_gb=0.5, speculative=speculative)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    results = {}
-    for workload, prompts in workloads.items():
-        stats = llm.engine.scheduler.spec_stats
-        drafted, accepted, drafts = stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_drafts
-        tokens, seconds = 0, 0.0
-        for prompt in prompts:
-            out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
-            m = out.metrics
-            tokens += len(out.outputs[0].token_ids) - 1
-            seconds += m.finished_time - m.first_token_time
-        drafted, accepted, drafts = (stats.num_draft_tokens - drafted, stats.num_accepted_tokens - accepted,
-                                     stats.num_drafts - drafts)
-        results[workload] = {
+    return llm
+
+
+def run(methods: list[str], workloads: dict[str, list[str]], max_tokens: int, num_tokens: int, rounds: int,
+        ignore_eos: bool) -> dict:
+    from hyperserve import SamplingParams
+
+    engines = {method: engine(method, num_tokens) for method in methods}
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    totals = {(m, w): [0, 0.0, 0, 0, 0] for m in methods for w in workloads}  # tokens, s, drafted, accepted, steps
+    for round_ in range(rounds):
+        print(f"round {round_ + 1}/{rounds} ...", flush=True)
+        for workload, prompts in workloads.items():
+            for prompt in prompts:
+                for method, llm in engines.items():
+                    steps = llm.engine.scheduler.spec_stats.num_drafts
+                    out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
+                    m, total = out.metrics, totals[(method, workload)]
+                    total[0] += len(out.outputs[0].token_ids) - 1
+                    total[1] += m.finished_time - m.first_token_time
+                    total[2] += m.num_draft_tokens
+                    total[3] += m.num_accepted_tokens
+                    total[4] += llm.engine.scheduler.spec_stats.num_drafts - steps
+    results = {method: {} for method in methods}
+    for (method, workload), (tokens, seconds, drafted, accepted, steps) in totals.items():
+        results[method][workload] = {
+            "output_tokens": tokens,
             "decode_tps": tokens / seconds,
             "acceptance_rate": accepted / drafted if drafted else None,
-            "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+            "mean_accepted_length": 1 + accepted / steps if steps else None,
             "draft_tokens": drafted,
         }
-    del llm
-    gc.collect()
+    for llm in engines.values():
+        llm.close()
     return results
 
 
@@ -89,18 +116,19 @@ def main() -> None:
     parser.add_argument("--num-tokens", type=int, default=5, help="draft tokens per step at most")
     parser.add_argument("--methods", nargs="+", default=["none", "ngram", "self", "self:27"],
                         help="none, ngram, self or self:N (the target's first N layers draft)")
+    parser.add_argument("--rounds", type=int, default=2, help="each prompt on each method this many times")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="go on to --max-tokens past the model's end of answer (default)")
     parser.add_argument("--json", default="benchmarks/results/speculative.json")
     args = parser.parse_args()
     workloads = {"(a) input-grounded": GROUNDED, "(b) open chat": CHAT}
-    results = {}
-    for method in args.methods:
-        print(f"running {method} ...", flush=True)
-        results[method] = run(method, workloads, args.max_tokens, args.num_tokens)
+    results = run(args.methods, workloads, args.max_tokens, args.num_tokens, args.rounds, args.ignore_eos)
+    print(f"\n{header()}; {args.rounds} alternating rounds, ignore_eos={args.ignore_eos}")
 
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)
 
-    print(f"\n{'workload':<20}{'method':<10}{'decode tok/s':>14}{'speedup':>9}{'accept rate':>13}{'mean len':>10}")
+    print(f"{'workload':<20}{'method':<10}{'decode tok/s':>14}{'speedup':>9}{'accept rate':>13}{'mean len':>10}")
     for workload in workloads:
         base = results["none"][workload]["decode_tps"] if "none" in results else None
         for method, by_workload in results.items():
