@@ -65,10 +65,21 @@ def cpu_header(threads: int) -> str:
     return f"{model}, {os.cpu_count()} cores, {threads} threads; flags: {flags}; {datetime.date.today()}"
 
 
+def run_llama_bench(bin_dir: Path, gguf: Path, threads: int, *args: str) -> list[dict]:
+    """llama-bench's JSON rows for these arguments (-p, -n, -d, -r ...)."""
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), *args, "-o", "json"],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+def llama_decode_tok_s(bin_dir: Path, gguf: Path, threads: int, tokens: int, depth: int = 0) -> float:
+    """One llama-bench decode run: tg`tokens` after `depth` tokens of context."""
+    rows = run_llama_bench(bin_dir, gguf, threads, "-p", "0", "-n", str(tokens), "-d", str(depth), "-r", "1")
+    return rows[0]["avg_ts"]
+
+
 def llama_bench(bin_dir: Path, gguf: Path, threads: int) -> dict:
-    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "512",
-                          "-n", "128", "-r", "3", "-o", "json"], capture_output=True, text=True, check=True).stdout
-    runs = json.loads(out)
+    runs = run_llama_bench(bin_dir, gguf, threads, "-p", "512", "-n", "128", "-r", "3")
     return {"decode_tok_s": next(r["avg_ts"] for r in runs if r["n_gen"] == 128),
             "prefill_tok_s": next(r["avg_ts"] for r in runs if r["n_prompt"] == 512)}
 
@@ -137,9 +148,7 @@ def paired_decode(llm: LLM, bin_dir: Path, gguf: Path, threads: int, rounds: int
     by 20% over minutes, which a ratio of two separate runs would carry."""
     ours, theirs = [], []
     for _ in range(rounds):
-        out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n",
-                              "128", "-r", "1", "-o", "json"], capture_output=True, text=True, check=True).stdout
-        theirs.append(json.loads(out)[0]["avg_ts"])
+        theirs.append(llama_decode_tok_s(bin_dir, gguf, threads, 128))
         ours.append(speed(llm, decode_only=True)["decode_tok_s"])
     return statistics.median(ours), statistics.median(theirs)
 
@@ -153,10 +162,7 @@ def decode_at_depths(llm: LLM, bin_dir: Path, gguf: Path, threads: int, depths: 
         prompt = [100 + (i * 7919) % 49000 for i in range(depth)]
         ours, theirs = [], []
         for _ in range(max(rounds, 1)):
-            out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n",
-                                  "32", "-d", str(depth), "-r", "1", "-o", "json"],
-                                 capture_output=True, text=True, check=True).stdout
-            theirs.append(json.loads(out)[0]["avg_ts"])
+            theirs.append(llama_decode_tok_s(bin_dir, gguf, threads, 32, depth))
             metrics = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=33, ignore_eos=True),
                                    use_tqdm=False)[0].metrics
             ours.append(32 / (metrics.finished_time - metrics.first_token_time))

@@ -861,9 +861,12 @@ void silu_mul(const float* gate, const float* up, float* out, int64_t n, bool av
 // (2-core EPYC, AVX2): about what reading its 184 MB of cached K/V takes there.
 constexpr int64_t kAttentionSpan = 256;
 constexpr int64_t kMaxAttentionHeadDim = 512;
+constexpr int64_t kMaxHeadsPerTask = 3;  // query heads sharing a K/V head that one task attends for
 
-// One span [begin, end) of G query heads that share one K/V head (G <= 3), head_dim a multiple of
-// 64: q [G, D] -> for each head its scores' largest value (`best`), the sum of exp(score - best)
+inline int64_t spans_of(int64_t length) { return (length + kAttentionSpan - 1) / kAttentionSpan; }
+
+// One span [begin, end) of G query heads that share one K/V head (G <= kMaxHeadsPerTask), head_dim
+// a multiple of 64: q [G, D] -> for each head its scores' largest value (`best`), the sum of exp(score - best)
 // (`total`) and the unnormalised sum of exp(score - best) * v (`out` [G, D]); combine_spans makes
 // one output of a sequence's spans. Each cached vector is widened once for the G heads; nothing is
 // called per token; each score is two independent sums; the outputs stay in registers (64 or 32
@@ -1003,7 +1006,7 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
     // tasks of up to 3 query heads sharing a K/V head and one span of its context: even one row's 3
     // K/V heads of 3 query heads (SmolLM2) make several tasks once its context passes one span
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t per_task = std::min<int64_t>(3, group);
+    const int64_t per_task = std::min(kMaxHeadsPerTask, group);
     const int64_t tasks_per_kv_head = (group + per_task - 1) / per_task;
     const int64_t pitch = head_dim + 2;  // a span's floats for one head: out, best, total
     struct Task { int64_t row, kv_head, first_head, heads, span, slot; };  // slot: its partials' offset
@@ -1011,7 +1014,7 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
     std::vector<int64_t> first_slot(rows * num_heads);  // each (row, head): its first span's slot
     int64_t slots = 0;
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t spans = (batch.lengths[r] + kAttentionSpan - 1) / kAttentionSpan;
+      const int64_t spans = spans_of(batch.lengths[r]);
       for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
         for (int64_t k = 0; k < tasks_per_kv_head; ++k) {
           const int64_t first = kv_head * group + k * per_task, heads = std::min(per_task, kv_head * group + group - first);
@@ -1028,20 +1031,21 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
     if (static_cast<int64_t>(partials.size()) < slots * pitch) partials.resize(slots * pitch);
     float* parts = partials.data();
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-      float scores[3 * kAttentionSpan];
-      float out_g[3 * kMaxAttentionHeadDim], best[3], total[3];
+      float scores[kMaxHeadsPerTask * kAttentionSpan];
+      float out_g[kMaxHeadsPerTask * kMaxAttentionHeadDim], best[kMaxHeadsPerTask], total[kMaxHeadsPerTask];
       for (int64_t i = begin; i < end; ++i) {
         const Task& task = tasks[i];
         const int64_t length = batch.lengths[task.row];
         const int64_t from = task.span * kAttentionSpan, to = std::min(length, from + kAttentionSpan);
         const PagedKV kv{batch.block_size, num_kv_heads, head_dim, batch.block_tables + task.row * batch.max_blocks};
         const float* q = qkv + task.row * width + task.first_head * head_dim;
+        static_assert(kMaxHeadsPerTask == 3, "one case per head count");
         switch (task.heads) {
           case 3: attend_span_avx2<T, 3>(q, keys, values, kv, from, to, task.kv_head, scores, out_g, best, total); break;
           case 2: attend_span_avx2<T, 2>(q, keys, values, kv, from, to, task.kv_head, scores, out_g, best, total); break;
           default: attend_span_avx2<T, 1>(q, keys, values, kv, from, to, task.kv_head, scores, out_g, best, total);
         }
-        const int64_t spans = (length + kAttentionSpan - 1) / kAttentionSpan;
+        const int64_t spans = spans_of(length);
         for (int64_t g = 0; g < task.heads; ++g) {  // head g's spans are consecutive slots
           float* part = parts + (task.slot + g * spans) * pitch;
           std::copy(out_g + g * head_dim, out_g + (g + 1) * head_dim, part);
@@ -1052,7 +1056,7 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
     });
     at::parallel_for(0, rows * num_heads, 8, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t spans = (batch.lengths[i / num_heads] + kAttentionSpan - 1) / kAttentionSpan;
+        const int64_t spans = spans_of(batch.lengths[i / num_heads]);
         const float* part = parts + first_slot[i] * pitch;
         combine_spans(part, spans, pitch, head_dim, part + head_dim, part + head_dim + 1, out + i * head_dim);
       }
