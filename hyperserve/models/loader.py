@@ -28,6 +28,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Pretrained
 from hyperserve.config import EngineConfig
 from hyperserve.distributed.group import TensorParallel
 from hyperserve.layers.attention import AttentionBackend, attention_backend
+from hyperserve.layers.huge_pages import move_to_huge_pages
 from hyperserve.layers.quantization import quantize_model
 from hyperserve.models import gemma3
 from hyperserve.models.gemma3 import Gemma3ForCausalLM
@@ -227,7 +228,7 @@ def build_model(
 ) -> LlamaForCausalLM:
     """Materialise the model (with `tp`, this rank's slice of it) and fill it from `source`, or
     randomly when `source` is None (each rank drawing its own slice); then quantize its weights if
-    asked."""
+    asked. On the CPU the weights end in 2 MiB pages (layers/huge_pages.py)."""
     # int4/int8 quantize from the checkpoint's own values (exact for Q4_1); fp8 loses nothing to bfloat16
     load_dtype = torch.float32 if quantization in ("int4", "int8") else dtype
     with torch.device("meta"):
@@ -244,6 +245,8 @@ def build_model(
     model = model.eval().requires_grad_(False)
     if quantization is not None:
         quantize_model(model, quantization, dtype)
+    if torch.device(device).type == "cpu":
+        move_to_huge_pages(model)
     return model
 
 

@@ -1,0 +1,98 @@
+"""A CPU model's weights moved into one block of memory backed by 2 MiB pages.
+
+Decode reads every weight once per token, and on a CPU that is a stream of ~100 MB (SmolLM2's int4
+layers and Q8_0 head) through 4 KiB pages: a TLB miss every 4 KiB, each a two-level page walk under
+a hypervisor, and the hardware prefetchers stop at every page boundary. In 2 MiB pages, laid out
+in the order decode reads them, the same 30 layers took 5.29 against 5.62 ms a token (-6%, steps
+alternating between the two placements in one process; 2-core AMD EPYC, AVX2 only).
+
+Linux only (transparent huge pages asked for with madvise, which the default `madvise` setting
+honours); elsewhere, or with THP `never`, the weights stay where they are.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("hyperserve.huge_pages")
+
+HUGE_PAGE = 2 << 20
+ALIGNMENT = 64  # each storage starts on a cache line
+
+
+def available() -> bool:
+    """Whether the kernel can back madvised memory with transparent huge pages."""
+    setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return hasattr(mmap, "MADV_HUGEPAGE") and setting.exists() and "[never]" not in setting.read_text()
+
+
+def _tensor_slots(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
+    """(module, kind, name) for every CPU tensor the model's modules hold, in module order (the
+    order of use for a decoder): parameters, buffers, and tensors kept as plain attributes (the
+    packed weights of quantized layers)."""
+    slots = []
+    for module in model.modules():
+        slots += [(module, "parameter", name) for name, p in module._parameters.items() if p is not None]
+        slots += [(module, "buffer", name) for name, b in module._buffers.items() if b is not None]
+        slots += [(module, "attribute", name) for name, value in vars(module).items()
+                  if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)]
+    return [slot for slot in slots if _get(*slot).device.type == "cpu"]
+
+
+def _get(module: nn.Module, kind: str, name: str) -> torch.Tensor:
+    return {"parameter": module._parameters, "buffer": module._buffers}.get(kind, vars(module))[name]
+
+
+def _set(module: nn.Module, kind: str, name: str, tensor: torch.Tensor) -> None:
+    if kind == "parameter":
+        module._parameters[name].data = tensor  # the same Parameter object: tied weights stay tied
+    elif kind == "buffer":
+        module._buffers[name] = tensor
+    else:
+        setattr(module, name, tensor)
+
+
+def move_to_huge_pages(model: nn.Module) -> int:
+    """Copy every CPU tensor of `model` into one huge-page-backed block, storage by storage (views
+    of one storage stay views of one copy, so tied weights are not duplicated), and point the
+    model at the copies; the old memory is freed with its last reference. Returns the bytes moved
+    (0 where huge pages are not available)."""
+    if not available():
+        return 0
+    slots = _tensor_slots(model)
+    offsets: dict[int, int] = {}  # storage address -> its offset in the block
+    storages = []
+    size = 0
+    for slot in slots:
+        storage = _get(*slot).untyped_storage()
+        if storage.data_ptr() not in offsets:
+            offsets[storage.data_ptr()] = size
+            storages.append(storage)
+            size += -(-storage.nbytes() // ALIGNMENT) * ALIGNMENT
+    if size == 0:
+        return 0
+    block = mmap.mmap(-1, size + 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    block.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, so the pages fault in 2 MiB at a time
+    memory = torch.frombuffer(block, dtype=torch.uint8)  # its storage keeps `block` mapped
+    start = -memory.data_ptr() % HUGE_PAGE
+    memory = memory[start:start + size]
+    for storage in storages:
+        at = offsets[storage.data_ptr()]
+        memory[at:at + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+    moved: dict[int, torch.Tensor] = {}  # id of a tensor -> its copy, so a tensor held twice stays one object
+    for slot in slots:
+        tensor = _get(*slot)
+        if id(tensor) not in moved:
+            storage = tensor.untyped_storage()
+            at = offsets[storage.data_ptr()]
+            typed = memory[at:at + storage.nbytes()].view(tensor.dtype)
+            moved[id(tensor)] = typed.as_strided(tensor.shape, tensor.stride(),
+                                                 typed.storage_offset() + tensor.storage_offset())
+        _set(*slot, moved[id(tensor)])
+    logger.info("weights in 2 MiB pages: %.0f MB", size / 2**20)
+    return size
