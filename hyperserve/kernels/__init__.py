@@ -75,6 +75,15 @@ def _register_fakes() -> None:
           num_heads, num_kv_heads, eps, scale, lora, lora_rows):
         return None
 
+    @torch.library.register_fake("hyperserve::decode_layers")
+    def _(hidden, weights, cos, signed_sin, key_caches, value_caches, slots, block_tables, lengths, block_size,
+          num_heads, num_kv_heads, eps, scale):
+        return None
+
+    @torch.library.register_fake("hyperserve::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
 
 def isa() -> str:
     """The instruction set the kernels picked for this CPU: avx512_vnni, avx2 or portable."""

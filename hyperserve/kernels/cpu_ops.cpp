@@ -1358,6 +1358,34 @@ void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& c
   for (int64_t i = 0; i < rows * dim; ++i) h[i] += projected[i];
 }
 
+// Every layer of a model through decode_layer in one call, without LoRA: weights holds each layer's
+// six in turn, key_caches and value_caches one per layer. One dispatch from Python per step rather
+// than one per layer.
+void decode_layers(at::Tensor hidden, at::TensorList weights, const at::Tensor& cos, const at::Tensor& signed_sin,
+                   at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& slots,
+                   const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size, int64_t num_heads,
+                   int64_t num_kv_heads, double eps, double scale) {
+  const size_t layers = key_caches.size();
+  TORCH_CHECK(value_caches.size() == layers && weights.size() == 6 * layers,
+              "decode_layers: six weights and one K and V cache per layer");
+  for (size_t i = 0; i < layers; ++i) {
+    decode_layer(hidden, weights.slice(6 * i, 6), cos, signed_sin, key_caches[i], value_caches[i], slots, block_tables,
+                 lengths, block_size, num_heads, num_kv_heads, eps, scale, {}, at::Tensor());
+  }
+}
+
+// float32 x [rows, dim] RMS-normalised and scaled by weight [dim], as the fused layers do it.
+at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+                  weight.numel() == x.size(1),
+              "rms_norm: x must be float32 [rows, dim] and weight float32 [dim]");
+  const at::Tensor input = x.contiguous(), scale = weight.contiguous();
+  at::Tensor out = at::empty_like(input);
+  rms_norm(input.data_ptr<float>(), scale.data_ptr<float>(), input.size(0), input.size(1), static_cast<float>(eps),
+           out.data_ptr<float>());
+  return out;
+}
+
 std::string isa() { return isa_name(best_isa()); }
 
 }  // namespace
@@ -1368,6 +1396,10 @@ TORCH_LIBRARY(hyperserve, m) {
   m.def("decode_layer(Tensor(a!) hidden, Tensor[] weights, Tensor cos, Tensor signed_sin, Tensor(b!) key_cache, "
         "Tensor(c!) value_cache, Tensor slots, Tensor block_tables, Tensor lengths, int block_size, int num_heads, "
         "int num_kv_heads, float eps, float scale, Tensor[] lora, Tensor lora_rows) -> ()");
+  m.def("decode_layers(Tensor(a!) hidden, Tensor[] weights, Tensor cos, Tensor signed_sin, Tensor(b!)[] key_caches, "
+        "Tensor(c!)[] value_caches, Tensor slots, Tensor block_tables, Tensor lengths, int block_size, int num_heads, "
+        "int num_kv_heads, float eps, float scale) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("isa() -> str", &isa);
 }
 
@@ -1375,4 +1407,6 @@ TORCH_LIBRARY_IMPL(hyperserve, CPU, m) {
   m.impl("quantized_linear", &quantized_linear);
   m.impl("dequantize", &dequantize);
   m.impl("decode_layer", &decode_layer);
+  m.impl("decode_layers", &decode_layers);
+  m.impl("rms_norm", &rms_norm_op);
 }

@@ -1,12 +1,16 @@
-"""Steps of an int4 Llama on the CPU, one native call per decoder layer.
+"""Steps of an int4 Llama on the CPU, in native calls: one per step, or one per layer with LoRA.
 
 At a few tokens per step a decoder layer is ~20 small PyTorch ops whose dispatch costs more than
 their arithmetic: eager decoding of SmolLM2-135M spent half its time outside the matmuls.
 `hyperserve::decode_layer` (kernels/cpu_ops.cpp) runs a whole layer (norms, int4 projections,
 rotary, the K/V write, paged attention over the block tables, SwiGLU) in one call, in float32,
-reading K/V in place. Every token is a row with its own slot, block table and context length, so
-one call serves decodes, speculative verification (k + 1 tokens of a sequence, each attending to
-those before it) and prefill chunks alike, and a row's numbers do not depend on the rows beside it.
+reading K/V in place; `decode_layers` runs every layer in one call where no row has an adapter.
+The Q8_0 embedding, the final norm and the Q8_0 head run in float32 too (`logits`): as PyTorch
+ops in the model's bfloat16 they took 0.2-0.3 ms of a 6 ms token, and the float32 path scores
+closer to float32 weights (benchmarks/quality.py). Every token is a row with its own slot, block
+table and context length, so one call serves decodes, speculative verification (k + 1 tokens of
+a sequence, each attending to those before it) and prefill chunks alike, and a row's numbers do
+not depend on the rows beside it.
 
 Which steps it takes (`FusedDecode.takes`): where the int4 weights are interleaved (AVX2-only
 CPUs, `quantization.interleaves_q41`), every step. There its 8-bit kernels prefill faster than the
@@ -25,7 +29,7 @@ import torch
 from hyperserve import kernels
 from hyperserve.layers.attention import KVCache
 from hyperserve.layers.lora import LoRABatch, unwrapped
-from hyperserve.layers.quantization import QUANTIZED_MAX_ROWS, Int4Linear
+from hyperserve.layers.quantization import QUANTIZED_MAX_ROWS, Int4Linear, Q8Embedding, Q8Head
 
 
 class FusedDecode:
@@ -37,9 +41,11 @@ class FusedDecode:
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.eps = config.rms_norm_eps
         self.scale = model.model.layers[0].self_attn.scale
-        self.dtype = model.model.norm.weight.dtype
+        self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
+        self.embedding, self.head = model.model.embed_tokens.q80, model.lm_head.q80
+        self.final_norm = model.model.norm.weight.detach().float().contiguous()
         self.layers = [self._weights(layer) for layer in model.model.layers]
-        self._no_rows = torch.empty(0, dtype=torch.long)
+        self._all_layers = [w for layer in self.layers for w in layer]
         # int4 weights in the interleaved layout (norms are weights 0 and 3)
         self.every_step = all(w.dim() == 3 for layer in self.layers for w in layer[1:3] + layer[4:])
 
@@ -58,6 +64,8 @@ class FusedDecode:
             return "sliding-window attention"
         if model.tp.size > 1:
             return "tensor parallelism (the layer's output needs an all-reduce before the residual add)"
+        if not (isinstance(model.model.embed_tokens, Q8Embedding) and isinstance(model.lm_head, Q8Head)):
+            return "an embedding or LM head not in Q8_0"
         for layer in model.model.layers:
             linears = [unwrapped(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)]
@@ -75,16 +83,23 @@ class FusedDecode:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  block_tables: torch.Tensor, lengths: torch.Tensor, kv_caches: list[KVCache],
                  lora: LoRABatch | None = None) -> torch.Tensor:
-        """Hidden states [T, hidden] (in the model's dtype, before the final norm) of T tokens, each
-        with its cache slot, its sequence's block table (a row of block_tables, padded) and the
-        length of context it attends to, itself included; with `lora`, each row's adapter too."""
-        hidden = self.model.model.embed_tokens(input_ids).float()
+        """Float32 hidden states [T, hidden] (before the final norm) of T tokens, each with its
+        cache slot, its sequence's block table (a row of block_tables, padded) and the length of
+        context it attends to, itself included; with `lora`, each row's adapter too."""
+        hidden = torch.ops.hyperserve.dequantize(self.embedding.index_select(0, input_ids), self.hidden_size, "q8_0")
         cos, signed_sin = self.model.model.rotary.cos_sin_for(positions, torch.float32)
-        with_lora = lora is not None and bool(lora.adapters)
-        rows = lora.rows if with_lora else self._no_rows
+        shared = (slots, block_tables, lengths, kv_caches[0].block_size, self.num_heads, self.num_kv_heads, self.eps,
+                  self.scale)
+        if lora is None or not lora.adapters:
+            torch.ops.hyperserve.decode_layers(hidden, self._all_layers, cos, signed_sin, [c.key for c in kv_caches],
+                                               [c.value for c in kv_caches], *shared)
+            return hidden
         for index, (layer, weights, cache) in enumerate(zip(self.model.model.layers, self.layers, kv_caches)):
-            adapters = lora.native(index, layer) if with_lora else []
-            torch.ops.hyperserve.decode_layer(hidden, weights, cos, signed_sin, cache.key, cache.value, slots,
-                                              block_tables, lengths, cache.block_size, self.num_heads,
-                                              self.num_kv_heads, self.eps, self.scale, adapters, rows)
-        return hidden.to(self.dtype)
+            torch.ops.hyperserve.decode_layer(hidden, weights, cos, signed_sin, cache.key, cache.value, *shared,
+                                              lora.native(index, layer), lora.rows)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [S, vocab] of final hidden rows [S, hidden]: the final norm, then the head."""
+        normed = torch.ops.hyperserve.rms_norm(hidden, self.final_norm, self.eps)
+        return torch.ops.hyperserve.quantized_linear(normed, self.head, "q8_0")[:, : self.vocab_size]

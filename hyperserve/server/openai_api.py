@@ -285,6 +285,20 @@ class OpenAIServing:
 
     async def run(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, cumulative output) as the engine produces them, all prompts merged."""
+        if len(job.streams) == 1:  # read directly: a task and a queue hop per token cost the event loop
+            try:
+                while True:
+                    try:
+                        output = await anext(job.streams[0])
+                    except StopAsyncIteration:
+                        return
+                    except Exception as error:
+                        raise _api_error(error) from error
+                    if output.finished:
+                        job.finals[0] = output
+                    yield 0, output
+            finally:
+                job.close()
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, stream: RequestStream) -> None:

@@ -145,7 +145,7 @@ def test_unknown_model_is_rejected():
 
 
 def test_chat_applies_the_template(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    out = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in one word."}],
                    SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
 

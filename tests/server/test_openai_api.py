@@ -10,7 +10,9 @@ import pytest
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# float32 answers "The capital of France is Paris." by a margin of 1.5 nats on the first token; asked
+# without "Answer in one word." it starts "The" or "L'Étoile..." by 0.08 nats, which any kernel change flips
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 
 
 @pytest.fixture
