@@ -66,14 +66,12 @@ def move_to_huge_pages(model: nn.Module) -> int:
     if not available():
         return 0
     slots = _tensor_slots(model)
-    offsets: dict[int, int] = {}  # storage address -> its offset in the block
-    storages = []
+    storages: dict[int, tuple[int, torch.UntypedStorage]] = {}  # address -> (offset in the block, storage)
     size = 0
     for slot in slots:
         storage = _get(*slot).untyped_storage()
-        if storage.data_ptr() not in offsets:
-            offsets[storage.data_ptr()] = size
-            storages.append(storage)
+        if storage.data_ptr() not in storages:
+            storages[storage.data_ptr()] = size, storage
             size += -(-storage.nbytes() // ALIGNMENT) * ALIGNMENT
     if size == 0:
         return 0
@@ -82,15 +80,13 @@ def move_to_huge_pages(model: nn.Module) -> int:
     memory = torch.frombuffer(block, dtype=torch.uint8)  # its storage keeps `block` mapped
     start = -memory.data_ptr() % HUGE_PAGE
     memory = memory[start:start + size]
-    for storage in storages:
-        at = offsets[storage.data_ptr()]
+    for at, storage in storages.values():
         memory[at:at + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
     moved: dict[int, torch.Tensor] = {}  # id of a tensor -> its copy, so a tensor held twice stays one object
     for slot in slots:
         tensor = _get(*slot)
         if id(tensor) not in moved:
-            storage = tensor.untyped_storage()
-            at = offsets[storage.data_ptr()]
+            at, storage = storages[tensor.untyped_storage().data_ptr()]
             typed = memory[at:at + storage.nbytes()].view(tensor.dtype)
             moved[id(tensor)] = typed.as_strided(tensor.shape, tensor.stride(),
                                                  typed.storage_offset() + tensor.storage_offset())

@@ -178,7 +178,7 @@ def interleaves_q41() -> bool:
     """Whether int4 weights are laid out for the interleaved kernel (interleave_q41): on CPUs whose
     best kernel is AVX2 (no AVX-512 VNNI). Its 8-bit activations (as llama.cpp's Q8_1) take half the
     instructions of the 16-bit kernel, which bounds decode there: SmolLM2's 30 layers went from 13.7
-    to 8.4 ms a token on a 2-core AMD EPYC (AVX2 only), for +1-2.2% decode-path perplexity over float32
+    to 8.4 ms a token on a 2-core AMD EPYC (AVX2 only), for +1.1-1.7% decode-path perplexity over float32
     against +0.01% (benchmarks/quality.py). With VNNI the 16-bit kernel is fast enough to keep."""
     return kernels.isa() == "avx2"
 
