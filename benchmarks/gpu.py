@@ -93,7 +93,8 @@ class StepProfile:
             self._current[name] += time.perf_counter() - started
             if name == "schedule":
                 self._current["batch"] = len(result.requests)
-                self._current["decode_only"] = float(all(n == 1 for n in result.num_new_tokens))
+                self._current["num_steps"] = result.num_steps
+                self._current["decode_only"] = float(result.num_steps > 1 or all(n == 1 for n in result.num_new_tokens))
             if name == "step":
                 if self._current.get("batch"):
                     self.steps.append(dict(self._current))
@@ -103,14 +104,16 @@ class StepProfile:
         setattr(owner, name, timed)
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """Mean milliseconds per step of each part, for decode-only steps and steps with prefill."""
+        """Mean milliseconds per step of each part, for decode-only steps and steps with prefill
+        (a multi-step decode counts as its number of steps)."""
         out = {}
         for kind, decode_only in (("decode", 1.0), ("prefill", 0.0)):
             steps = [s for s in self.steps if s["decode_only"] == decode_only]
             if not steps:
                 continue
-            mean = lambda key, steps=steps: 1e3 * sum(s[key] for s in steps) / len(steps)
-            out[kind] = {"steps": len(steps), "batch": sum(s["batch"] for s in steps) / len(steps),
+            count = sum(s["num_steps"] for s in steps)
+            mean = lambda key, steps=steps, count=count: 1e3 * sum(s[key] for s in steps) / count
+            out[kind] = {"steps": count, "batch": sum(s["batch"] * s["num_steps"] for s in steps) / count,
                          "step_ms": mean("step"), "schedule_ms": mean("schedule"), "forward_ms": mean("forward"),
                          "runner_rest_ms": mean("execute") - mean("forward"),
                          "engine_rest_ms": mean("step") - mean("execute") - mean("schedule")}
@@ -157,7 +160,8 @@ def run_hyperserve(model_dir: str, args) -> dict:
     llm = LLM(model=model_dir, load_format="random", device="cuda", dtype="bfloat16", max_model_len=2048,
               kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,
-              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
+              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+              num_scheduler_steps=args.num_scheduler_steps)
     startup = time.perf_counter() - started
     graphs = llm.engine.runner.decode_graphs
     model = llm.engine.runner.model
@@ -174,10 +178,13 @@ def run_hyperserve(model_dir: str, args) -> dict:
     llm.generate([workload(1, 128, 128256)[0]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                  use_tqdm=False)  # warm-up
     profile = StepProfile(llm.engine)
-    out = llm.generate([workload(1, 128, 128256)[0]], one, use_tqdm=False)[0]
-    m = out.metrics
-    decode_tps = (args.decode_tokens - 1) / (m.finished_time - m.first_token_time)
-    single_profile, profile.steps = profile.summary(), []
+    decode_tps, single_profile = {}, {}
+    for steps in dict.fromkeys((1, args.num_scheduler_steps)):  # one step per schedule, then as configured
+        llm.engine.scheduler.config.num_scheduler_steps = steps
+        out = llm.generate([workload(1, 128, 128256)[0]], one, use_tqdm=False)[0]
+        m = out.metrics
+        decode_tps[steps] = (args.decode_tokens - 1) / (m.finished_time - m.first_token_time)
+        single_profile[steps], profile.steps = profile.summary(), []
 
     prompts = workload(args.num_requests, args.input_len, 128256)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -279,6 +286,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None, help="default: gpu_memory_utilization")
     parser.add_argument("--quantization", default=None, help="fp8: float8 weights")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1,
+                        help="decode steps per schedule (single-stream decode is measured with 1 too)")
     parser.add_argument("--attention-backend", default="auto", help="auto (Triton on CUDA) or torch")
     parser.add_argument("--serve-concurrency", type=int, nargs="*", default=[],
                         help="also serve the model and load it at these concurrencies")
@@ -318,14 +327,17 @@ def print_offline(ours: dict, bandwidth: float, theirs: dict, args) -> None:
     print(f"engine: {ours['attention']}, CUDA graphs {'on' if ours['cuda_graphs'] else 'off'}, "
           f"weights {args.quantization or 'bfloat16'}, {ours['kv_blocks']} KV blocks; started in "
           f"{ours['startup_seconds']:.1f} s ({ours['graph_capture_seconds']:.1f} s capturing graphs)")
-    print_profile("single stream", ours["single_stream_profile"])
-    print_profile("offline", ours["offline_profile"])
+    for steps, summary in ours["single_stream_profile"].items():
+        print_profile(f"single stream, {steps} step(s) per schedule", summary)
+    print_profile(f"offline, {args.num_scheduler_steps} step(s) per schedule", ours["offline_profile"])
     print(ours["kernel_table"])
     print(f"{'measure':<42}{'value':>12}")
-    print(f"{'(a) single-stream decode tok/s':<42}{ours['decode_tps']:>12.1f}")
     print(f"{'    bandwidth limit tok/s':<42}{limit_tps:>12.1f}")
-    print(f"{'    fraction of the limit':<42}{ours['decode_tps'] / limit_tps:>12.1%}")
-    print(f"{'(b) HyperServe offline output tok/s':<42}{ours['offline_tps']:>12.1f}")
+    for steps, tps in ours["decode_tps"].items():
+        print(f"{f'(a) single-stream decode tok/s, {steps} step(s)':<42}{tps:>12.1f}")
+        print(f"{'    fraction of the limit':<42}{tps / limit_tps:>12.1%}")
+    print(f"{f'(b) HyperServe offline output tok/s, {args.num_scheduler_steps} step(s)':<42}"
+          f"{ours['offline_tps']:>12.1f}")
     if theirs:
         print(f"{'(c) transformers.generate output tok/s':<42}{theirs['hf_tps']:>12.1f}")
         print(f"{'    ratio':<42}{ours['offline_tps'] / theirs['hf_tps']:>12.2f}x")

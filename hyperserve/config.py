@@ -97,15 +97,28 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}")
 
 
+# The scheduler's limits where none are given, by device: a CPU decodes a few sequences at a time
+# and prefills a few hundred tokens a step; a GPU needs hundreds of sequences and thousands of
+# tokens a step to keep its matrix units busy (vLLM's server takes 1,024 and 8,192 on an H100).
+SCHEDULER_DEFAULTS = {"cpu": (64, 512), "cuda": (256, 8192)}  # device -> (max_num_seqs, max_num_batched_tokens)
+
+
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 64  # running sequences at most
-    max_num_batched_tokens: int = 512  # tokens per step, decodes and prefill chunks together
+    max_num_seqs: int | None = None  # running sequences at most; None: 64 on CPU, 256 on CUDA
+    max_num_batched_tokens: int | None = None  # tokens per step, decodes and prefill chunks; None: 512 / 8,192
+    # decode steps run back to back per schedule when every scheduled request only decodes (vLLM's
+    # multi-step scheduling): scheduling and output handling are paid once per this many tokens,
+    # and CUDA graph replays queue without the host waiting between them. Tokens stream this many
+    # at a time, and a request that stops mid-way has computed up to this many - 1 tokens for nothing.
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be at least 1, got {self.num_scheduler_steps}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
             )
@@ -186,6 +199,13 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     SECTIONS = ("model", "cache", "scheduler", "speculative", "lora", "parallel")
+
+    def __post_init__(self) -> None:
+        max_num_seqs, max_num_batched_tokens = SCHEDULER_DEFAULTS[self.model.device]
+        if self.scheduler.max_num_seqs is None:
+            self.scheduler.max_num_seqs = max_num_seqs
+        if self.scheduler.max_num_batched_tokens is None:
+            self.scheduler.max_num_batched_tokens = max_num_batched_tokens
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -52,6 +52,7 @@ class DecodeGraphs:
         self.context_lens = torch.zeros(rows, dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+        self._tables: list[list[int]] = []  # the last run's block tables
         self.capture_seconds = 0.0
 
     @property
@@ -74,20 +75,27 @@ class DecodeGraphs:
         logger.info("captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s", len(self.buckets),
                     self.max_batch, self.capture_seconds)
 
-    def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
-        """Logits [B, V] of B decoding sequences: each one's new token, its position and block table."""
-        batch = len(token_ids)
+    def run(self, token_ids: list[int] | torch.Tensor, positions: list[int],
+            block_tables: list[list[int]] | None) -> torch.Tensor:
+        """Logits [B, V] of B decoding sequences: each one's new token (a device tensor: the tokens
+        the previous step sampled), its position and block table (None: the previous run's tables,
+        as in a multi-step decode's later steps)."""
+        batch = len(positions)
         bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
-        width = max(len(t) for t in block_tables)
+        if block_tables is not None:
+            self._tables = block_tables
+            width = max(len(t) for t in block_tables)
+            self.block_tables[:batch, :width].copy_(padded_block_tables(block_tables, width, torch.int32),
+                                                    non_blocking=True)
         bs = self.block_size
-        slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions)]
+        slots = [table[p // bs] * bs + p % bs for table, p in zip(self._tables, positions)]
         positions_t = torch.tensor(positions)
-        self.input_ids[:batch].copy_(torch.tensor(token_ids), non_blocking=True)
+        if not isinstance(token_ids, torch.Tensor):
+            token_ids = torch.tensor(token_ids)
+        self.input_ids[:batch].copy_(token_ids, non_blocking=True)
         self.positions[:batch].copy_(positions_t, non_blocking=True)
         self.slot_mapping[:batch].copy_(torch.tensor(slots), non_blocking=True)
         self.context_lens[:batch].copy_(positions_t + 1, non_blocking=True)
-        self.block_tables[:batch, :width].copy_(padded_block_tables(block_tables, width, torch.int32),
-                                                non_blocking=True)
         self.slot_mapping[batch:bucket].fill_(self.padding_slot)  # padding rows: no context, harmless writes
         self.context_lens[batch:bucket].zero_()
         if not self.use_cuda_graphs:

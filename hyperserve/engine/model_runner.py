@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -235,6 +235,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv_cache: KVCacheManager) -> StepResult:
         """Run the scheduled tokens (drafts included) and decide each sampled request's new tokens."""
+        if out.num_steps > 1:
+            return self._execute_steps(out, kv_cache)
         chunks, rows, sampled = [], [], []
         for request, num_new in zip(out.requests, out.num_new_tokens):
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
@@ -258,6 +260,43 @@ class ModelRunner:
             token_ids = [[t] for t in output.token_ids.tolist()]
             return StepResult([r for r, _ in sampled], token_ids, output if batch.num_logprobs is not None else None)
         return self._verify(logits, batch, sampled)
+
+    def _execute_steps(self, out: SchedulerOutput, kv_cache: KVCacheManager) -> StepResult:
+        """out.num_steps decode steps back to back, each step's sampled tokens the next one's
+        input tokens. Through the CUDA graphs those stay on the device: the replays and samplers
+        queue one behind another and the host waits once, for all the tokens."""
+        requests = out.requests
+        chunks = [SeqChunk([r.all_token_ids[-1]], r.num_computed_tokens, kv_cache.block_table(r.request_id), 1,
+                           r.lora_request, kv_cache.window_block_table(r.request_id)) for r in requests]
+        batch = self.sampling_batch([(r, []) for r in requests])
+        on_device = (self.workers is None and self._replays(len(chunks))
+                     and not (self.lora is not None and any(c.lora for c in chunks)))
+        tokens: torch.Tensor | None = None
+        outputs = []
+        for step in range(out.num_steps):
+            if on_device:
+                tables = [c.block_table for c in chunks] if step == 0 else None  # unchanged after the first
+                starts = [c.start + step for c in chunks]
+                logits = self.decode_graphs.run(tokens if step else [c.token_ids[0] for c in chunks], starts, tables)
+            else:
+                for chunk, token in zip(chunks, tokens.tolist() if step else []):
+                    chunk.token_ids, chunk.start = [token], chunk.start + 1
+                logits = self.forward(chunks)
+            output = sample(logits, batch, self.shared_generator)
+            tokens = output.token_ids
+            if batch.output_token_counts is not None:  # the penalties of the next step count this token
+                batch.output_token_counts.scatter_add_(1, tokens.unsqueeze(1), torch.ones_like(tokens).unsqueeze(1))
+            outputs.append(output)
+        token_ids = torch.stack([o.token_ids for o in outputs], dim=1).tolist()  # [B, num_steps]
+        logprobs = None
+        if batch.num_logprobs is not None:  # rows request by request, as StepResult orders them
+            logprobs = SamplerOutput(**{f.name: torch.stack([getattr(o, f.name) for o in outputs], dim=1).flatten(0, 1)
+                                        for f in fields(SamplerOutput)})
+        return StepResult(list(requests), token_ids, logprobs)
+
+    def _replays(self, batch: int) -> bool:
+        """Whether a decode step of this many sequences replays a CUDA graph."""
+        return self.decode_graphs is not None and batch <= self.decode_graphs.max_batch
 
     def _verify(self, logits: torch.Tensor, batch: SamplingBatch, sampled: list[tuple[Request, int]]) -> StepResult:
         greedy, probs = sampling_probs(logits, batch)
@@ -291,7 +330,7 @@ class ModelRunner:
         with_lora = self.lora is not None and model is self.model and any(c.lora for c in chunks)
         decode_only = (model is self.model and kv_caches is None and not with_lora
                        and all(len(c.token_ids) == c.num_logits == 1 for c in chunks))
-        if decode_only and self.decode_graphs is not None and len(chunks) <= self.decode_graphs.max_batch:
+        if decode_only and self._replays(len(chunks)):
             return self.decode_graphs.run([c.token_ids[0] for c in chunks], [c.start for c in chunks],
                                           [c.block_table for c in chunks])
         if (self.fused_decode is not None and model is self.model and kv_caches is None

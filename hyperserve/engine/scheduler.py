@@ -26,11 +26,14 @@ logger = logging.getLogger("hyperserve.scheduler")
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """What to run this step: each request with how many of its tokens to compute."""
+    """What to run this step: each request with how many of its tokens to compute. With
+    num_steps > 1 every request decodes num_steps tokens, one per forward pass, each pass's
+    sampled token the next one's input (num_new_tokens then holds num_steps for each)."""
 
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_steps: int = 1
 
     @property
     def num_batched_tokens(self) -> int:
@@ -136,14 +139,37 @@ class Scheduler:
             out.requests.append(request)
             out.num_new_tokens.append(num_new)
             budget -= num_new
+        if self.config.num_scheduler_steps > 1 and out.requests and not out.preempted:
+            self._run_steps_together(out)
         return out
+
+    def _run_steps_together(self, out: SchedulerOutput) -> None:
+        """Make a step in which every request decodes one plain token (no drafts, no grammar, whose
+        mask needs each token first) into num_scheduler_steps steps, when the pool has the slots;
+        fewer near max_model_len."""
+        num_steps = self.config.num_scheduler_steps
+        for request, num_new in zip(out.requests, out.num_new_tokens):
+            if (num_new != 1 or request.num_computed_tokens != request.num_tokens - 1 or request.spec_token_ids
+                    or request.grammar is not None):
+                return
+            num_steps = min(num_steps, self.max_model_len - request.num_tokens + 1)
+        if num_steps < 2:
+            return
+        for i, request in enumerate(out.requests):
+            if not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_steps):
+                for grown in out.requests[: i + 1]:
+                    self.kv_cache.trim(grown.request_id, grown.num_tokens)
+                return
+        out.num_steps = num_steps
+        out.num_new_tokens = [num_steps] * len(out.requests)
 
     def update_from_output(self, out: SchedulerOutput, new_token_ids: dict[str, list[int]]) -> list[Request]:
         """Advance computed counts, append the new tokens, finish requests that hit a stop.
 
         A request that verified k draft tokens and received a + 1 tokens keeps the KV of the a
         accepted ones; the other k - a are uncomputed again, and blocks that held only them go
-        back to the pool. Returns the requests that received tokens this step.
+        back to the pool. A multi-step decode counts as k - 1 drafts, all accepted. Returns the
+        requests that received tokens this step.
         """
         updated = []
         for request, num_new in zip(out.requests, out.num_new_tokens):
@@ -152,7 +178,7 @@ class Scheduler:
             num_accepted = len(tokens) - 1 if tokens else 0
             request.num_computed_tokens += num_new - (num_drafts - num_accepted)
             request.spec_token_ids, request.spec_probs = [], None
-            if num_drafts:
+            if num_drafts and out.num_steps == 1:
                 self._record_speculation(request, num_drafts, num_accepted)
             self.kv_cache.register_computed(request)
             if tokens is None:

@@ -180,6 +180,7 @@ class AttentionBackend(Protocol):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,  # k and v are in the cache already (written with the rotation)
     ) -> torch.Tensor:  # [T, H, D]
         ...
 
@@ -208,8 +209,9 @@ class TorchPagedAttention:
     def __init__(self) -> None:
         self._workspace: dict[str, torch.Tensor] = {}
 
-    def __call__(self, q, k, v, kv_cache: KVCache, meta, scale):
-        kv_cache.write(meta.slot_mapping, k, v)
+    def __call__(self, q, k, v, kv_cache: KVCache, meta, scale, kv_written=False):
+        if not kv_written:
+            kv_cache.write(meta.slot_mapping, k, v)
         out = torch.empty_like(q)
         for group in meta.decodes:
             if group.rows is None:

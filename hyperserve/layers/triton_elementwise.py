@@ -5,9 +5,12 @@ a layer's residual adds, RMSNorms and SiLU-and-multiply were eight launches of t
 a Llama layer takes (CUDA graphs remove the host's launch cost, not the GPU's per-kernel cost).
 At prefill sizes they are passes over tens of MB each, and fusing them saves passes:
 - add_rms_norm: residual + x and the RMSNorm of the sum, in one pass (vLLM's fused_add_rms_norm);
-- silu_and_mul: silu(gate) * up from the fused gate/up projection's output, in one pass.
+- silu_and_mul: silu(gate) * up from the fused gate/up projection's output, in one pass;
+- rotary_and_cache: q and k rotated and the new K/V written into the paged cache, straight from
+  the QKV projection's output (five PyTorch ops, and at prefill three passes, before).
 Rounding follows PyTorch's ops: the sum is rounded to the activations' dtype before it is
-normalised, and the norm computes in float32.
+normalised, the norm computes in float32, and the rotation rounds x * cos before adding the rest,
+as RotaryEmbedding's mul and addcmul do.
 """
 
 from __future__ import annotations
@@ -69,3 +72,49 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         block = 1024
         _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), N=n, BLOCK=block)
     return out
+
+
+@triton.jit
+def _rotary_and_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr, key_cache_ptr, value_cache_ptr,
+                             stride_qkv, stride_cos, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                             D: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)  # q heads, then k heads, then v heads
+    offs = tl.arange(0, D)
+    row = qkv_ptr + token * stride_qkv + head * D
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    if head < NUM_HEADS + NUM_KV_HEADS:
+        x = tl.load(row + offs)
+        partner = tl.load(row + (offs + D // 2) % D).to(tl.float32)  # rotate_half's source, sign in sin
+        cos = tl.load(cos_ptr + token * stride_cos + offs)
+        sin = tl.load(sin_ptr + token * stride_cos + offs).to(tl.float32)
+        scaled = (x.to(tl.float32) * cos.to(tl.float32)).to(x.dtype).to(tl.float32)
+        rotated = (scaled + partner * sin).to(x.dtype)
+        if head < NUM_HEADS:
+            tl.store(q_ptr + (token * NUM_HEADS + head) * D + offs, rotated)
+        else:
+            kv_head = head - NUM_HEADS
+            tl.store(k_ptr + (token * NUM_KV_HEADS + kv_head) * D + offs, rotated)
+            tl.store(key_cache_ptr + (slot * NUM_KV_HEADS + kv_head) * D + offs, rotated)
+    else:
+        kv_head = head - NUM_HEADS - NUM_KV_HEADS
+        tl.store(value_cache_ptr + (slot * NUM_KV_HEADS + kv_head) * D + offs, tl.load(row + offs))
+
+
+def rotary_and_cache(qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor,
+                     key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int, num_kv_heads: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, (H + 2 Hkv) * D] (q, k, v heads in a row) -> (q [T, H, D] and k [T, Hkv, D], rotated
+    by RotaryEmbedding's (cos, signed sin) [T, 1, D]; v [T, Hkv, D], a view of qkv), with k and v
+    also written at their cache slots [T] of key_cache and value_cache [slots, Hkv, D]."""
+    tokens = qkv.shape[0]
+    head_dim = key_cache.shape[-1]
+    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    cos, sin = (t.reshape(tokens, head_dim) for t in cos_sin)
+    if tokens:
+        _rotary_and_cache_kernel[(tokens, num_heads + 2 * num_kv_heads)](
+            qkv, cos, sin, slots, q, k, key_cache, value_cache, qkv.stride(0), cos.stride(0),
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=head_dim, num_warps=1)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim :].unflatten(-1, (num_kv_heads, head_dim))
+    return q, k, v

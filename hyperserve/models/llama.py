@@ -80,10 +80,18 @@ class LlamaAttention(nn.Module):
         self.backend = backend
 
     def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        qk, v = self.qkv_proj(x).split(self.qk_v_sizes, dim=-1)  # x [T, hidden]
-        qk = self.rotary(cos_sin, qk.unflatten(-1, (-1, self.head_dim)))  # [T, H + Hkv, D]
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
-        out = self.backend(q, k, v.unflatten(-1, (-1, self.head_dim)), kv_cache, meta, self.scale)  # [T, H, D]
+        qkv = self.qkv_proj(x)  # x [T, hidden]
+        if on_triton(qkv) and not kv_cache.quantized and self.head_dim & (self.head_dim - 1) == 0:
+            from hyperserve.layers.triton_elementwise import rotary_and_cache
+
+            q, k, v = rotary_and_cache(qkv, cos_sin, meta.slot_mapping, kv_cache.key, kv_cache.value,
+                                       self.num_heads, self.num_kv_heads)
+            out = self.backend(q, k, v, kv_cache, meta, self.scale, kv_written=True)
+        else:
+            qk, v = qkv.split(self.qk_v_sizes, dim=-1)
+            qk = self.rotary(cos_sin, qk.unflatten(-1, (-1, self.head_dim)))  # [T, H + Hkv, D]
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
+            out = self.backend(q, k, v.unflatten(-1, (-1, self.head_dim)), kv_cache, meta, self.scale)  # [T, H, D]
         return self.tp.all_reduce(self.o_proj(out.flatten(1)))
 
 

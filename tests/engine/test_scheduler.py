@@ -157,3 +157,59 @@ def test_at_most_max_loras_adapters_run_at_once_and_a_waiting_adapter_is_not_ove
     s.finish_request("a2", RequestStatus.FINISHED_ABORTED)  # adapter a is done: c goes next, not d
     admitted = {r.request_id for r in run_step(s).requests}
     assert "c1" in admitted and "d1" not in admitted
+
+
+def test_decode_steps_run_together_when_every_request_decodes_plainly():
+    kv = KVCacheManager(100, 4)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, num_scheduler_steps=4), kv, 1000)
+    s.add_request(make_request("a", 6))
+    assert run_step(s).num_steps == 1  # the prompt's step
+    out = s.schedule()
+    assert out.num_steps == 4 and out.num_new_tokens == [4]
+    assert len(kv.block_table("a")) == 3  # room for tokens 6..9: computed here, sampled from 7..10
+    s.update_from_output(out, {"a": [11, 12, 13, 14]})
+    a = s.requests["a"]
+    assert a.output_token_ids == [7, 11, 12, 13, 14] and a.num_computed_tokens == a.num_tokens - 1
+    assert s.spec_stats.num_drafts == 0  # not speculation
+    a.grammar = object()  # a grammar's mask needs each token before the next step
+    assert s.schedule().num_steps == 1
+
+
+def test_stop_inside_a_multi_step_decode_finishes_there_and_frees_the_blocks():
+    kv = KVCacheManager(100, 4)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, num_scheduler_steps=4), kv, 1000)
+    s.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=100, stop_token_ids=[9]), 0.0))
+    run_step(s)
+    out = s.schedule()
+    s.update_from_output(out, {"a": [5, 9, 6, 6]})
+    assert "a" not in s.requests and kv.num_free_blocks == 100
+
+
+def test_multi_step_needs_room_for_every_request_or_none_runs_together():
+    kv = KVCacheManager(4, 4)  # 16 slots
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, num_scheduler_steps=4), kv, 1000)
+    s.add_request(make_request("a", 7))
+    s.add_request(make_request("b", 7))
+    run_step(s)  # 2 blocks each: full
+    out = s.schedule()
+    assert out.num_steps == 1 and out.num_new_tokens == [1, 1]
+    assert kv.num_free_blocks == 0 and all(len(kv.block_table(r)) == 2 for r in "ab")
+
+
+def test_num_scheduler_steps_is_validated():
+    import pytest
+
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        SchedulerConfig(num_scheduler_steps=0)
+
+
+def test_scheduler_limits_default_by_device_and_keep_given_values():
+    from hyperserve.config import EngineConfig
+
+    def limits(**kwargs):
+        scheduler = EngineConfig.from_kwargs(load_format="random", **kwargs).scheduler
+        return scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+
+    assert limits(device="cpu") == (64, 512)
+    assert limits(device="cuda") == (256, 8192)  # only configured: nothing here needs a GPU
+    assert limits(device="cuda", max_num_seqs=32, max_num_batched_tokens=1024) == (32, 1024)

@@ -48,3 +48,40 @@ def test_silu_and_mul_matches_pytorch(device, dtype):
     assert got.shape == (5, 1500) and (got.float() - expected).norm() / expected.norm() < tolerance
     swapped = (F.silu(up) * gate).float()
     assert (got.float() - swapped).norm() / swapped.norm() > 0.1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_and_cache_matches_rotary_embedding_and_the_cache_write(device, dtype):
+    from transformers import LlamaConfig
+
+    from hyperserve.layers.attention import KVCache
+    from hyperserve.layers.rotary import RotaryEmbedding
+    from hyperserve.layers.triton_elementwise import rotary_and_cache
+
+    num_heads, num_kv_heads, head_dim, tokens = 6, 2, 32, 9
+    config = LlamaConfig(hidden_size=num_heads * head_dim, num_attention_heads=num_heads,
+                         num_key_value_heads=num_kv_heads, rope_theta=10000.0)
+    rotary = RotaryEmbedding(config, head_dim, 64)
+    rotary.reset_cache()
+    rotary.to(device)
+    generator = torch.Generator().manual_seed(2)
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator).to(device, dtype)
+    positions = torch.tensor([0, 1, 2, 3, 17, 18, 40, 41, 63], device=device)
+    slots = torch.tensor([5, 6, 7, 8, 30, 31, 2, 3, 47], device=device)
+    cos_sin = rotary.cos_sin_for(positions, dtype)
+    # the PyTorch path: rotate q and k together, then write k and v at their slots
+    qk, v = qkv.split([(num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim], dim=-1)
+    q_want, k_want = rotary(cos_sin, qk.unflatten(-1, (-1, head_dim))).split([num_heads, num_kv_heads], dim=1)
+    want = KVCache.allocate(4, 16, num_kv_heads, head_dim, dtype, "auto", device)
+    want.write(slots, k_want, v.unflatten(-1, (-1, head_dim)))
+    got = KVCache.allocate(4, 16, num_kv_heads, head_dim, dtype, "auto", device)
+    q, k, v_view = rotary_and_cache(qkv, cos_sin, slots, got.key, got.value, num_heads, num_kv_heads)
+    # a rounding step apart at most (a fused multiply-add in one, or the interpreter rounding
+    # bfloat16 towards zero, rounds some elements the other way)
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    close = lambda a, b: (a.float() - b.float()).norm() <= tolerance * b.float().norm()
+    assert close(q, q_want) and close(k, k_want)
+    assert close(got.key, want.key) and torch.equal(got.value, want.value)
+    assert torch.equal(v_view, v.unflatten(-1, (-1, head_dim)))
+    assert not torch.allclose(q.float(), qkv[:, : num_heads * head_dim].unflatten(-1, (-1, head_dim)).float())
