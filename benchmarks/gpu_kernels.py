@@ -1,4 +1,5 @@
-"""The decode step's matrix products on a GPU, one Llama-3-8B projection at a time.
+"""The decode step's matrix products on a GPU, one Llama-3-8B projection at a time; with
+--attention, the paged decode attention kernel instead.
 
 For each projection shape, at 1 and 16 rows: cuBLAS with bfloat16 weights (F.linear), the
 float8 path of larger batches (per-token activation scaling, then torch._scaled_mm), and the
@@ -6,7 +7,12 @@ Triton GEMV (layers/triton_gemv.py) with bfloat16 and float8 weights at its defa
 are then swept at one row. Each time is the median of CUDA-event timings over weight copies that together exceed the
 L2 cache; GB/s counts the weight bytes read once.
 
-    python benchmarks/gpu_kernels.py [--json OUT]
+--attention times layers/triton_attention.py at Llama-3-8B's heads (32 query, 8 KV, 128 wide,
+16-token blocks scattered over the pool) for batches and contexts from one long sequence to an
+offline run's hundreds, sweeping the tokens read per iteration, the warps, and the programs per
+SM that set the split count; GB/s counts the K/V bytes read once.
+
+    python benchmarks/gpu_kernels.py [--attention] [--json OUT]
 """
 
 from __future__ import annotations
@@ -79,18 +85,57 @@ def measure(name: str, n: int, k: int) -> list[dict]:
     return rows
 
 
+ATTENTION_CASES = [(1, 2048), (64, 640), (512, 640)]  # (batch, context tokens)
+ATTENTION_SWEEP = {"tile_tokens": (16, 64, 128), "num_warps": (4, 8), "programs_per_sm": (2, 8)}
+
+
+def measure_attention(batch: int, context: int) -> list[dict]:
+    from hyperserve.layers import triton_attention
+
+    heads, kv_heads, dim, block = 32, 8, 128, 16
+    blocks_per_seq = context // block
+    num_blocks = batch * blocks_per_seq
+    cache = [torch.randn(num_blocks * block, kv_heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).int()
+    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+    nbytes = 2 * num_blocks * block * kv_heads * dim * 2
+    rows = []
+    for values in itertools.product(*ATTENTION_SWEEP.values()):
+        config = dict(zip(ATTENTION_SWEEP, values))
+        triton_attention.PROGRAMS_PER_SM = config["programs_per_sm"]
+        fn = lambda c=config: triton_attention.paged_decode_attention(
+            q, cache[0], cache[1], tables, lens, block, dim**-0.5, tile_tokens=c["tile_tokens"],
+            num_warps=c["num_warps"])
+        us = 1e3 * triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+        rows.append({"batch": batch, "context": context, **config, "us": us, "gbs": nbytes / us / 1e3})
+    triton_attention.PROGRAMS_PER_SM = 2
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--attention", action="store_true", help="time the paged decode attention instead")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     print(f"GPU: {torch.cuda.get_device_name()}")
     rows = []
-    for name, n, k in SHAPES:
-        rows += measure(name, n, k)
-        torch.cuda.empty_cache()
-    print(f"{'shape':<9}{'rows':>5}  {'path':<26}{'us':>9}{'GB/s':>8}  config")
-    for r in rows:
-        print(f"{r['shape']:<9}{r['rows']:>5}  {r['path']:<26}{r['us']:>9.1f}{r['gbs']:>8.0f}  {r.get('config', '')}")
+    if args.attention:
+        for batch, context in ATTENTION_CASES:
+            rows += measure_attention(batch, context)
+            torch.cuda.empty_cache()
+        print(f"{'batch':>6}{'context':>8}{'tile':>6}{'warps':>6}{'prog/SM':>8}{'us':>9}{'GB/s':>7}")
+        for r in rows:
+            print(f"{r['batch']:>6}{r['context']:>8}{r['tile_tokens']:>6}{r['num_warps']:>6}{r['programs_per_sm']:>8}"
+                  f"{r['us']:>9.1f}{r['gbs']:>7.0f}")
+    else:
+        for name, n, k in SHAPES:
+            rows += measure(name, n, k)
+            torch.cuda.empty_cache()
+        print(f"{'shape':<9}{'rows':>5}  {'path':<26}{'us':>9}{'GB/s':>8}  config")
+        for r in rows:
+            print(f"{r['shape']:<9}{r['rows']:>5}  {r['path']:<26}{r['us']:>9.1f}{r['gbs']:>8.0f}  "
+                  f"{r.get('config', '')}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -4,6 +4,8 @@ Decode attention reads every cached K/V byte of the batch once per step and does
 it, so the kernel is shaped for bandwidth:
 - one program per (sequence, KV head, context split): the G query heads that share a KV head are
   one [G, D] tile, so GQA reads each K/V block once, not G times;
+- each iteration reads TILE_TOKENS tokens (several blocks, their table entries loaded together),
+  so more loads are in flight than one 16-token block at a time keeps;
 - split-K: a long context is cut into NUM_SPLITS ranges of whole blocks, each with its own
   program, so one long sequence still occupies every SM; a second kernel merges the splits'
   partial outputs by their log-sum-exp;
@@ -26,6 +28,7 @@ import triton.language as tl
 # Programs wanted per step, per SM, when choosing the split count; and the most splits.
 PROGRAMS_PER_SM = 2
 MAX_SPLITS = 32
+TILE_TOKENS = 64  # context tokens read per loop iteration: a power of two (whole blocks; at least one)
 
 
 @triton.jit
@@ -38,8 +41,8 @@ def _decode_split_kernel(
     stride_scale_slot,
     stride_table_seq,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, QUANTIZED: tl.constexpr, WINDOWED: tl.constexpr,
-    IEEE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, QUANTIZED: tl.constexpr,
+    WINDOWED: tl.constexpr, IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -57,7 +60,7 @@ def _decode_split_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_t = tl.arange(0, BLOCK_SIZE)
+    offs_t = tl.arange(0, BLOCKS_PER_TILE * BLOCK_SIZE)
     heads = kv_head * GROUP + offs_g
     g_ok = offs_g < GROUP
     d_ok = offs_d < HEAD_DIM
@@ -67,22 +70,25 @@ def _decode_split_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of the scores
     denom = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for block_index in range(split_start, split_end):
-        block = tl.load(block_tables_ptr + seq * stride_table_seq + block_index).to(tl.int64)
-        slots = block * BLOCK_SIZE + offs_t
-        positions = block_index * BLOCK_SIZE + offs_t
-        visible = (positions < context_len) & (positions >= first)
+    for tile_start in range(split_start, split_end, BLOCKS_PER_TILE):  # a tile's first block holds context
+        block_index = tile_start + offs_t // BLOCK_SIZE  # [TILE]
+        in_split = block_index < split_end
+        block = tl.load(block_tables_ptr + seq * stride_table_seq + block_index, mask=in_split, other=0).to(tl.int64)
+        slots = block * BLOCK_SIZE + offs_t % BLOCK_SIZE
+        positions = block_index * BLOCK_SIZE + offs_t % BLOCK_SIZE
+        visible = in_split & (positions < context_len) & (positions >= first)
         kv_offsets = slots[:, None] * stride_cache_slot + kv_head * stride_cache_head + offs_d[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=d_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_SIZE, BLOCK_D]
-        v = tl.load(v_cache_ptr + kv_offsets, mask=d_ok[None, :], other=0.0).to(tl.float32)
+        kv_ok = visible[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_ok, other=0.0).to(tl.float32)  # [TILE, BLOCK_D]
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_ok, other=0.0).to(tl.float32)
         if QUANTIZED:
-            k = k * tl.load(k_scale_ptr + slots * stride_scale_slot + kv_head)[:, None]
-            v = v * tl.load(v_scale_ptr + slots * stride_scale_slot + kv_head)[:, None]
+            k = k * tl.load(k_scale_ptr + slots * stride_scale_slot + kv_head, mask=visible, other=0.0)[:, None]
+            v = v * tl.load(v_scale_ptr + slots * stride_scale_slot + kv_head, mask=visible, other=0.0)[:, None]
         if IEEE:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(visible[None, :], scores * scale, float("-inf"))  # [BLOCK_G, BLOCK_SIZE]
+        scores = tl.where(visible[None, :], scores * scale, float("-inf"))  # [BLOCK_G, TILE]
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
@@ -146,6 +152,8 @@ def paged_decode_attention(
     value_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # [B, H, D]; may be a strided view (rows of a larger batch)
+    tile_tokens: int = TILE_TOKENS,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[1]
@@ -166,8 +174,8 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1),
         key_scale.stride(0) if quantized else 0, block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, QUANTIZED=quantized, WINDOWED=sliding_window is not None,
-        IEEE=q.dtype == torch.float32,
+        BLOCK_SIZE=block_size, BLOCKS_PER_TILE=max(1, tile_tokens // block_size), NUM_SPLITS=num_splits,
+        QUANTIZED=quantized, WINDOWED=sliding_window is not None, IEEE=q.dtype == torch.float32, num_warps=num_warps,
     )
     _merge_splits_kernel[(batch, num_heads)](
         partial_out, partial_lse, out, out.stride(0), out.stride(1),

@@ -80,10 +80,11 @@ def test_matches_reference(device, dtype, batch, num_heads, num_kv_heads, head_d
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_split_count_does_not_change_the_result(device):
+def test_split_count_and_tile_do_not_change_the_result(device):
     q, cache, tables, lens = random_case(device, batch=3, num_heads=8, num_kv_heads=2, head_dim=32, block_size=16,
                                          dtype=torch.float32, max_len=300)
-    outs = [run_kernel(q, cache, tables, lens, 0.2, num_splits=n) for n in (1, 2, 5, 19)]
+    outs = [run_kernel(q, cache, tables, lens, 0.2, num_splits=n, tile_tokens=tile)
+            for n, tile in ((1, 16), (2, 64), (5, 32), (19, 128))]
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=1e-5, rtol=0)
 
