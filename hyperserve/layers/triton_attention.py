@@ -152,7 +152,7 @@ def paged_decode_attention(
     value_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # [B, H, D]; may be a strided view (rows of a larger batch)
-    tile_tokens: int = TILE_TOKENS,
+    tile_tokens: int | None = None,  # None: TILE_TOKENS
     num_warps: int = 4,
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
@@ -174,7 +174,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1),
         key_scale.stride(0) if quantized else 0, block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCKS_PER_TILE=max(1, tile_tokens // block_size), NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, BLOCKS_PER_TILE=max(1, (tile_tokens or TILE_TOKENS) // block_size), NUM_SPLITS=num_splits,
         QUANTIZED=quantized, WINDOWED=sliding_window is not None, IEEE=q.dtype == torch.float32, num_warps=num_warps,
     )
     _merge_splits_kernel[(batch, num_heads)](
