@@ -1,0 +1,66 @@
+"""`hyperserve bench` against the stub backend, served in this process: what it counts and times,
+for both endpoints, and what it reports when the server fails."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from hyperserve.bench.run import add_bench_args, run_from_args
+from tests.gateway.stub_backend import build_stub
+from tests.server.conftest import free_port
+
+TOKEN_DELAY_S = 0.02
+
+
+@pytest.fixture
+def stub():
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_stub("stub"), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        if server.started:
+            break
+        time.sleep(0.05)
+    yield url
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def bench(url: str, *flags: str) -> dict:
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    return run_from_args(parser.parse_args(["--base-url", url, "--num-requests", "4", "--concurrency", "2",
+                                            "--input-tokens", "6", *flags]))
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_streams_are_timed_token_by_token(stub, endpoint):
+    httpx.post(f"{stub}/control", json={"token_delay_s": TOKEN_DELAY_S})
+    summary = bench(stub + "/", "--endpoint", endpoint)  # a trailing slash on the base URL is fine
+    assert summary["num_ok"] == 4 and summary["num_failed"] == 0
+    # the stub answers "stub says: <prompt>": 2 + ~6 words, one token each, TOKEN_DELAY_S apart
+    assert summary["output_token_throughput"] > 0
+    assert summary["mean_prompt_tokens"] == 10  # from the stream's usage chunk
+    assert summary["itl_p50_ms"] >= 0.9 * TOKEN_DELAY_S * 1000
+    assert summary["itl_p50_ms"] < 20 * TOKEN_DELAY_S * 1000
+    assert 0 < summary["ttft_p50_ms"] < summary["e2e_p50_ms"]
+
+
+def test_a_failing_server_is_reported_per_request(stub):
+    httpx.post(f"{stub}/control", json={"fail_status": 503})
+    summary = bench(stub)
+    assert summary["num_ok"] == 0 and summary["num_failed"] == 4
+    assert summary["errors"] and summary["errors"][0].startswith("HTTP 503")
+
+
+def test_an_unreachable_server_is_reported_not_raised():
+    summary = bench(f"http://127.0.0.1:{free_port()}")
+    assert summary["num_failed"] == 4 and "Connect" in summary["errors"][0]
