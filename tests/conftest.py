@@ -141,6 +141,21 @@ def tiny_config(arch: str, **overrides):
     return classes[arch](**common)
 
 
+def assert_same_outputs(got, expected, logprobs_of: int | None = None, tolerance: float = 1e-4) -> None:
+    """Two runs' RequestOutputs give the same tokens, text and finish reasons; request
+    `logprobs_of`'s log-probabilities agree within `tolerance`."""
+    for have, want in zip(got, expected, strict=True):
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids
+        assert have.outputs[0].text == want.outputs[0].text
+        assert have.outputs[0].finish_reason == want.outputs[0].finish_reason
+    if logprobs_of is None:
+        return
+    for have, want in zip(got[logprobs_of].outputs[0].logprobs, expected[logprobs_of].outputs[0].logprobs, strict=True):
+        assert have.keys() == want.keys()
+        for token_id in want:
+            assert have[token_id].logprob == pytest.approx(want[token_id].logprob, abs=tolerance)
+
+
 @pytest.fixture
 def save_hf_model(tmp_path):
     """Save a random transformers model of a config as a Hugging Face directory; returns both."""

@@ -11,7 +11,7 @@ import pytest
 
 from hyperserve import LLM, SamplingParams
 from hyperserve.engine.cuda_graphs import DecodeGraphs
-from tests.conftest import DEVICES, needs_triton, tiny_config
+from tests.conftest import DEVICES, assert_same_outputs, needs_triton, tiny_config
 
 NUM_BLOCKS = 40
 STEPS = 4
@@ -59,13 +59,7 @@ def compare(path: str, device: str, graphs: bool) -> None:
     got = multi.generate(prompts, params, use_tqdm=False)
     assert STEPS in taken
     assert expected[1].outputs[0].finish_reason == "stop"
-    for want, have in zip(expected, got):
-        assert have.outputs[0].token_ids == want.outputs[0].token_ids
-        assert have.outputs[0].finish_reason == want.outputs[0].finish_reason
-    for want, have in zip(expected[3].outputs[0].logprobs, got[3].outputs[0].logprobs):
-        assert want.keys() == have.keys()
-        for token_id in want:
-            assert have[token_id].logprob == pytest.approx(want[token_id].logprob, abs=1e-4)
+    assert_same_outputs(got, expected, logprobs_of=3)
     assert multi.engine.kv_cache.num_free_blocks == NUM_BLOCKS
 
 

@@ -11,7 +11,7 @@ import torch
 from hyperserve import LLM, SamplingParams
 from hyperserve.engine import model_runner, rejection_sampler
 from hyperserve.engine.speculative import NgramProposer
-from tests.conftest import DEVICES, EXACT, tiny_config
+from tests.conftest import DEVICES, EXACT, assert_same_outputs, tiny_config
 
 NUM_BLOCKS = 200
 
@@ -52,14 +52,7 @@ def test_greedy_output_is_identical_with_speculation(speculative, plain_llm, gro
     llm = LLM(num_kv_blocks=NUM_BLOCKS, max_model_len=1024,
               speculative={**speculative, "max_batch": 8, "verify_cost": 0.1}, **EXACT)
     outputs = llm.generate(grounded_prompts, params, use_tqdm=False)
-    for out, ref in zip(outputs, expected):
-        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-        assert out.outputs[0].text == ref.outputs[0].text
-        assert out.outputs[0].finish_reason == ref.outputs[0].finish_reason
-    for got, want in zip(outputs[1].outputs[0].logprobs, expected[1].outputs[0].logprobs):
-        assert got.keys() == want.keys()
-        for token_id in got:
-            assert got[token_id].logprob == pytest.approx(want[token_id].logprob, abs=1e-3)
+    assert_same_outputs(outputs, expected, logprobs_of=1, tolerance=1e-3)
     stats = llm.engine.scheduler.spec_stats
     assert stats.num_accepted_tokens > 0, "speculation should have been accepted at least once"
     assert stats.num_accepted_tokens < stats.num_draft_tokens, "some drafts should have been rejected"
