@@ -103,13 +103,12 @@ def measure_attention(batch: int, context: int) -> list[dict]:
     rows = []
     for values in itertools.product(*ATTENTION_SWEEP.values()):
         config = dict(zip(ATTENTION_SWEEP, values))
-        triton_attention.PROGRAMS_PER_SM = config["programs_per_sm"]
-        fn = lambda c=config: triton_attention.paged_decode_attention(
-            q, cache[0], cache[1], tables, lens, block, dim**-0.5, tile_tokens=c["tile_tokens"],
+        splits = triton_attention.num_splits_for(batch, kv_heads, blocks_per_seq, q.device, config["programs_per_sm"])
+        fn = lambda c=config, splits=splits: triton_attention.paged_decode_attention(
+            q, cache[0], cache[1], tables, lens, block, dim**-0.5, num_splits=splits, tile_tokens=c["tile_tokens"],
             num_warps=c["num_warps"])
         us = 1e3 * triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
         rows.append({"batch": batch, "context": context, **config, "us": us, "gbs": nbytes / us / 1e3})
-    triton_attention.PROGRAMS_PER_SM = 2
     return rows
 
 

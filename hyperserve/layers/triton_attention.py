@@ -132,10 +132,12 @@ def _merge_splits_kernel(
              mask=d_ok)
 
 
-def num_splits_for(batch: int, num_kv_heads: int, max_blocks: int, device: torch.device) -> int:
-    """Enough context splits that batch * kv_heads * splits programs fill the GPU twice over."""
+def num_splits_for(batch: int, num_kv_heads: int, max_blocks: int, device: torch.device,
+                   programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Enough context splits that batch * kv_heads * splits programs fill the GPU
+    programs_per_sm times over."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, batch * num_kv_heads)
+    wanted = triton.cdiv(programs_per_sm * sms, batch * num_kv_heads)
     return max(1, min(wanted, MAX_SPLITS, max_blocks))
 
 

@@ -289,14 +289,12 @@ class OpenAIServing:
             try:
                 while True:
                     try:
-                        output = await anext(job.streams[0])
+                        item = await anext(job.streams[0])
                     except StopAsyncIteration:
                         return
                     except Exception as error:
-                        raise _api_error(error) from error
-                    if output.finished:
-                        job.finals[0] = output
-                    yield 0, output
+                        item = error
+                    yield 0, _received(job, 0, item)
             finally:
                 job.close()
         merged: asyncio.Queue = asyncio.Queue()
@@ -313,12 +311,9 @@ class OpenAIServing:
             remaining = len(tasks)
             while remaining:
                 index, item = await merged.get()
-                if isinstance(item, Exception):
-                    raise _api_error(item) from item
-                if item.finished:
-                    job.finals[index] = item
-                    remaining -= 1
-                yield index, item
+                output = _received(job, index, item)
+                remaining -= output.finished
+                yield index, output
         finally:
             job.close()  # first and synchronously: under a cancelled scope every await raises again
             for task in tasks:
@@ -434,6 +429,16 @@ class OpenAIServing:
     def _top(entries: TokenLogprobs, num: int) -> list:
         """Entries hold the top-N and the sampled token (which may rank below N)."""
         return sorted(entries.values(), key=lambda e: e.rank)[:num]
+
+
+def _received(job: Job, index: int, item: RequestOutput | Exception) -> RequestOutput:
+    """What prompt `index`'s stream gave: an output (the final one kept in job.finals), or the
+    error it raised, raised again as an API error."""
+    if isinstance(item, Exception):
+        raise _api_error(item) from item
+    if item.finished:
+        job.finals[index] = item
+    return item
 
 
 def _api_error(error: Exception) -> APIError:
