@@ -169,7 +169,7 @@ def test_cached_answers_never_cross_tenants_unless_their_keys_share_a_scope(stub
 
 
 def test_two_gateways_share_a_redis_cache(stubs, tmp_path, redis_url):
-    cache = {"store": "redis", "redis_url": redis_url, "redis_prefix": f"gw-{time.time()}:"}
+    cache = {"store": "redis", "redis_url": redis_url, "redis_prefix": f"gw-{time.time()}:", "timeout_s": 10.0}
     with (start_gateway(_config(stubs[:1], tmp_path, cache=cache), tmp_path, name="first") as first,
           start_gateway(_config(stubs[:1], tmp_path, cache=cache), tmp_path, name="second") as second):
         assert first.chat(PARIS).headers["x-hyperserve-cache"] == "miss"

@@ -124,8 +124,8 @@ def test_least_recently_used_entry_is_evicted_beyond_max_entries():
 
 
 def test_redis_store_is_shared_by_replicas(embedder, redis_url):
-    replica_a = ResponseCache(RedisStore(redis_url, "test-shared:", 100), ttl_s=60, embedder=embedder)
-    replica_b = ResponseCache(RedisStore(redis_url, "test-shared:", 100), ttl_s=60, embedder=embedder)
+    replica_a = ResponseCache(RedisStore(redis_url, "test-shared:", 100, timeout_s=10.0), ttl_s=60, embedder=embedder)
+    replica_b = ResponseCache(RedisStore(redis_url, "test-shared:", 100, timeout_s=10.0), ttl_s=60, embedder=embedder)
     _insert(replica_a, _chat(QUESTION), "Paris.")
     assert _lookup(replica_b, _chat(QUESTION)).kind == "exact"
     hit = _lookup(replica_b, _chat(PARAPHRASE))
@@ -134,7 +134,7 @@ def test_redis_store_is_shared_by_replicas(embedder, redis_url):
 
 
 def test_redis_store_evicts_least_recently_used(redis_url):
-    cache = ResponseCache(RedisStore(redis_url, "test-lru:", 2), ttl_s=60)
+    cache = ResponseCache(RedisStore(redis_url, "test-lru:", 2, timeout_s=10.0), ttl_s=60)
     for question in ("one", "two"):
         _insert(cache, _chat(question), question)
     assert _lookup(cache, _chat("one")) is not None

@@ -6,6 +6,8 @@ import pytest
 from hyperserve.security.config import Limits
 from hyperserve.security.limits import InProcessLimiter, RateLimited, RedisLimiter
 
+SLOW_MACHINE_TIMEOUT_S = 10.0
+
 
 async def _burst(limiters, limits: Limits, count: int, key: str = "k") -> tuple[list, list]:
     async def one(i):
@@ -57,7 +59,9 @@ def test_redis_limits_are_shared_by_replicas(redis_url):
     prefix = f"test-limits-{id(object())}:"
 
     async def scenario():
-        replicas = [RedisLimiter(redis_url, prefix) for _ in range(3)]
+        # A generous timeout: 40 connections opening at once on a loaded CI machine can take more
+        # than the default 0.5 s, and a timeout admits (fails open), which is not what this tests.
+        replicas = [RedisLimiter(redis_url, prefix, timeout_s=SLOW_MACHINE_TIMEOUT_S) for _ in range(3)]
         granted, refused = await _burst(replicas, Limits(requests_per_minute=7), 40)
         assert len(granted) == 7 and len(refused) == 33
         concurrency = Limits(concurrent_requests=3)
@@ -76,10 +80,10 @@ def test_a_crashed_replicas_concurrency_slots_come_back(redis_url):
     concurrency = Limits(concurrent_requests=2)
 
     async def scenario():
-        crashed = RedisLimiter(redis_url, prefix, lease_s=1.0)
+        crashed = RedisLimiter(redis_url, prefix, lease_s=1.0, timeout_s=SLOW_MACHINE_TIMEOUT_S)
         await crashed.acquire("c", concurrency, 1)
         await crashed.acquire("c", concurrency, 1)  # ... and the replica dies holding both
-        survivor = RedisLimiter(redis_url, prefix, lease_s=1.0)
+        survivor = RedisLimiter(redis_url, prefix, lease_s=1.0, timeout_s=SLOW_MACHINE_TIMEOUT_S)
         with pytest.raises(RateLimited, match="2 concurrent requests"):
             await survivor.acquire("c", concurrency, 1)
         await asyncio.sleep(1.2)
