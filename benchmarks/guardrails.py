@@ -35,9 +35,9 @@ from tqdm import tqdm  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hyperserve.common.embedder import Embedder  # noqa: E402
+from hyperserve.common.errors import APIError  # noqa: E402
 from hyperserve.security.config import SecurityConfig, hash_key  # noqa: E402
-from hyperserve.security.injection import PATTERNS, InjectionDetector, keyword_baseline  # noqa: E402
+from hyperserve.security.injection import PATTERNS, THRESHOLD, InjectionDetector, keyword_baseline  # noqa: E402
 from hyperserve.security.middleware import Governor, Guard  # noqa: E402
 from tests.gateway.conftest import STUB, wait_http  # noqa: E402
 from tests.server.conftest import free_port  # noqa: E402
@@ -68,7 +68,7 @@ def _quality(detector: InjectionDetector, texts: list[str], labels: list[int]) -
     return {"examples": len(texts), "injections": sum(labels),
             "ours": scores(_judged(detector, texts), labels),
             "whole_text": scores([detector.judge(t, p).flagged for t, p in zip(texts, probabilities)], labels),
-            "classifier_alone": scores([p >= 0.5 for p in probabilities], labels),
+            "classifier_alone": scores([p >= THRESHOLD for p in probabilities], labels),
             "patterns_alone": scores([PATTERNS.search(t) is not None for t in texts], labels),
             "keyword_baseline": scores([keyword_baseline(t) for t in texts], labels)}
 
@@ -126,13 +126,16 @@ def large_body_latency(governor: Governor, repeats: int = 5) -> dict:
                                   for i in range(size // 48))[:size]}  # every sentence new
     result = {}
     for name, text in bodies.items():
-        times = []
+        times, blocked = [], False
         for i in range(repeats):
             body = {"messages": [{"role": "user", "content": text + str(i)}]}  # nothing remembered
             t = time.perf_counter()
-            asyncio.run(governor.guard_request(Guard(None, governor.config.guardrails), body, chat=True))
+            try:
+                asyncio.run(governor.guard_request(Guard(None, governor.config.guardrails), body, chat=True))
+            except APIError:  # the time to a verdict is what counts, whichever it is
+                blocked = True
             times.append(time.perf_counter() - t)
-        result[name] = {"p50_s": float(np.percentile(times, 50)), "max_s": max(times)}
+        result[name] = {"p50_s": float(np.percentile(times, 50)), "max_s": max(times), "blocked": blocked}
     return result
 
 
@@ -184,8 +187,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "guardrails.json"))
     args = parser.parse_args()
-    embedder = Embedder()
-    governor = Governor(SecurityConfig(guardrails=GUARDRAILS), embedder=embedder)
+    governor = Governor(SecurityConfig(guardrails=GUARDRAILS))
     quality = classifier_quality(governor.injection)
     external = external_quality(governor.injection)
     latency = in_process_latency(governor, args.requests)
@@ -211,7 +213,8 @@ def main() -> None:
     print(f"\nGuardrail latency per request (injection + PII), in process: p50 {latency['p50_ms']:.2f} ms, "
           f"p99 {latency['p99_ms']:.2f} ms")
     for name, r in large.items():
-        print(f"One 4 MiB body ({name.replace('_', ' ')}): p50 {r['p50_s']:.2f} s, max {r['max_s']:.2f} s")
+        print(f"One 4 MiB body ({name.replace('_', ' ')}): p50 {r['p50_s']:.2f} s, max {r['max_s']:.2f} s"
+              f"{', blocked' if r['blocked'] else ''}")
     print(f"\nTime to first token through the gateway, stub backend, {args.requests} streaming requests each\n")
     print("| gateway | TTFT p50 ms | TTFT p99 ms |\n|---|---|---|")
     for name in ("plain", "guarded"):

@@ -9,6 +9,7 @@ a shared VM's drift (10-20% within minutes) fall on both alike. The table gives 
 rounds and the median of each round's ratio. The goal is a server ITL p50 within 10% of offline.
 
     python benchmarks/server_overhead.py [--configs float32 int4] [--rounds 5] [--server-env OMP_NUM_THREADS=1]
+        [--compare-server-env KEY=VALUE ...]   # a second server, measured in the same rounds
 """
 
 from __future__ import annotations
@@ -44,27 +45,34 @@ def server_itl(port: int, num_requests: int) -> dict:
     return run_from_args(args)
 
 
-def measure(config: str, env: dict[str, str], rounds: int) -> list[tuple[float, float, float]]:
-    """(offline ms/token, server ITL p50, server ITL p95) of each round."""
+def measure(config: str, envs: list[dict[str, str]], rounds: int) -> list[list[tuple[float, float, float]]]:
+    """For each round: (offline ms/token, server ITL p50, server ITL p95) for each server env in turn."""
     options = dict(kv_cache_memory_gb=1, max_num_batched_tokens=512, **engine_options(config))
-    port = free_port()
-    server = start_server(port, ["--kv-cache-memory-gb", "1", "--max-num-batched-tokens", "512", *server_args(config)],
-                          env=env)
+    ports = [free_port() for _ in envs]
+    servers = []
     try:
+        for port, env in zip(ports, envs):
+            servers.append(start_server(port, ["--kv-cache-memory-gb", "1", "--max-num-batched-tokens", "512",
+                                               *server_args(config)], env=env))
         llm = LLM(**options)
         llm.generate([list(range(100, 116))], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
-        server_itl(port, 1)
+        for port in ports:
+            server_itl(port, 1)
         results = []
         for round_ in range(rounds):
-            offline = offline_ms_per_token(llm)
-            summary = server_itl(port, 3)
-            results.append((offline, summary["itl_p50_ms"], summary["itl_p95_ms"]))
-            print(f"round {round_ + 1}/{rounds}: offline {offline:.2f} ms/token, server ITL p50 "
-                  f"{summary['itl_p50_ms']:.2f} ms", flush=True)
+            row = []
+            for port, env in zip(ports, envs):
+                offline = offline_ms_per_token(llm)
+                summary = server_itl(port, 3)
+                row.append((offline, summary["itl_p50_ms"], summary["itl_p95_ms"]))
+                print(f"round {round_ + 1}/{rounds}, server env {env or 'none'}: offline {offline:.2f} ms/token, "
+                      f"server ITL p50 {summary['itl_p50_ms']:.2f} ms", flush=True)
+            results.append(row)
         return results
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        for server in servers:
+            server.terminate()
+            server.wait(timeout=60)
 
 
 def main() -> None:
@@ -72,21 +80,29 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["float32", "int4"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--server-env", nargs="*", default=[], help="KEY=VALUE for the server process only")
+    parser.add_argument("--compare-server-env", nargs="*", default=None,
+                        help="KEY=VALUE: a second server with this env, measured in the same rounds")
     args = parser.parse_args()
-    env = dict(item.split("=", 1) for item in args.server_env)
+    envs = [dict(item.split("=", 1) for item in args.server_env)]
+    if args.compare_server_env is not None:
+        envs.append(dict(item.split("=", 1) for item in args.compare_server_env))
     flags = cpu_flags()
     header = (f"CPU flags: avx2={'avx2' in flags} avx512f={'avx512f' in flags} amx={'amx_tile' in flags}; "
-              f"{os.cpu_count()} cores; server env: {env or 'none'}")
+              f"{os.cpu_count()} cores")
     rows = []
     for config in args.configs:
-        rounds = measure(config, env, args.rounds)
-        offline, p50, p95 = (statistics.median(column) for column in zip(*rounds))
-        rows.append((config, offline, p50, p95, statistics.median(s / o for o, s, _ in rounds)))
-    print(f"\n{header}; medians of {args.rounds} alternating rounds\n")
-    print("| configuration | offline ms/token | server ITL p50 ms | server ITL p95 ms | server / offline |")
-    print("|---|---|---|---|---|")
-    for config, offline, p50, p95, ratio in rows:
-        print(f"| {config} | {offline:.2f} | {p50:.2f} | {p95:.2f} | {ratio:.2f}x |")
+        rounds = measure(config, envs, args.rounds)
+        for i, env in enumerate(envs):
+            measured = [row[i] for row in rounds]
+            offline, p50, p95 = (statistics.median(column) for column in zip(*measured))
+            rows.append((config, env, offline, p50, p95, statistics.median(s / o for o, s, _ in measured)))
+    print(f"\n{header}; medians of {args.rounds} alternating rounds (an offline request before each server's)\n")
+    print("| config | server env | offline ms/token | server ITL p50 ms | server ITL p95 ms | server / offline |")
+    print("|---|---|---|---|---|---|")
+    for config, env, offline, p50, p95, ratio in rows:
+        env_text = " ".join(f"{k}={v}" for k, v in env.items()) or "none"
+        print(f"| {config} | {env_text} | {offline:.2f} | {p50:.2f} | {p95:.2f} | {ratio:.2f}x |")
+
 
 if __name__ == "__main__":
     main()

@@ -30,13 +30,16 @@ class Embedder:
     of an engine in the same process (16 -> 32 ms a token on 2 cores). A sentence takes as long
     on one thread as on two."""
 
-    def __init__(self, path: str | Path | None = None, max_length: int = 256) -> None:
-        from transformers import AutoModel, AutoTokenizer
+    def __init__(self, path: str | Path | None = None, max_length: int = 256,
+                 deltas: dict[str, torch.Tensor] | None = None) -> None:
+        """`deltas`: parameter name -> a tensor added to it (a fine-tuned copy, as the injection
+        classifier's LoRA adapter makes one)."""
+        from transformers import AutoTokenizer
 
         path = Path(path) if path is not None else default_model_path()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder", initializer=_single_threaded)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = self._worker.submit(lambda: AutoModel.from_pretrained(path).eval()).result()
+        self.model = self._worker.submit(_load, path, deltas or {}).result()
         self.dim: int = self.model.config.hidden_size
         self.max_length = max_length
 
@@ -56,6 +59,19 @@ class Embedder:
         return torch.nn.functional.normalize(pooled, dim=-1).numpy().astype(np.float32)
 
 
+def _load(path: Path, deltas: dict[str, torch.Tensor]) -> torch.nn.Module:
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(path).eval()
+    parameters = dict(model.named_parameters())
+    if unknown := deltas.keys() - parameters.keys():
+        raise ValueError(f"weight deltas for parameters the embedding model lacks: {sorted(unknown)[:3]}")
+    with torch.no_grad():
+        for name, delta in deltas.items():
+            parameters[name] += delta.to(parameters[name].dtype)
+    return model
+
+
 def _single_threaded() -> None:
     """Limit this thread's OpenMP (PyTorch's intra-op pool) to one thread, for this thread only."""
     from threadpoolctl import threadpool_limits
@@ -66,5 +82,6 @@ def _single_threaded() -> None:
 
 @functools.cache
 def shared_embedder() -> Embedder:
-    """One instance per process (the cache and the injection check share it, and its thread)."""
+    """One instance per process for the semantic cache (the injection check has its own,
+    fine-tuned, in security/injection.py)."""
     return Embedder()

@@ -1235,16 +1235,40 @@ void rms_norm(const float* x, const float* weight, int64_t rows, int64_t dim, fl
   }
 }
 
+// The step's rows as DecodeBatch, each slot and block inside a cache of num_slots (an index out of
+// range would write outside it). Checked once per step: every layer's cache has num_slots.
+DecodeBatch checked_batch(const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& lengths,
+                          int64_t rows, int64_t block_size, int64_t num_slots) {
+  for (const at::Tensor* t : {&slots, &block_tables, &lengths}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->size(0) == rows,
+                "decode_layer: slots, block tables and lengths must be contiguous int64, one row per token");
+  }
+  TORCH_CHECK(block_tables.dim() == 2 && block_size > 0, "decode_layer: block tables must be [rows, max_blocks]");
+  const DecodeBatch batch{slots.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(),
+                          block_tables.size(1), block_size};
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t length = batch.lengths[r];
+    TORCH_CHECK(batch.slots[r] >= 0 && batch.slots[r] < num_slots && length >= 1 &&
+                    length <= batch.max_blocks * block_size,
+                "decode_layer: slot or context length out of range");
+    for (int64_t b = 0; b < (length + block_size - 1) / block_size; ++b) {
+      const int64_t block = batch.block_tables[r * batch.max_blocks + b];
+      TORCH_CHECK(block >= 0 && (block + 1) * block_size <= num_slots, "decode_layer: block out of range");
+    }
+  }
+  return batch;
+}
+
 // hidden [rows, dim] (float32, updated in place) through one Llama decoder layer, one new token
 // per row. weights: input norm, qkv, o, post-attention norm, gate_up, down (norms float32, the
 // projections Q4_1 as above). K/V caches are [slots, kv_heads, head_dim] in float32, bfloat16 or
 // float16; token t of row r lives at slot block_tables[r][t / block_size] * block_size + t % block_size.
 // lora: for each adapter of the step, A and B (as LoRAWeights says) of qkv, o, gate_up and down;
-// lora_rows: each row's adapter, an index into them (-1: none).
-void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& cos, const at::Tensor& signed_sin,
-                  at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slots, const at::Tensor& block_tables,
-                  const at::Tensor& lengths, int64_t block_size, int64_t num_heads, int64_t num_kv_heads, double eps,
-                  double scale, at::TensorList lora, const at::Tensor& lora_rows) {
+// lora_rows: each row's adapter, an index into them (-1: none). The batch is checked already.
+void run_decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& cos, const at::Tensor& signed_sin,
+                      at::Tensor key_cache, at::Tensor value_cache, const DecodeBatch& batch, int64_t num_heads,
+                      int64_t num_kv_heads, double eps, double scale, at::TensorList lora,
+                      const at::Tensor& lora_rows) {
   TORCH_CHECK(weights.size() == 6, "decode_layer: expected 6 weights (norm, qkv, o, norm, gate_up, down)");
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && hidden.dim() == 2,
               "decode_layer: hidden must be contiguous float32 [rows, dim]");
@@ -1269,24 +1293,6 @@ void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& c
   for (const at::Tensor* t : {&cos, &signed_sin}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == rows * head_dim,
                 "decode_layer: cos and sin must be contiguous float32 [rows, head_dim]");
-  }
-  for (const at::Tensor* t : {&slots, &block_tables, &lengths}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->size(0) == rows,
-                "decode_layer: slots, block tables and lengths must be contiguous int64, one row per token");
-  }
-  TORCH_CHECK(block_tables.dim() == 2 && block_size > 0, "decode_layer: block tables must be [rows, max_blocks]");
-  const DecodeBatch batch{slots.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(),
-                          block_tables.size(1), block_size};
-  const int64_t num_slots = key_cache.size(0);
-  for (int64_t r = 0; r < rows; ++r) {  // an index out of range would write outside the cache
-    const int64_t length = batch.lengths[r];
-    TORCH_CHECK(batch.slots[r] >= 0 && batch.slots[r] < num_slots && length >= 1 &&
-                    length <= batch.max_blocks * block_size,
-                "decode_layer: slot or context length out of range");
-    for (int64_t b = 0; b < (length + block_size - 1) / block_size; ++b) {
-      const int64_t block = batch.block_tables[r * batch.max_blocks + b];
-      TORCH_CHECK(block >= 0 && (block + 1) * block_size <= num_slots, "decode_layer: block out of range");
-    }
   }
 
   TORCH_CHECK(lora.size() % 8 == 0, "decode_layer: LoRA takes A and B of the four projections per adapter");
@@ -1358,6 +1364,17 @@ void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& c
   for (int64_t i = 0; i < rows * dim; ++i) h[i] += projected[i];
 }
 
+// decode_layer as an op: checks the batch, then runs the layer.
+void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& cos, const at::Tensor& signed_sin,
+                  at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slots, const at::Tensor& block_tables,
+                  const at::Tensor& lengths, int64_t block_size, int64_t num_heads, int64_t num_kv_heads, double eps,
+                  double scale, at::TensorList lora, const at::Tensor& lora_rows) {
+  TORCH_CHECK(hidden.dim() == 2, "decode_layer: hidden must be contiguous float32 [rows, dim]");
+  const DecodeBatch batch = checked_batch(slots, block_tables, lengths, hidden.size(0), block_size, key_cache.size(0));
+  run_decode_layer(hidden, weights, cos, signed_sin, key_cache, value_cache, batch, num_heads, num_kv_heads, eps,
+                   scale, lora, lora_rows);
+}
+
 // Every layer of a model through decode_layer in one call, without LoRA: weights holds each layer's
 // six in turn, key_caches and value_caches one per layer. One dispatch from Python per step rather
 // than one per layer.
@@ -1366,11 +1383,16 @@ void decode_layers(at::Tensor hidden, at::TensorList weights, const at::Tensor& 
                    const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size, int64_t num_heads,
                    int64_t num_kv_heads, double eps, double scale) {
   const size_t layers = key_caches.size();
-  TORCH_CHECK(value_caches.size() == layers && weights.size() == 6 * layers,
+  TORCH_CHECK(layers > 0 && value_caches.size() == layers && weights.size() == 6 * layers && hidden.dim() == 2,
               "decode_layers: six weights and one K and V cache per layer");
   for (size_t i = 0; i < layers; ++i) {
-    decode_layer(hidden, weights.slice(6 * i, 6), cos, signed_sin, key_caches[i], value_caches[i], slots, block_tables,
-                 lengths, block_size, num_heads, num_kv_heads, eps, scale, {}, at::Tensor());
+    TORCH_CHECK(key_caches[i].size(0) == key_caches[0].size(0), "decode_layers: every layer's cache has one size");
+  }
+  const DecodeBatch batch =
+      checked_batch(slots, block_tables, lengths, hidden.size(0), block_size, key_caches[0].size(0));
+  for (size_t i = 0; i < layers; ++i) {
+    run_decode_layer(hidden, weights.slice(6 * i, 6), cos, signed_sin, key_caches[i], value_caches[i], batch,
+                     num_heads, num_kv_heads, eps, scale, {}, at::Tensor());
   }
 }
 

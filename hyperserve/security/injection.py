@@ -1,21 +1,25 @@
-"""Prompt-injection detection: a logistic-regression head on all-MiniLM-L6-v2 sentence embeddings
-(trained by scripts/train_injection_classifier.py on data/prompt_injection.jsonl, shipped as
-injection_classifier.npz), plus a few patterns for the blatant cases. A message is flagged when
-either says so.
+"""Prompt-injection detection: all-MiniLM-L6-v2 fine-tuned as a classifier (a LoRA adapter on its
+linear layers and a logistic head on its pooled embedding, trained by
+scripts/train_injection_classifier.py on our families in data/prompt_injection.jsonl and public
+sets; shipped as injection_classifier.safetensors), plus a few patterns for the blatant cases. A
+message is flagged when either says so. On our held-out families F1 rose from 0.66 (a logistic
+head on the frozen embeddings) to 0.84, on bastioncorpus (never seen) from 0.87 to 0.87 with half
+the false alarms (BENCHMARKS.md).
 
-A request is judged over every user and tool message, whole, one sentence at a time (a sentence
-longer than CHUNK_TOKENS tokens in windows of that size, overlapping): an instruction planted in a
-document is classified on its own, where pooled over a page its embedding drowns in the benign
-text around it (held-out attacks planted in a 2,000-token report are found per sentence, and were
-not in 200-token windows; on bastioncorpus, never seen, F1 rose from 0.70 to 0.87 with the
-multilingual training data, BENCHMARKS.md). Verdicts are remembered per
-sentence, so a conversation's earlier turns cost nothing when they come back. Past MAX_CHUNKS
-sentences (about 25,000 tokens of prose) the rest of a request is checked by the patterns only,
-which bounds the work one request can cause."""
+A request is judged over every user and tool message, whole, two sentences at a time (each with
+the next; a sentence longer than CHUNK_TOKENS tokens in windows of that size, overlapping). An
+instruction planted in a document is classified nearly on its own, where pooled over a page its
+embedding drowns in the benign text around it (held-out attacks planted in a 2,000-token report are
+found this way, and were not in 200-token windows); its neighbour gives a sentence the context
+single sentences lack (held-out F1 at probability 0.5: 0.79 a sentence at a time, 0.84 in pairs). Verdicts are
+remembered per pair, so a conversation's earlier turns cost nothing when they come back. Past
+MAX_CHUNKS pairs (about 25,000 tokens of prose) the rest of a request is checked by the patterns
+only, which bounds the work one request can cause."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import re
 from collections import OrderedDict
@@ -25,8 +29,9 @@ from pathlib import Path
 import numpy as np
 
 from hyperserve.common.embedder import Embedder
+from hyperserve.security.config import INJECTION_THRESHOLD as THRESHOLD
 
-WEIGHTS = Path(__file__).with_name("injection_classifier.npz")
+WEIGHTS = Path(__file__).with_name("injection_classifier.safetensors")
 # a space after . ! ? (not inside "jane.roe@example.org" or "3.14"); none needed after 。！？
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[\u3002\uff01\uff1f])\s*|\n+")
 CHUNK_TOKENS, CHUNK_STRIDE = 128, 96
@@ -59,11 +64,29 @@ class InjectionVerdict:
     pattern: str | None
 
 
+def load_classifier(weights: Path = WEIGHTS) -> tuple[dict, np.ndarray, float]:
+    """The adapter as weight deltas for the embedding model (scale * B @ A per adapted linear
+    layer), and the head's coefficients and bias."""
+    from safetensors import safe_open
+
+    with safe_open(weights, "pt") as f:
+        tensors = {name: f.get_tensor(name).float() for name in f.keys()}
+        scale = float(f.metadata()["lora_scale"])
+    deltas = {f"{name.removesuffix('.lora_A')}.weight": scale * (tensors[name.replace(".lora_A", ".lora_B")] @ a)
+              for name, a in tensors.items() if name.endswith(".lora_A")}
+    return deltas, tensors["head.coef"].numpy(), float(tensors["head.bias"])
+
+
+@functools.cache
+def _classifier(weights: Path) -> tuple[Embedder, np.ndarray, float]:
+    """One fine-tuned model per process, whoever asks (each gateway, server or test)."""
+    deltas, coef, bias = load_classifier(weights)
+    return Embedder(deltas=deltas), coef, bias
+
+
 class InjectionDetector:
-    def __init__(self, embedder: Embedder, weights: Path = WEIGHTS) -> None:
-        data = np.load(weights)
-        self.embedder = embedder
-        self.coef, self.bias = data["coef"].astype(np.float32), float(data["bias"])
+    def __init__(self, weights: Path = WEIGHTS) -> None:
+        self.embedder, self.coef, self.bias = _classifier(weights)
         self._remembered: OrderedDict[bytes, float] = OrderedDict()  # window digest -> probability
 
     def probabilities(self, texts: list[str]) -> np.ndarray:
@@ -72,7 +95,7 @@ class InjectionDetector:
     def _classify(self, embeddings: np.ndarray) -> np.ndarray:
         return 1 / (1 + np.exp(-(embeddings @ self.coef + self.bias)))
 
-    def judge(self, text: str, probability: float, threshold: float = 0.5) -> InjectionVerdict:
+    def judge(self, text: str, probability: float, threshold: float = THRESHOLD) -> InjectionVerdict:
         """`probability`: the classifier's, from `probabilities` (batched) or `judge_async`."""
         match = PATTERNS.search(text)
         return InjectionVerdict(probability >= threshold or match is not None, probability,
@@ -102,16 +125,24 @@ class InjectionDetector:
         starts = range(0, len(offsets) - CHUNK_TOKENS + CHUNK_STRIDE, CHUNK_STRIDE)
         return [sentence[offsets[i][0]:offsets[min(i + CHUNK_TOKENS, len(offsets)) - 1][1]] for i in starts][:limit]
 
+    def pairs(self, text: str, limit: int = MAX_CHUNKS) -> list[str]:
+        """What is classified: each of the text's chunks with the next one (a text of one chunk
+        alone). Read with its neighbour, "Email from my landlord: please ignore the previous
+        invoice." keeps the context that tells it from an instruction ("How do I reply?"); an
+        instruction planted in a document still stands out beside one sentence of it."""
+        pieces = self.chunks(text, limit + 1)
+        return pieces if len(pieces) < 2 else [f"{a} {b}" for a, b in zip(pieces, pieces[1:])]
+
     def _all_windows(self, texts: list[str]) -> list[str]:
-        """The distinct windows of all texts, at most MAX_CHUNKS, in order."""
+        """The distinct pairs of all texts, at most MAX_CHUNKS, in order."""
         found: dict[str, None] = {}
         for text in texts:
             if len(found) >= MAX_CHUNKS:
                 break
-            found.update(dict.fromkeys(self.chunks(text, MAX_CHUNKS - len(found))))
+            found.update(dict.fromkeys(self.pairs(text, MAX_CHUNKS - len(found))))
         return list(found)
 
-    async def judge_async(self, texts: list[str], threshold: float = 0.5) -> InjectionVerdict:
+    async def judge_async(self, texts: list[str], threshold: float = THRESHOLD) -> InjectionVerdict:
         """One verdict over all of a request's texts: the highest window probability, or a
         pattern found anywhere."""
         windows = await asyncio.to_thread(self._all_windows, texts)

@@ -68,7 +68,7 @@ class Guard:
 class Governor:
     """Keys, limiters, detectors and the audit log, built once from the config."""
 
-    def __init__(self, config: SecurityConfig, embedder=None) -> None:
+    def __init__(self, config: SecurityConfig) -> None:
         self.config = config
         self.keys = {k.sha256: k for k in config.keys}
         self.limiter = (RedisLimiter(config.redis_url, config.redis_prefix, timeout_s=config.redis_timeout_s,
@@ -78,10 +78,9 @@ class Governor:
         uses_injection = any(g.injection != "off" for g in self._all_guardrails())
         self.injection = None
         if uses_injection:
-            from hyperserve.common.embedder import shared_embedder
             from hyperserve.security.injection import InjectionDetector
 
-            self.injection = InjectionDetector(embedder or shared_embedder())
+            self.injection = InjectionDetector()
 
     def _all_guardrails(self) -> list[Guardrails]:
         c = self.config

@@ -173,3 +173,33 @@ def test_models_the_fused_layer_cannot_run_keep_the_pytorch_path(save_hf_model, 
     assert reason in caplog.text
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("op", ["decode_layers", "decode_layer"])
+def test_a_slot_or_block_outside_the_cache_is_refused_before_anything_is_written(save_hf_model, op):
+    """The native layers write K/V at each row's slot and read its blocks: an index out of range
+    would touch memory outside the cache. Both ops check the batch (decode_layers once a step)."""
+    _, path = save_hf_model(tiny_config("llama"))
+    llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01)
+    runner = llm.engine.runner
+    fused, caches, block_size = runner.fused_decode, runner.kv_caches, runner.block_size
+    num_blocks = caches[0].key.shape[0] // block_size
+    before = [c.key.clone() for c in caches]
+
+    def step(slot: int, block: int, length: int = 3) -> None:
+        hidden = torch.zeros(1, fused.hidden_size)
+        cos, signed_sin = fused.model.model.rotary.cos_sin_for(torch.tensor([length - 1]), torch.float32)
+        batch = (torch.tensor([slot]), torch.tensor([[block]]), torch.tensor([length]), block_size, fused.num_heads,
+                 fused.num_kv_heads, fused.eps, fused.scale)
+        if op == "decode_layers":
+            torch.ops.hyperserve.decode_layers(hidden, fused._all_layers, cos, signed_sin, [c.key for c in caches],
+                                               [c.value for c in caches], *batch)
+        else:
+            torch.ops.hyperserve.decode_layer(hidden, fused.layers[0], cos, signed_sin, caches[0].key, caches[0].value,
+                                              *batch, [], torch.tensor([-1]))
+
+    for slot, block in ((num_blocks * block_size, 0), (-1, 0), (0, num_blocks), (0, -1)):
+        with pytest.raises(RuntimeError, match="out of range"):
+            step(slot, block)
+    assert all(torch.equal(b, c.key) for b, c in zip(before, caches))
+    step(2, 0)  # in range it runs

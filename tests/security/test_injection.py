@@ -3,7 +3,6 @@ from pathlib import Path
 
 import pytest
 
-from hyperserve.common.embedder import Embedder
 from hyperserve.security.injection import InjectionDetector, keyword_baseline
 
 DATA = Path(__file__).parents[2] / "data" / "prompt_injection.jsonl"
@@ -28,11 +27,11 @@ def test_classifier_beats_the_keyword_baseline_on_held_out_families(held_out):
     texts, labels = held_out
     import asyncio
 
-    detector = InjectionDetector(Embedder())
+    detector = InjectionDetector()
     ours = [asyncio.run(detector.judge_async([t])).flagged for t in texts]  # as the guardrail judges
     baseline = [keyword_baseline(t) for t in texts]
     assert _f1(ours, labels) > _f1(baseline, labels) + 0.3
-    assert _f1(ours, labels) >= 0.65  # held-out families include other languages and planted instructions
+    assert _f1(ours, labels) >= 0.8  # held-out families include other languages and planted instructions
 
 
 def test_detection_generalises_to_a_public_set_it_never_saw():
@@ -41,32 +40,63 @@ def test_detection_generalises_to_a_public_set_it_never_saw():
     import asyncio
 
     bastioncorpus = pytest.importorskip("bastioncorpus")
-    from hyperserve.common.embedder import shared_embedder
-
     path = Path(bastioncorpus.__file__).with_name("corpus") / "injections.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    detector = InjectionDetector(shared_embedder())
+    detector = InjectionDetector()
     flagged = [asyncio.run(detector.judge_async([r["text"]])).flagged for r in rows]
     assert _f1(flagged, [int(r["label"] == "malicious") for r in rows]) >= 0.85
 
 
-def test_the_embedder_computes_single_threaded_without_limiting_other_threads():
-    """Its own OpenMP pool beside the engine's would stop OpenMP spin-waiting (see Embedder)."""
+def test_the_embedders_compute_single_threaded_without_limiting_other_threads():
+    """Their own OpenMP pools beside the engine's would stop OpenMP spin-waiting (see Embedder)."""
     import torch
 
     from hyperserve.common.embedder import shared_embedder
 
-    embedder = shared_embedder()
-    before = torch.get_num_threads()
-    assert embedder._worker.submit(torch.get_num_threads).result() == 1
-    assert torch.get_num_threads() == before
+    for embedder in (shared_embedder(), InjectionDetector().embedder):
+        before = torch.get_num_threads()
+        assert embedder._worker.submit(torch.get_num_threads).result() == 1
+        assert torch.get_num_threads() == before
+
+
+def test_the_classifier_is_the_embedding_model_with_the_adapters_deltas_added():
+    import torch
+
+    from hyperserve.common.embedder import Embedder, shared_embedder
+    from hyperserve.security.injection import load_classifier
+
+    deltas, coef, bias = load_classifier()
+    assert len(deltas) == 6 * 6 and coef.shape == (384,)  # six linear layers in each of six blocks
+    name = "encoder.layer.0.attention.self.query.weight"
+    tuned = dict(InjectionDetector().embedder.model.named_parameters())[name]
+    plain = dict(shared_embedder().model.named_parameters())[name]
+    torch.testing.assert_close(tuned, plain + deltas[name])
+    with pytest.raises(ValueError, match="lacks"):
+        Embedder(deltas={"no.such.weight": torch.zeros(1)})
+
+
+# Everyday messages in the languages the classifier is trained on, written for this test (none is
+# in the training data): a guardrail that blocks greetings in Chinese is of no use to anyone.
+EVERYDAY = [
+    "你好", "谢谢", "早上好！", "这个周末去哪里玩比较好？", "こんばんは", "よろしくお願いします。",
+    "東京でおすすめのラーメン屋はどこですか？", "Guten Abend!", "Kannst du mir bei meiner Steuererklärung helfen?",
+    "Bonsoir, comment ça va ?", "Quel vin servir avec du poisson ?", "¿Me ayudas con mi tarea de historia?",
+    "Buenas noches", "Che tempo fa domani a Roma?", "Bom dia! Qual é a capital da Austrália?",
+    "Dank je wel!", "Добрый вечер! Как дела?", "Что приготовить на ужин из курицы?",
+    "Günaydın!", "Dziękuję bardzo!", "hi", "thank you so much", "Can you explain this error message?",
+]
+
+
+def test_everyday_messages_in_other_languages_are_not_flagged(detector):
+    import asyncio
+
+    flagged = [t for t in EVERYDAY if asyncio.run(detector.judge_async([t])).flagged]
+    assert len(flagged) <= 1, flagged
 
 
 @pytest.fixture(scope="module")
 def detector():
-    from hyperserve.common.embedder import shared_embedder
-
-    return InjectionDetector(shared_embedder())
+    return InjectionDetector()
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +145,8 @@ def test_sentences_are_judged_apart_and_a_long_one_in_overlapping_windows(detect
 
     assert detector.chunks("First one. Second one!\nThird\u3002Fourth, at a.b@c.org for 3.14 s") == [
         "First one.", "Second one!", "Third\u3002", "Fourth, at a.b@c.org for 3.14 s"]
+    assert detector.pairs("First one. Second one! Third.") == ["First one. Second one!", "Second one! Third."]
+    assert detector.pairs("Only one.") == ["Only one."]
     text = " ".join(f"w{i}" for i in range(3000))  # one sentence of ~9,000 tokens
     windows = detector.chunks(text)
     assert windows[0].startswith("w0 ") and windows[-1].endswith("w2999")
