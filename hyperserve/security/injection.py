@@ -1,10 +1,16 @@
-"""Prompt-injection detection: all-MiniLM-L6-v2 fine-tuned as a classifier (a LoRA adapter on its
-linear layers and a logistic head on its pooled embedding, trained by
-scripts/train_injection_classifier.py on our families in data/prompt_injection.jsonl and public
-sets; shipped as injection_classifier.safetensors), plus a few patterns for the blatant cases. A
-message is flagged when either says so. Against a logistic head on the frozen embeddings, F1 on
-our held-out families rose from 0.66 to 0.84, and on bastioncorpus (never trained on) from 0.866
-to 0.874 with 12 false alarms instead of 22 (BENCHMARKS.md).
+"""Prompt-injection detection: two classifiers and a few patterns for the blatant cases; a
+message is flagged when the higher of the two probabilities reaches the threshold, or a pattern
+matches.
+- all-MiniLM-L6-v2 fine-tuned (a LoRA adapter on its linear layers and a logistic head on its
+  pooled embedding);
+- multilingual-e5-small, frozen, with a logistic head: MiniLM's vocabulary has no words for
+  Chinese, Japanese or Russian, and it missed every held-out attack written in them; e5 was
+  trained on about 100 languages. The two run side by side, each on a thread of its own.
+scripts/train_injection_classifier.py trains both on our families in data/prompt_injection.jsonl
+and public sets; injection_classifier.safetensors holds the adapter and the heads. Encoded spans
+(base64, hex, tag characters, ROT13...) are decoded first (obfuscation.py). On our held-out
+families F1 went from 0.84 (MiniLM alone) to 0.96, on bastioncorpus (never trained on) from 0.874
+to 0.933 (BENCHMARKS.md).
 
 A request is judged over every user and tool message, whole, two sentences at a time (each with
 the next; a sentence longer than CHUNK_TOKENS tokens in windows of that size, overlapping). An
@@ -30,6 +36,7 @@ import numpy as np
 
 from hyperserve.common.embedder import Embedder
 from hyperserve.security.config import INJECTION_THRESHOLD as THRESHOLD
+from hyperserve.security.obfuscation import revealed, unscrambled
 
 WEIGHTS = Path(__file__).with_name("injection_classifier.safetensors")
 # a space after . ! ? (not inside "jane.roe@example.org" or "3.14"); none needed after 。！？
@@ -38,6 +45,7 @@ CHUNK_TOKENS, CHUNK_STRIDE = 128, 96
 MAX_CHUNKS = 1024
 BATCH = 32  # sentences embedded per call
 REMEMBERED = 16_384  # window verdicts kept (LRU)
+HEADS = {"all-MiniLM-L6-v2": "head", "multilingual-e5-small": "multilingual"}  # model -> its head's tensors
 
 PATTERNS = re.compile(
     r"ignore (?:all |any )?(?:the )?(?:previous|prior|above|earlier) (?:instructions|rules|prompts?)"
@@ -64,9 +72,20 @@ class InjectionVerdict:
     pattern: str | None
 
 
-def load_classifier(weights: Path = WEIGHTS) -> tuple[dict, np.ndarray, float]:
-    """The adapter as weight deltas for the embedding model (scale * B @ A per adapted linear
-    layer), and the head's coefficients and bias."""
+@dataclass
+class Head:
+    """A logistic head on one embedding model's pooled embedding."""
+    embedder: Embedder
+    coef: np.ndarray
+    bias: float
+
+    def probabilities(self, embeddings: np.ndarray) -> np.ndarray:
+        return 1 / (1 + np.exp(-(embeddings @ self.coef + self.bias)))
+
+
+def load_classifier(weights: Path = WEIGHTS) -> tuple[dict, dict[str, tuple[np.ndarray, float]]]:
+    """The adapter as weight deltas for MiniLM (scale * B @ A per adapted linear layer), and each
+    head's coefficients and bias by its model's name."""
     from safetensors import safe_open
 
     with safe_open(weights, "pt") as f:
@@ -74,26 +93,34 @@ def load_classifier(weights: Path = WEIGHTS) -> tuple[dict, np.ndarray, float]:
         scale = float(f.metadata()["lora_scale"])
     deltas = {f"{name.removesuffix('.lora_A')}.weight": scale * (tensors[name.replace(".lora_A", ".lora_B")] @ a)
               for name, a in tensors.items() if name.endswith(".lora_A")}
-    return deltas, tensors["head.coef"].numpy(), float(tensors["head.bias"])
+    heads = {model: (tensors[f"{key}.coef"].numpy(), float(tensors[f"{key}.bias"])) for model, key in HEADS.items()}
+    return deltas, heads
 
 
 @functools.cache
-def _classifier(weights: Path) -> tuple[Embedder, np.ndarray, float]:
-    """One fine-tuned model per process, whoever asks (each gateway, server or test)."""
-    deltas, coef, bias = load_classifier(weights)
-    return Embedder(deltas=deltas), coef, bias
+def _classifier(weights: Path) -> tuple[Head, ...]:
+    """One set of models per process, whoever asks (each gateway, server or test)."""
+    deltas, heads = load_classifier(weights)
+    return tuple(Head(Embedder(model, deltas=deltas if model == "all-MiniLM-L6-v2" else None), *heads[model])
+                 for model in HEADS)
 
 
 class InjectionDetector:
     def __init__(self, weights: Path = WEIGHTS) -> None:
-        self.embedder, self.coef, self.bias = _classifier(weights)
+        self.heads = _classifier(weights)
+        self.embedder = self.heads[0].embedder  # its tokens measure the windows
+        # the vocabulary's words tell ROT13 and reversed text from plain text
+        self.words = frozenset(w for w in self.embedder.tokenizer.vocab if w.isascii() and w.isalpha())
         self._remembered: OrderedDict[bytes, float] = OrderedDict()  # pair digest -> probability
 
     def probabilities(self, texts: list[str]) -> np.ndarray:
-        return self._classify(self.embedder.embed(texts))
+        """The higher of the two models' probabilities, per text."""
+        return np.max([head.probabilities(head.embedder.embed(texts)) for head in self.heads], axis=0)
 
-    def _classify(self, embeddings: np.ndarray) -> np.ndarray:
-        return 1 / (1 + np.exp(-(embeddings @ self.coef + self.bias)))
+    async def _probabilities_async(self, texts: list[str]) -> np.ndarray:
+        """As `probabilities`, the models side by side (each computes on its own thread)."""
+        embeddings = await asyncio.gather(*(head.embedder.embed_async(texts) for head in self.heads))
+        return np.max([head.probabilities(e) for head, e in zip(self.heads, embeddings)], axis=0)
 
     def judge(self, text: str, probability: float, threshold: float = THRESHOLD) -> InjectionVerdict:
         """`probability`: the classifier's, from `probabilities` (batched) or `judge_async`."""
@@ -109,7 +136,7 @@ class InjectionDetector:
             if len(found) >= limit:
                 break
             if sentence.strip():
-                found += self._windows(sentence, limit - len(found))
+                found += self._windows(unscrambled(sentence, self.words), limit - len(found))
         return found
 
     def _windows(self, sentence: str, limit: int) -> list[str]:
@@ -133,25 +160,27 @@ class InjectionDetector:
         pieces = self.chunks(text, limit + 1)
         return pieces if len(pieces) < 2 else [f"{a} {b}" for a, b in zip(pieces, pieces[1:])]
 
-    def _all_pairs(self, texts: list[str]) -> list[str]:
-        """The distinct pairs of all texts, at most MAX_CHUNKS, in order."""
+    def _read(self, texts: list[str]) -> tuple[list[str], list[str]]:
+        """The texts with their encoded spans decoded (base64, hex, tag characters...), which the
+        patterns match, and their distinct pairs, at most MAX_CHUNKS, in order, which are classified."""
+        texts = [revealed(text) for text in texts]
         found: dict[str, None] = {}
         for text in texts:
             if len(found) >= MAX_CHUNKS:
                 break
             found.update(dict.fromkeys(self.pairs(text, MAX_CHUNKS - len(found))))
-        return list(found)
+        return texts, list(found)
 
     async def judge_async(self, texts: list[str], threshold: float = THRESHOLD) -> InjectionVerdict:
         """One verdict over all of a request's texts: the highest pair probability, or a
         pattern found anywhere."""
-        pairs = await asyncio.to_thread(self._all_pairs, texts)
+        texts, pairs = await asyncio.to_thread(self._read, texts)
         digests = [hashlib.sha256(w.encode()).digest() for w in pairs]
         known = {d: self._remembered[d] for d in digests if d in self._remembered}
         unknown = [(d, w) for d, w in zip(digests, pairs) if d not in known]
         for start in range(0, len(unknown), BATCH):
             batch = unknown[start:start + BATCH]
-            probabilities = self._classify(await self.embedder.embed_async([w for _, w in batch]))
+            probabilities = await self._probabilities_async([w for _, w in batch])
             known.update((digest, float(p)) for (digest, _), p in zip(batch, probabilities))
         for digest, probability in known.items():  # most recently used last
             self._remembered[digest] = probability
