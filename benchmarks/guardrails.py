@@ -4,7 +4,8 @@
    precision, recall and F1, against the keyword baseline and the patterns alone; and on an
    external public set it never saw, bastioncorpus (PyPI, MIT; installed by `make install`):
    118 attacks in five languages, direct and planted in tool output, and 63 benign look-alikes;
-   and on the test splits of the two public sets whose train splits it learnt from;
+   on the test splits of the two public sets whose train splits it learnt from; and on a set
+   assembled from three more PyPI packages (assembled_public_set);
 2. guardrail latency per request, in process (injection check + PII scan and redaction), for
    everyday requests and for 4 MiB bodies (the default body limit) of hostile text;
 3. what they add to time to first token end to end: streaming requests through two gateways in
@@ -144,6 +145,53 @@ def public_test_splits(detector: InjectionDetector) -> dict:
     return result
 
 
+ASSEMBLED_SET = ["jailbreak-corpus-mini-py==0.1.0", "agent-injection-bench==0.1.0", "spikee==0.9.2"]
+
+
+def assembled_public_set(detector: InjectionDetector) -> dict | None:
+    """A set none of our training touched, put together from three PyPI packages, as each means
+    its texts to be used:
+    - attacks: jailbreak-corpus-mini's 15 prompts (MIT); agent-injection-bench's 24 injected tool
+      results (MIT); spikee's cybersec seeds (Apache-2.0), each of its 69 jailbreak templates
+      filled with one of its 19 instructions in turn (several in Zulu, Albanian or Irish), and
+      its 3 standalone attacks;
+    - benign: agent-injection-bench's 24 user tasks, and spikee's 111 finance questions kept for
+      false-positive testing."""
+    import subprocess
+    import zipfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *ASSEMBLED_SET,
+                               "-d", directory], capture_output=True)
+        if done.returncode != 0:
+            return None
+        files = {}
+        for wheel in Path(directory).glob("*.whl"):
+            with zipfile.ZipFile(wheel) as archive:
+                files.update({name: archive.read(name) for name in archive.namelist() if name.endswith(".json")
+                              or name.endswith(".jsonl")})
+
+    def jsonl(name: str) -> list[dict]:
+        return [json.loads(line) for line in files[name].decode().splitlines() if line.strip()]
+
+    seeds = "spikee/data/workspace/datasets/"
+    instructions = [r["instruction"] for r in jsonl(seeds + "seeds-cybersec-2026-01/instructions.jsonl")]
+    jailbreaks = [r["text"] for r in jsonl(seeds + "seeds-cybersec-2026-01/jailbreaks.jsonl")]
+    tool_results = jsonl("aib/data/attacks.jsonl")
+    attacks = ([r["prompt"] for r in json.loads(files["jailbreak_corpus_mini/corpus.json"])]
+               + [r["injected"] for r in tool_results]
+               + [t.replace("<INSTRUCTION>", instructions[i % len(instructions)]) for i, t in enumerate(jailbreaks)]
+               + [r["text"] for r in jsonl(seeds + "seeds-cybersec-2026-01/standalone_user_inputs.jsonl")])
+    benign = ([r["task"] for r in tool_results]
+              + [r["text"] for r in jsonl(seeds + "seeds-investment-advice-fp/standalone_user_inputs.jsonl")])
+    texts, labels = attacks + benign, [1] * len(attacks) + [0] * len(benign)
+    flagged = _judged(detector, texts)
+    return {"examples": len(texts), "injections": len(attacks), "ours": scores(flagged, labels),
+            "keyword_baseline": scores([keyword_baseline(t) for t in texts], labels),
+            "misses": [t for t, f, y in zip(texts, flagged, labels) if y and not f],
+            "false_alarms": [t for t, f, y in zip(texts, flagged, labels) if f and not y]}
+
+
 def in_process_latency(governor: Governor, count: int) -> dict:
     async def run() -> list[float]:
         times = []
@@ -234,11 +282,13 @@ def main() -> None:
     quality = classifier_quality(governor.injection)
     external = external_quality(governor.injection)
     public = public_test_splits(governor.injection)
+    assembled = assembled_public_set(governor.injection)
     latency = in_process_latency(governor, args.requests)
     large = large_body_latency(governor)
     with tempfile.TemporaryDirectory() as directory:
         e2e = end_to_end(Path(directory), args.requests)
     Path(args.out).write_text(json.dumps({"quality": quality, "external": external, "public_test_splits": public,
+                                          "assembled_public_set": assembled,
                                           "in_process": latency,
                                           "large_bodies": large, "end_to_end": e2e}, indent=2))
 
@@ -263,6 +313,12 @@ def main() -> None:
             s = q["ours"]
             print(f"| {name} | {q['examples']} | {q['injections']} | {s['precision']:.3f} | {s['recall']:.3f} | "
                   f"{s['f1']:.3f} | {q['keyword_baseline']['f1']:.3f} |")
+    if assembled is not None:
+        s, baseline = assembled["ours"], assembled["keyword_baseline"]["f1"]
+        print(f"\nA set assembled from jailbreak-corpus-mini, agent-injection-bench and spikee, never seen "
+              f"({assembled['examples']} examples, {assembled['injections']} injections): "
+              f"precision {s['precision']:.3f}, recall {s['recall']:.3f}, F1 {s['f1']:.3f} "
+              f"(keyword baseline F1 {baseline:.3f})")
     print(f"\nGuardrail latency per request (injection + PII), in process: p50 {latency['p50_ms']:.2f} ms, "
           f"p99 {latency['p99_ms']:.2f} ms")
     for name, r in large.items():

@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-
 MAGIC = b"E5S1"
 Q4 = 1  # tensor dtype codes in the image: 0 float32, 1 Q4_0
 BLOCK, BLOCK_BYTES = 32, 18  # Q4_0: a float16 scale and 32 4-bit weights, byte j -> weights j and j + 16
