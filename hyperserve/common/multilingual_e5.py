@@ -68,13 +68,9 @@ def load(path: Path | None = None) -> tuple[E5Tokenizer, torch.nn.Module]:
 
     def dense(name: str, rows: int, columns: int) -> torch.Tensor:
         dtype, data = tensors[name]
-        if dtype != Q4:
-            return torch.from_numpy(data.view(np.float32).copy()).reshape(rows, columns)
-        blocks = data.reshape(rows, columns // BLOCK, BLOCK_BYTES)
-        scales = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # [rows, blocks, 1]
-        nibbles = blocks[..., 2:]
-        weights = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).astype(np.float32) - 8
-        return torch.from_numpy((weights * scales).reshape(rows, columns))
+        if dtype == Q4:
+            return Q4Embedding(data, columns)(torch.arange(rows))
+        return torch.from_numpy(data.view(np.float32).copy()).reshape(rows, columns)
 
     # the image's position table starts at the first token (XLM-R's offset of 2 is already cut),
     # as BertModel counts positions
