@@ -28,12 +28,17 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <omp.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -99,6 +104,172 @@ Format parse_format(const std::string& name) {
   if (name == "q4_1") return Format::kQ4_1;
   TORCH_CHECK(name == "q8_0", "quantized weights: format must be q4_1 or q8_0, got ", name);
   return Format::kQ8_0;
+}
+
+// ---- the threads of one decode step ----
+//
+// A decode step runs ~200 parallel operations (projections, attention) of tens of microseconds each.
+// As OpenMP regions with fixed halves, each one waits at its end for its slowest thread: when the
+// server's event loop or its client takes a core for a moment (on two cores they must), every
+// operation in that moment waits for the thread it displaced. A StepTeam keeps the step's threads in
+// one region and splits each operation into pieces. Each thread owns a contiguous run of them and
+// takes them from its front, so its weights still stream in order; a thread that runs out takes
+// pieces from the back of another's run. A thread that is descheduled before it takes a piece holds
+// nobody up: the others do its share.
+
+inline void spin_pause() {
+#ifdef HYPERSERVE_X86
+  _mm_pause();
+#endif
+}
+
+class StepTeam {
+ public:
+  explicit StepTeam(int threads) : threads_(std::min(threads, kMaxThreads)) {}
+
+  // The team of the calling thread's step, if it is the step's first thread.
+  static StepTeam*& active() {
+    thread_local StepTeam* team = nullptr;
+    return team;
+  }
+
+  // fn(lo, hi) over [begin, end) in pieces of about `grain` or more, on the team; from thread 0 only.
+  template <typename F>
+  void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
+    const int64_t size = end - begin;
+    const int64_t pieces = std::min<int64_t>({(size + grain - 1) / std::max<int64_t>(grain, 1),
+                                              kPiecesPerThread * threads_, kMaxPieces});
+    if (pieces <= 1) {
+      if (size > 0) fn(begin, end);
+      return;
+    }
+    body_ = [](const void* f, int64_t lo, int64_t hi) { (*static_cast<const F*>(f))(lo, hi); };
+    context_ = &fn;
+    begin_ = begin, size_ = size, pieces_ = pieces;
+    remaining_.store(pieces, std::memory_order_relaxed);
+    uint64_t generation = ++generation_ & kField16;
+    if (generation == 0) generation = ++generation_ & kField16;  // 0 is what a thread has seen before any
+    for (int t = 0; t < threads_; ++t) {  // releases the fields above to whoever claims a piece
+      runs_[t].word.store(pack(generation, pieces * t / threads_, pieces * (t + 1) / threads_),
+                          std::memory_order_release);
+    }
+    work(0, generation);
+    while (remaining_.load(std::memory_order_acquire) != 0) spin_pause();
+    if (failed_.load(std::memory_order_acquire)) {
+      failed_.store(false, std::memory_order_relaxed);
+      std::rethrow_exception(std::exchange(error_, nullptr));
+    }
+  }
+
+  // Threads 1.. of the region: work on each operation as it is published, until stop().
+  void serve(int thread) {
+    if (thread >= threads_) return;
+    uint64_t seen = 0;
+    while (true) {
+      uint64_t word;
+      while (generation_of(word = runs_[thread].word.load(std::memory_order_acquire)) == seen) {
+        if (stopped_.load(std::memory_order_acquire)) return;
+        spin_pause();
+      }
+      seen = generation_of(word);
+      work(thread, seen);
+    }
+  }
+
+  void stop() { stopped_.store(true, std::memory_order_release); }
+
+ private:
+  static constexpr int kMaxThreads = 64;
+  static constexpr int64_t kPiecesPerThread = 8;
+  static constexpr int64_t kMaxPieces = (int64_t{1} << 24) - 1;
+  static constexpr uint64_t kField16 = 0xFFFF, kField24 = 0xFFFFFF;
+
+  // A thread's run of pieces [first, last) of the operation `generation`, in one word.
+  static uint64_t pack(uint64_t generation, int64_t first, int64_t last) {
+    return generation << 48 | static_cast<uint64_t>(first) << 24 | static_cast<uint64_t>(last);
+  }
+  static uint64_t generation_of(uint64_t word) { return word >> 48; }
+  static int64_t first_of(uint64_t word) { return static_cast<int64_t>(word >> 24 & kField24); }
+  static int64_t last_of(uint64_t word) { return static_cast<int64_t>(word & kField24); }
+
+  // Takes the front piece of `owner`'s run (or its back), if that run is still of `generation`.
+  int64_t take(int owner, uint64_t generation, bool front) {
+    std::atomic<uint64_t>& run = runs_[owner].word;
+    uint64_t word = run.load(std::memory_order_acquire);
+    while (generation_of(word) == generation && first_of(word) < last_of(word)) {
+      const int64_t first = first_of(word), last = last_of(word);
+      const uint64_t taken = front ? pack(generation, first + 1, last) : pack(generation, first, last - 1);
+      if (run.compare_exchange_weak(word, taken, std::memory_order_acq_rel, std::memory_order_acquire)) {
+        return front ? first : last - 1;
+      }
+    }
+    return -1;
+  }
+
+  // The operation's fields stay as they are while any of its pieces is unfinished, so a thread that
+  // took a piece reads them safely.
+  void run_piece(int64_t piece) {
+    try {
+      body_(context_, begin_ + size_ * piece / pieces_, begin_ + size_ * (piece + 1) / pieces_);
+    } catch (...) {
+      if (!failed_.exchange(true, std::memory_order_acq_rel)) error_ = std::current_exception();
+    }
+    remaining_.fetch_sub(1, std::memory_order_release);
+  }
+
+  void work(int thread, uint64_t generation) {
+    for (int64_t piece; (piece = take(thread, generation, true)) >= 0;) run_piece(piece);
+    for (int k = 1; k < threads_; ++k) {
+      for (int64_t piece; (piece = take((thread + k) % threads_, generation, false)) >= 0;) run_piece(piece);
+    }
+  }
+
+  struct alignas(64) Run {
+    std::atomic<uint64_t> word{0};
+  };
+
+  const int threads_;
+  Run runs_[kMaxThreads];
+  uint64_t generation_ = 0;  // thread 0's count of operations
+  void (*body_)(const void*, int64_t, int64_t) = nullptr;
+  const void* context_ = nullptr;
+  int64_t begin_ = 0, size_ = 0, pieces_ = 0;
+  alignas(64) std::atomic<int64_t> remaining_{0};
+  std::atomic<bool> failed_{false}, stopped_{false};
+  std::exception_ptr error_;
+};
+
+// at::parallel_for, or the step's team when the calling thread leads one.
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
+  if (StepTeam* team = StepTeam::active()) return team->parallel_for(begin, end, grain, fn);
+  at::parallel_for(begin, end, grain, fn);
+}
+
+// Runs step(): with a StepTeam of at::get_num_threads() threads in one OpenMP region where there are
+// several, so every parallel_for inside it uses the team.
+template <typename F>
+void run_step(const F& step) {
+  const int threads = at::get_num_threads();
+  if (threads <= 1 || at::in_parallel_region() || StepTeam::active() != nullptr) return step();
+  StepTeam team(threads);
+  std::exception_ptr error;
+#pragma omp parallel num_threads(threads)
+  {
+    if (omp_get_thread_num() == 0) {
+      StepTeam::active() = &team;
+      try {
+        step();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      StepTeam::active() = nullptr;
+      team.stop();
+    } else {
+      team.serve(omp_get_thread_num());
+    }
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 constexpr int64_t kBlock = 8;                              // channels of an interleaved Q4_1 block
@@ -596,7 +767,7 @@ constexpr BlockKernel kBlockKernels[kBlockRowTile] = {block_avx2<1>, block_avx2<
 // out [rows, out_features] = x W^T for an interleaved Q4_1 weight, a block of 8 channels per task.
 void block_matmul(const QuantizedWeight& w, const float* x, int64_t rows, float* out, Isa isa) {
   const QuantizedRows8 q = quantize_rows8(x, rows, w.in_features, isa != Isa::kPortable);
-  at::parallel_for(0, w.out_features / kBlock, 8, [&](int64_t begin, int64_t end) {
+  parallel_for(0, w.out_features / kBlock, 8, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t row0 = 0; row0 < rows; row0 += kBlockRowTile) {
         const int64_t R = std::min(kBlockRowTile, rows - row0);
@@ -665,7 +836,7 @@ void quantized_matmul(const QuantizedWeight& w, const float* x, int64_t rows, fl
   const QuantizedRows q = quantize_rows(x, rows, w.in_features, isa != Isa::kPortable, isa == Isa::kAvx512 && q41);
   const int64_t tile = channel_tile(rows, isa, w.format);
   // Enough channels per task that each thread streams a long stretch of weights.
-  at::parallel_for(0, w.out_features, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, w.out_features, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end;) {
       const int64_t C = end - n >= tile ? tile : 1;
       prefetch_rows(w, n + kPrefetchRows, C, end);
@@ -681,7 +852,8 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, const
   const QuantizedWeight w = quantized_weight(weight, x.size(1), parse_format(format));
   const at::Tensor input = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({x.size(0), w.out_features}, x.options().dtype(at::kFloat));
-  quantized_matmul(w, input.data_ptr<float>(), x.size(0), out.data_ptr<float>(), parse_isa(isa));
+  const Isa chosen = parse_isa(isa);
+  run_step([&] { quantized_matmul(w, input.data_ptr<float>(), x.size(0), out.data_ptr<float>(), chosen); });
   return out.to(x.scalar_type());
 }
 
@@ -1030,7 +1202,7 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
     thread_local std::vector<float> partials;
     if (static_cast<int64_t>(partials.size()) < slots * pitch) partials.resize(slots * pitch);
     float* parts = partials.data();
-    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
       float scores[kMaxHeadsPerTask * kAttentionSpan];
       float out_g[kMaxHeadsPerTask * kMaxAttentionHeadDim], best[kMaxHeadsPerTask], total[kMaxHeadsPerTask];
       for (int64_t i = begin; i < end; ++i) {
@@ -1054,7 +1226,7 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
         }
       }
     });
-    at::parallel_for(0, rows * num_heads, 8, [&](int64_t begin, int64_t end) {
+    parallel_for(0, rows * num_heads, 8, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t spans = spans_of(batch.lengths[i / num_heads]);
         const float* part = parts + first_slot[i] * pitch;
@@ -1065,7 +1237,7 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
   }
 #endif
   const bool vectorized = avx2 && head_dim % 8 == 0;
-  at::parallel_for(0, rows * num_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows * num_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(longest);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / num_heads, h = i % num_heads;
@@ -1185,7 +1357,7 @@ void lora_add(const std::vector<LoRAWeights>& adapters, const int64_t* row_adapt
   for (size_t i = 0; i < adapters.size(); ++i) {
     for (int64_t j = 0; !members[i].empty() && j < shards * adapters[i].rank; ++j) a_rows.emplace_back(i, j);
   }
-  at::parallel_for(0, static_cast<int64_t>(a_rows.size()), 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, static_cast<int64_t>(a_rows.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<const float*> xs(rows);
     std::vector<float> sums(rows);
     for (int64_t i = begin; i < end; ++i) {
@@ -1200,7 +1372,7 @@ void lora_add(const std::vector<LoRAWeights>& adapters, const int64_t* row_adapt
   for (int64_t s = 0; s < shards; ++s) {
     for (int64_t c = offsets[s]; c < offsets[s + 1]; c += kLoRATile) tiles.emplace_back(s, c);
   }
-  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const auto [s, first] = tiles[i];
       const int64_t columns = std::min(kLoRATile, offsets[s + 1] - first);
@@ -1371,8 +1543,10 @@ void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& c
                   double scale, at::TensorList lora, const at::Tensor& lora_rows) {
   TORCH_CHECK(hidden.dim() == 2, "decode_layer: hidden must be contiguous float32 [rows, dim]");
   const DecodeBatch batch = checked_batch(slots, block_tables, lengths, hidden.size(0), block_size, key_cache.size(0));
-  run_decode_layer(hidden, weights, cos, signed_sin, key_cache, value_cache, batch, num_heads, num_kv_heads, eps,
-                   scale, lora, lora_rows);
+  run_step([&] {
+    run_decode_layer(hidden, weights, cos, signed_sin, key_cache, value_cache, batch, num_heads, num_kv_heads, eps,
+                     scale, lora, lora_rows);
+  });
 }
 
 // Every layer of a model through decode_layer in one call, without LoRA: weights holds each layer's
@@ -1390,10 +1564,12 @@ void decode_layers(at::Tensor hidden, at::TensorList weights, const at::Tensor& 
   }
   const DecodeBatch batch =
       checked_batch(slots, block_tables, lengths, hidden.size(0), block_size, key_caches[0].size(0));
-  for (size_t i = 0; i < layers; ++i) {
-    run_decode_layer(hidden, weights.slice(6 * i, 6), cos, signed_sin, key_caches[i], value_caches[i], batch,
-                     num_heads, num_kv_heads, eps, scale, {}, at::Tensor());
-  }
+  run_step([&] {
+    for (size_t i = 0; i < layers; ++i) {
+      run_decode_layer(hidden, weights.slice(6 * i, 6), cos, signed_sin, key_caches[i], value_caches[i], batch,
+                       num_heads, num_kv_heads, eps, scale, {}, at::Tensor());
+    }
+  });
 }
 
 // float32 x [rows, dim] RMS-normalised and scaled by weight [dim], as the fused layers do it.

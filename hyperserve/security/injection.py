@@ -175,9 +175,22 @@ class InjectionDetector:
         """One verdict over all of a request's texts: the highest pair probability, or a
         pattern found anywhere."""
         texts, pairs = await asyncio.to_thread(self._read, texts)
+        probability = max(await self._pair_probabilities(pairs), default=0.0)
+        return self.judge("\n".join(texts), probability, threshold)
+
+    async def judge_each(self, texts: list[str], threshold: float = THRESHOLD) -> list[InjectionVerdict]:
+        """`judge_async([text])` for each text, with the pairs of all of them classified in shared
+        batches: many short texts (a labelled set) in a fraction of the calls."""
+        read = await asyncio.to_thread(lambda: [self._read([text]) for text in texts])
+        probabilities = iter(await self._pair_probabilities([pair for _, pairs in read for pair in pairs]))
+        return [self.judge("\n".join(revealed), max((next(probabilities) for _ in pairs), default=0.0), threshold)
+                for revealed, pairs in read]
+
+    async def _pair_probabilities(self, pairs: list[str]) -> list[float]:
+        """Each pair's probability: remembered, or classified BATCH at a time and remembered."""
         digests = [hashlib.sha256(w.encode()).digest() for w in pairs]
         known = {d: self._remembered[d] for d in digests if d in self._remembered}
-        unknown = [(d, w) for d, w in zip(digests, pairs) if d not in known]
+        unknown = list({d: w for d, w in zip(digests, pairs) if d not in known}.items())
         for start in range(0, len(unknown), BATCH):
             batch = unknown[start:start + BATCH]
             probabilities = await self._probabilities_async([w for _, w in batch])
@@ -187,5 +200,4 @@ class InjectionDetector:
             self._remembered.move_to_end(digest)
         while len(self._remembered) > REMEMBERED:
             self._remembered.popitem(last=False)
-        probability = max(known.values(), default=0.0)
-        return self.judge("\n".join(texts), probability, threshold)
+        return [known[d] for d in digests]

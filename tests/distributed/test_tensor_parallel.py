@@ -72,19 +72,19 @@ def smollm2_prompts(chat_prompt_ids, smollm2_tokenizer):
 INT4_TOLERANCE = 0.4 if interleaves_q41() else 0.1
 
 
-@pytest.mark.parametrize("options,tolerance", [(FLOAT32, 1e-3), ({}, INT4_TOLERANCE)], ids=["float32", "int4"])
-def test_smollm2_over_two_ranks_matches_one(smollm2_prompts, options, tolerance, monkeypatch):
-    """SmolLM2's 3 K/V heads split 2 and 1; its 49,152-token vocabulary and 1,536-wide MLP evenly.
-    int4 (the default) rounds activations to bfloat16 (and on AVX2-only CPUs to 8 bits) at other
-    points than one rank does. The ranks run the PyTorch layers (their outputs are all-reduced
+def test_smollm2_over_two_ranks_matches_one(smollm2_prompts, monkeypatch):
+    """SmolLM2 in its default int4: its 3 K/V heads split 2 and 1; its 49,152-token vocabulary and
+    1,536-wide MLP evenly. int4 rounds activations to bfloat16 (and on AVX2-only CPUs to 8 bits) at
+    other points than one rank does. The ranks run the PyTorch layers (their outputs are all-reduced
     between ops), so the one process runs them too rather than its fused native layers, whose
-    float32 residual stream would differ by more than any split (0.37 nats on a 2-core EPYC)."""
+    float32 residual stream would differ by more than any split (0.37 nats on a 2-core EPYC).
+    In float32 (the tiny models below) the split is exact to 1e-3."""
     with monkeypatch.context() as patch:
         patch.setattr(FusedDecode, "unsupported", staticmethod(lambda model, kv_caches: "as the ranks run"))
-        *single, _ = generate(smollm2_prompts, **options)
-    *split, workers = generate(smollm2_prompts, tensor_parallel_size=2, **options)
+        *single, _ = generate(smollm2_prompts)
+    *split, workers = generate(smollm2_prompts, tensor_parallel_size=2)
     assert workers == 1
-    assert_same_until_a_near_tie(split, single, tolerance)
+    assert_same_until_a_near_tie(split, single, INT4_TOLERANCE)
 
 
 TWO_GPUS = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -105,16 +105,16 @@ def test_uneven_heads_width_and_vocabulary(save_hf_model, device):
     assert_close(tp_logprobs, logprobs, 1e-3)
 
 
-@pytest.mark.parametrize("speculative", [{"method": "ngram"}, {"method": "draft", "model": "smollm2-135m"}],
-                         ids=["ngram", "draft-model"])
-def test_speculative_decoding_over_two_ranks(speculative):
-    """Verification steps (k + 1 rows of a sequence) run on every rank; a draft model runs on rank
-    0 alone, unsplit."""
-    prompts = [[5, 6, 7, 8] * 10, list(range(1000, 1040))]  # the first repeats: n-grams find drafts
-    tokens, *_ = generate(prompts, max_tokens=24, **FLOAT32)
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_over_two_ranks(save_hf_model, method):
+    """Verification steps (k + 1 rows of a sequence) run on every rank; a draft model (here the
+    model itself) runs on rank 0 alone, unsplit."""
+    _, path = save_hf_model(tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96))
+    prompts = [[5, 6, 7, 8] * 10, list(range(100, 140))]  # the first repeats: n-grams find drafts
+    tokens, *_ = generate(prompts, max_tokens=24, model=path, **FLOAT32)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    with LLM(**OPTIONS, **FLOAT32, tensor_parallel_size=2,
-             speculative={**speculative, "num_tokens": 3, "verify_cost": 0.0}) as llm:
+    speculative = {"method": method, "num_tokens": 3, "verify_cost": 0.0} | ({"model": path} if method == "draft" else {})
+    with LLM(model=path, **OPTIONS, **FLOAT32, tensor_parallel_size=2, speculative=speculative) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.scheduler.spec_stats.num_drafts > 0
     assert [o.outputs[0].token_ids for o in outputs] == tokens

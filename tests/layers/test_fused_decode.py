@@ -84,6 +84,26 @@ def test_attention_over_contexts_of_several_spans_matches_the_pytorch_layers(sav
         assert (fused - plain).norm() / plain.norm() < 0.1
 
 
+@pytest.mark.parametrize("q41_layout", ["interleaved"], indirect=True)
+def test_a_step_gives_the_same_bits_on_one_thread_or_several(save_hf_model, q41_layout):
+    """The step's threads take pieces of each operation as they come free (a descheduled thread's
+    share is done by the others), so which thread computes which channel or attention span varies;
+    each is computed whole by one of them, so the logits must not change by a bit. Four threads on
+    this machine's cores share them, so pieces do change hands."""
+    _, path = save_hf_model(tiny_config("llama", num_attention_heads=3, num_key_value_heads=1, hidden_size=192,
+                                        intermediate_size=512, max_position_embeddings=1024))
+    llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.05, block_size=24)
+    threads = torch.get_num_threads()
+    try:
+        logits = []
+        for count in (1, 2, 4, 3):
+            torch.set_num_threads(count)
+            logits.append(_decode_both_ways(llm, lengths=(600, 7, 300))[0])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(logits[0], other) for other in logits[1:])
+
+
 def test_fused_decode_applies_each_rows_lora_adapter_as_the_pytorch_layers_do(save_hf_model, tmp_path, monkeypatch):
     """In the row layout, whose 16-bit activations leave only float rounding between the paths."""
     from hyperserve import LoRARequest
