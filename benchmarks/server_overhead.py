@@ -8,6 +8,10 @@ it). The server idles while the offline engine runs and the other way round, and
 a shared VM's drift (10-20% within minutes) fall on both alike. The table gives the medians over the
 rounds and the median of each round's ratio. The goal is a server ITL p50 within 10% of offline.
 
+A non-streamed request to the server in the same rounds (`not streamed`, its decode time from
+`Server-Timing`) tells the engine thread's share from the streaming's: the whole server, its event
+loop woken every token, but no SSE and no client reading.
+
     python benchmarks/server_overhead.py [--configs float32 int4] [--rounds 5] [--server-env OMP_NUM_THREADS=1]
         [--compare-server-env KEY=VALUE ...]   # a second server, measured in the same rounds
 """
@@ -23,6 +27,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import httpx  # noqa: E402
+
 from benchmarks.quality import engine_options, server_args  # noqa: E402
 from benchmarks.serving import start_server  # noqa: E402
 from hyperserve import LLM, SamplingParams  # noqa: E402
@@ -30,11 +36,24 @@ from hyperserve.bench.run import add_bench_args, run_from_args  # noqa: E402
 from hyperserve.layers.quantization import cpu_flags  # noqa: E402
 from tests.server.conftest import free_port  # noqa: E402
 
+PROMPT = list(range(1000, 1032))
+PARAMS = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+
+
+def ms_per_token(metrics) -> float:
+    return 1000 * (metrics.finished_time - metrics.first_token_time) / (PARAMS.max_tokens - 1)
+
 
 def offline_ms_per_token(llm: LLM) -> float:
-    metrics = llm.generate([list(range(1000, 1032))], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True),
-                           use_tqdm=False)[0].metrics
-    return 1000 * (metrics.finished_time - metrics.first_token_time) / 127
+    return ms_per_token(llm.generate([PROMPT], PARAMS, use_tqdm=False)[0].metrics)
+
+
+def not_streamed_ms_per_token(port: int) -> float:
+    body = {"prompt": PROMPT, "max_tokens": PARAMS.max_tokens, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+    response.raise_for_status()
+    timing = dict(part.split(";dur=") for part in response.headers["server-timing"].split(", "))
+    return float(timing["decode"]) / (PARAMS.max_tokens - 1)
 
 
 def server_itl(port: int, num_requests: int) -> dict:
@@ -45,8 +64,9 @@ def server_itl(port: int, num_requests: int) -> dict:
     return run_from_args(args)
 
 
-def measure(config: str, envs: list[dict[str, str]], rounds: int) -> list[list[tuple[float, float, float]]]:
-    """For each round: (offline ms/token, server ITL p50, server ITL p95) for each server env in turn."""
+def measure(config: str, envs: list[dict[str, str]], rounds: int) -> list[list[tuple[float, ...]]]:
+    """For each round and server env in turn: (offline, not streamed, server ITL p50, server ITL p95),
+    milliseconds a token."""
     options = dict(kv_cache_memory_gb=1, max_num_batched_tokens=512, **engine_options(config))
     ports = [free_port() for _ in envs]
     servers = []
@@ -63,9 +83,11 @@ def measure(config: str, envs: list[dict[str, str]], rounds: int) -> list[list[t
             row = []
             for port, env in zip(ports, envs):
                 offline = offline_ms_per_token(llm)
+                not_streamed = not_streamed_ms_per_token(port)
                 summary = server_itl(port, 3)
-                row.append((offline, summary["itl_p50_ms"], summary["itl_p95_ms"]))
+                row.append((offline, not_streamed, summary["itl_p50_ms"], summary["itl_p95_ms"]))
                 print(f"round {round_ + 1}/{rounds}, server env {env or 'none'}: offline {offline:.2f} ms/token, "
+                      f"not streamed {not_streamed:.2f}, "
                       f"server ITL p50 {summary['itl_p50_ms']:.2f} ms", flush=True)
             results.append(row)
         return results
@@ -94,14 +116,18 @@ def main() -> None:
         rounds = measure(config, envs, args.rounds)
         for i, env in enumerate(envs):
             measured = [row[i] for row in rounds]
-            offline, p50, p95 = (statistics.median(column) for column in zip(*measured))
-            rows.append((config, env, offline, p50, p95, statistics.median(s / o for o, s, _ in measured)))
+            medians = [statistics.median(column) for column in zip(*measured)]
+            # median per-round ratios to offline: not streamed, streamed (ITL p50)
+            ratios = [statistics.median(row[k] / row[0] for row in measured) for k in (1, 2)]
+            rows.append((config, env, medians, ratios))
     print(f"\n{header}; medians of {args.rounds} alternating rounds (an offline request before each server's)\n")
-    print("| config | server env | offline ms/token | server ITL p50 ms | server ITL p95 ms | server / offline |")
-    print("|---|---|---|---|---|---|")
-    for config, env, offline, p50, p95, ratio in rows:
+    print("| config | server env | offline ms/token | not streamed ms/token | server ITL p50 ms | server ITL p95 ms | "
+          "server / offline |")
+    print("|---|---|---|---|---|---|---|")
+    for config, env, (offline, not_streamed, p50, p95), ratios in rows:
         env_text = " ".join(f"{k}={v}" for k, v in env.items()) or "none"
-        print(f"| {config} | {env_text} | {offline:.2f} | {p50:.2f} | {p95:.2f} | {ratio:.2f}x |")
+        print(f"| {config} | {env_text} | {offline:.2f} | {not_streamed:.2f} ({ratios[0]:.2f}x) | {p50:.2f} | "
+              f"{p95:.2f} | **{ratios[1]:.2f}x** |")
 
 
 if __name__ == "__main__":

@@ -113,7 +113,9 @@ def test_speculative_decoding_over_two_ranks(save_hf_model, method):
     prompts = [[5, 6, 7, 8] * 10, list(range(100, 140))]  # the first repeats: n-grams find drafts
     tokens, *_ = generate(prompts, max_tokens=24, model=path, **FLOAT32)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    speculative = {"method": method, "num_tokens": 3, "verify_cost": 0.0} | ({"model": path} if method == "draft" else {})
+    speculative = {"method": method, "num_tokens": 3, "verify_cost": 0.0}
+    if method == "draft":
+        speculative["model"] = path
     with LLM(model=path, **OPTIONS, **FLOAT32, tensor_parallel_size=2, speculative=speculative) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.scheduler.spec_stats.num_drafts > 0
