@@ -1,4 +1,4 @@
-"""Native CPU kernels (cpu_ops.cpp), compiled once per source and PyTorch version.
+"""Native CPU kernels (cpu_ops.cpp and the header it includes), compiled once per source and PyTorch version.
 
 `make install` builds them (`python -m hyperserve.kernels`); a process that finds no build
 compiles it on first use (~30 s, logged) into HYPERSERVE_KERNEL_CACHE (default
@@ -21,12 +21,14 @@ import torch
 logger = logging.getLogger("hyperserve.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+HEADERS = [Path(__file__).with_name("step_team.h")]  # what SOURCE includes from here
 CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]  # OpenMP: at::parallel_for is inline; links torch's libgomp
 
 
 def build_directory() -> Path:
     root = Path(os.environ.get("HYPERSERVE_KERNEL_CACHE", Path.home() / ".cache" / "hyperserve" / "kernels"))
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()
+    sources = b"".join(path.read_bytes() for path in [SOURCE, *HEADERS])
+    key = hashlib.sha256(sources + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()
     return root / key[:16]
 
 
