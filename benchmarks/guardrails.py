@@ -61,8 +61,8 @@ def scores(predicted: list[bool], labels: list[int]) -> dict:
 
 
 def _judged(detector: InjectionDetector, texts: list[str]) -> list[bool]:
-    """As the guardrail judges a message: sentence by sentence, plus the patterns."""
-    return [asyncio.run(detector.judge_async([t])).flagged for t in texts]
+    """As the guardrail judges each message alone: sentence by sentence, plus the patterns."""
+    return [verdict.flagged for verdict in asyncio.run(detector.judge_each(texts))]
 
 
 def _quality(detector: InjectionDetector, texts: list[str], labels: list[int]) -> dict:

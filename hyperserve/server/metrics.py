@@ -94,7 +94,11 @@ class ModelMetrics:
         self._itl, self._lora_loaded = families.itl.labels(m), families.lora_loaded.labels(m)
         self._spec_acceptance, self._spec_length = families.spec_acceptance.labels(m), families.spec_length.labels(m)
         self._counters = {key: counter.labels(m) for key, counter in families.counters.items()}
-        self._seen = dict.fromkeys(families.counters, 0)  # engine totals already exported
+        self.new_engine()
+
+    def new_engine(self) -> None:
+        """An engine (first or reloaded) starts: its totals count from zero, and it has no requests."""
+        self._seen = dict.fromkeys(self.families.counters, 0)  # engine totals already exported
         self._seen_lora_hits = {"step": 0, "memory": 0, "disk": 0}
         self._last_token_time: dict[str, float] = {}  # request id -> when its last token came out
 

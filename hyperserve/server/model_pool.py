@@ -86,6 +86,7 @@ class ServedModel:
 
     async def _load(self) -> OpenAIServing:
         started = time.perf_counter()
+        self.metrics.new_engine()
         engine = AsyncEngine(self.entry.load_engine, on_step=self.metrics.observe_step, on_dead=self.on_engine_dead)
         try:
             await asyncio.wrap_future(engine.ready)

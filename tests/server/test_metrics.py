@@ -30,3 +30,18 @@ def test_finished_and_aborted_requests_leave_no_per_request_state():
     metrics.observe_step(engine, [output("b", "abort")])  # AsyncEngine reports aborts through the same hook
     assert metrics._last_token_time == {}
     assert families.request_success.labels("m", "abort")._value.get() == 1
+
+
+def test_a_reloaded_engine_counts_on_from_the_totals_exported_before():
+    """An unloaded model's next engine starts its totals at zero: the counters go on from where the
+    first engine left them, never backwards (prometheus refuses a negative increment)."""
+    families = ServerMetrics()
+    metrics = families.for_model("m")
+    first = fake_engine()
+    first.kv_cache.num_queried_tokens = 100
+    metrics.observe_step(first, [output("a", "stop")])
+    metrics.new_engine()  # the model was unloaded and loaded again
+    second = fake_engine()
+    second.kv_cache.num_queried_tokens = 30
+    metrics.observe_step(second, [output("b", "stop")])
+    assert families.prefix_queries.labels("m")._value.get() == 130
