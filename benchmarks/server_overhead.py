@@ -1,18 +1,19 @@
 """What the server adds to each token: single-stream decode offline against the same engine behind
 `hyperserve serve`, measured in alternating rounds.
 
-Each round runs one request offline (LLM.generate in this process: 32-token prompt, 128 greedy
-tokens, ignore_eos; ms per token after the first) and then `hyperserve bench` at concurrency 1 with
-the same lengths against the server (ITL p50 and p95, time between streamed chunks as a client sees
-it). The server idles while the offline engine runs and the other way round, and alternating makes
-a shared VM's drift (10-20% within minutes) fall on both alike. The table gives the medians over the
-rounds and the median of each round's ratio. The goal is a server ITL p50 within 10% of offline.
+Each round runs `hyperserve bench` at concurrency 1 against the server (32-token prompt, 128 greedy
+tokens, ignore_eos; ITL p50 and p95, time between streamed chunks as a client sees it) between two
+requests offline with the same lengths (LLM.generate in this process; ms per token after the first),
+whose mean is the round's offline figure. The server idles while the offline engine runs and the
+other way round, and alternating makes a shared VM's drift (10-20% within minutes) fall on both
+alike. The table gives the medians over the rounds and the median of each round's ratio. The goal
+is a server ITL p50 within 10% of offline.
 
 A non-streamed request to the server in the same rounds (`not streamed`, its decode time from
 `Server-Timing`) tells the engine thread's share from the streaming's: the whole server, its event
 loop woken every token, but no SSE and no client reading.
 
-    python benchmarks/server_overhead.py [--configs float32 int4] [--rounds 5] [--server-env OMP_NUM_THREADS=1]
+    python benchmarks/server_overhead.py [--configs float32 int4] [--rounds 10] [--server-env OMP_NUM_THREADS=1]
         [--compare-server-env KEY=VALUE ...]   # a second server, measured in the same rounds
 """
 
@@ -82,9 +83,10 @@ def measure(config: str, envs: list[dict[str, str]], rounds: int) -> list[list[t
         for round_ in range(rounds):
             row = []
             for port, env in zip(ports, envs):
-                offline = offline_ms_per_token(llm)
+                before = offline_ms_per_token(llm)
                 not_streamed = not_streamed_ms_per_token(port)
                 summary = server_itl(port, 3)
+                offline = (before + offline_ms_per_token(llm)) / 2  # the VM's drift within the round cancels
                 row.append((offline, not_streamed, summary["itl_p50_ms"], summary["itl_p95_ms"]))
                 print(f"round {round_ + 1}/{rounds}, server env {env or 'none'}: offline {offline:.2f} ms/token, "
                       f"not streamed {not_streamed:.2f}, "
@@ -100,7 +102,7 @@ def measure(config: str, envs: list[dict[str, str]], rounds: int) -> list[list[t
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["float32", "int4"])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--server-env", nargs="*", default=[], help="KEY=VALUE for the server process only")
     parser.add_argument("--compare-server-env", nargs="*", default=None,
                         help="KEY=VALUE: a second server with this env, measured in the same rounds")
@@ -120,7 +122,8 @@ def main() -> None:
             # median per-round ratios to offline: not streamed, streamed (ITL p50)
             ratios = [statistics.median(row[k] / row[0] for row in measured) for k in (1, 2)]
             rows.append((config, env, medians, ratios))
-    print(f"\n{header}; medians of {args.rounds} alternating rounds (an offline request before each server's)\n")
+    print(f"\n{header}; medians of {args.rounds} alternating rounds "
+          "(offline: a request before and after each server's)\n")
     print("| config | server env | offline ms/token | not streamed ms/token | server ITL p50 ms | server ITL p95 ms | "
           "server / offline |")
     print("|---|---|---|---|---|---|---|")

@@ -511,12 +511,13 @@ class ModelRunner:
                     logit_bias[i, list(p.logit_bias)] = torch.tensor(list(p.logit_bias.values()))
             logit_bias = logit_bias.to(to)
         requested_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        all_greedy = all(p.is_greedy for p in params)
         return SamplingBatch(
-            temperature=floats([p.temperature for p in params]),
-            top_k=torch.tensor([min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params],
-                               device=to),
-            top_p=floats([p.top_p for p in params]),
-            min_p=floats([p.min_p for p in params]),
+            temperature=None if all_greedy else floats([p.temperature for p in params]),
+            top_k=None if all_greedy else torch.tensor(
+                [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params], device=to),
+            top_p=None if all_greedy else floats([p.top_p for p in params]),
+            min_p=None if all_greedy else floats([p.min_p for p in params]),
             presence_penalty=floats([p.presence_penalty for p in params]) if any_penalties else None,
             frequency_penalty=floats([p.frequency_penalty for p in params]) if any_penalties else None,
             repetition_penalty=floats([p.repetition_penalty for p in params]) if any_penalties else None,
@@ -526,7 +527,7 @@ class ModelRunner:
             token_bitmask=None if token_bitmask is None else token_bitmask.to(to),
             generators=[self._generator(r) for r in requests],
             num_logprobs=max(requested_logprobs) if requested_logprobs else None,
-            all_greedy=all(p.is_greedy for p in params),
+            all_greedy=all_greedy,
             needs_top_k_top_p=any(0 < p.top_k < self.vocab_size or p.top_p < 1 for p in params),
             needs_min_p=any(p.min_p > 0 for p in params),
         )

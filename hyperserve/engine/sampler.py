@@ -24,10 +24,11 @@ import torch
 class SamplingBatch:
     """Sampling parameters of the rows of a logits tensor, all [B] unless noted."""
 
-    temperature: torch.Tensor  # float; 0 = greedy
-    top_k: torch.Tensor  # int; >= vocab size when disabled
-    top_p: torch.Tensor  # float; 1 when disabled
-    min_p: torch.Tensor  # float; 0 when disabled
+    # the next four are None when every row is greedy (all_greedy): only the argmax is taken
+    temperature: torch.Tensor | None  # float; 0 = greedy
+    top_k: torch.Tensor | None  # int; >= vocab size when disabled
+    top_p: torch.Tensor | None  # float; 1 when disabled
+    min_p: torch.Tensor | None  # float; 0 when disabled
     presence_penalty: torch.Tensor | None  # None when no row has penalties
     frequency_penalty: torch.Tensor | None
     repetition_penalty: torch.Tensor | None

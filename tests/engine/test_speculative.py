@@ -4,6 +4,7 @@ when sampling, and no KV left behind by rejected tokens."""
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -175,6 +176,26 @@ def test_ngram_proposes_the_continuation_of_the_latest_match():
     assert proposer.lookup([5, 6, 7, 8, 1, 5, 6, 7, 9, 5, 6, 7], 2) == [9, 5]  # latest of two matches
     assert proposer.lookup([1, 2, 3, 4], 3) == []  # no earlier occurrence of any suffix
     assert proposer.lookup([4, 1, 2, 9, 9, 2], 4) == [9, 9, 2]  # falls back to the 1-gram "2"
+
+
+def test_ngram_lookup_matches_a_plain_search_on_random_tokens():
+    """Against the obvious search, on short alphabets (many partial matches) and ids whose bytes
+    repeat (0, 256, 65536: a byte search could match across token boundaries)."""
+    def reference(tokens: list[int], k: int, shortest: int, longest: int) -> list[int]:
+        for n in range(min(longest, len(tokens) - 1), shortest - 1, -1):
+            for start in range(len(tokens) - 1 - n, -1, -1):
+                if tokens[start : start + n] == tokens[-n:]:
+                    return tokens[start + n : start + n + k]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        shortest = rng.randint(1, 3)
+        longest = rng.randint(shortest, 5)
+        alphabet = rng.choice([[0, 1], [0, 1, 2, 3, 4], [0, 256, 65536, 1], list(range(20))])
+        tokens = [rng.choice(alphabet) for _ in range(rng.randint(1, 40))]
+        k = rng.randint(1, 5)
+        assert NgramProposer(shortest, longest).lookup(tokens, k) == reference(tokens, k, shortest, longest)
 
 
 def test_greedy_verification_stops_at_the_first_mismatch():

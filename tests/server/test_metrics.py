@@ -38,10 +38,28 @@ def test_a_reloaded_engine_counts_on_from_the_totals_exported_before():
     families = ServerMetrics()
     metrics = families.for_model("m")
     first = fake_engine()
-    first.kv_cache.num_queried_tokens = 100
     metrics.observe_step(first, [output("a", "stop")])
-    metrics.new_engine()  # the model was unloaded and loaded again
+    first.kv_cache.num_queried_tokens = 100
+    metrics.engine_gone()  # the model was unloaded: its last totals are exported
+    metrics.new_engine()  # and loaded again
     second = fake_engine()
     second.kv_cache.num_queried_tokens = 30
     metrics.observe_step(second, [output("b", "stop")])
-    assert families.prefix_queries.labels("m")._value.get() == 130
+    assert queried(families) == 130
+
+
+def queried(families: ServerMetrics) -> float:
+    return families.registry.get_sample_value("hyperserve:prefix_cache_queries_total", {"model_name": "m"})
+
+
+def test_engine_totals_and_gauges_are_read_when_scraped():
+    """The engine thread only records the engine; each read of the registry exports what its
+    totals and gauges say then, each increment once however often it is read."""
+    families, engine = ServerMetrics(), fake_engine()
+    metrics = families.for_model("m")
+    metrics.observe_step(engine, [])
+    engine.num_running, engine.kv_cache.num_queried_tokens = 3, 40
+    assert families.registry.get_sample_value("hyperserve:num_requests_running", {"model_name": "m"}) == 3
+    assert queried(families) == 40
+    engine.kv_cache.num_queried_tokens = 50
+    assert queried(families) == queried(families) == 50
