@@ -11,7 +11,7 @@ left out. --ignore-eos keeps every answer going to --max-tokens; past its answer
 to invent a new conversation, which is no longer input-grounded, so --no-ignore-eos (stop where
 the model stops) measures the grounded workload as users get it.
 
-    python benchmarks/speculative.py [--max-tokens 128] [--num-tokens 5] [--rounds 2] [--no-ignore-eos]
+    python benchmarks/speculative.py [--max-tokens 128] [--num-tokens N] [--rounds 2] [--no-ignore-eos]
         [--methods none ngram self self:27]
 """
 
@@ -64,19 +64,20 @@ def header() -> str:
     return f"CPU flags: {shown or 'none of avx2/avx512/amx'}; {os.cpu_count()} cores"
 
 
-def engine(method: str, num_tokens: int):
+def engine(method: str, num_tokens: int | None):
     from hyperserve import LLM, SamplingParams
 
     speculative = None
     if method != "none":
         name, _, layers = method.partition(":")
-        speculative = {"method": name, "num_tokens": num_tokens, **({"num_layers": int(layers)} if layers else {})}
+        speculative = {"method": name, **({"num_tokens": num_tokens} if num_tokens else {}),
+                       **({"num_layers": int(layers)} if layers else {})}
     llm = LLM(max_model_len=2048, kv_cache_memory_gb=0.5, speculative=speculative)
     llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     return llm
 
 
-def run(methods: list[str], workloads: dict[str, list[str]], max_tokens: int, num_tokens: int, rounds: int,
+def run(methods: list[str], workloads: dict[str, list[str]], max_tokens: int, num_tokens: int | None, rounds: int,
         ignore_eos: bool) -> dict:
     from hyperserve import SamplingParams
 
@@ -113,7 +114,8 @@ def run(methods: list[str], workloads: dict[str, list[str]], max_tokens: int, nu
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-tokens", type=int, default=5, help="draft tokens per step at most")
+    parser.add_argument("--num-tokens", type=int, default=None,
+                        help="draft tokens per step at most (default: the method's, 16 for ngram, 4 else)")
     parser.add_argument("--methods", nargs="+", default=["none", "ngram", "self", "self:27"],
                         help="none, ngram, self or self:N (the target's first N layers draft)")
     parser.add_argument("--rounds", type=int, default=2, help="each prompt on each method this many times")

@@ -155,7 +155,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from hyperserve.config import EngineConfig, engine_kwargs_from_args
-    from hyperserve.engine.engine import LLMEngine, estimate_memory_bytes
+    from hyperserve.engine.engine import LLMEngine
+    from hyperserve.engine.memory import estimate_memory_bytes
     from hyperserve.server.app import build_app
     from hyperserve.server.model_pool import ModelEntry
     from hyperserve.server.settings import ServerSettings

@@ -130,10 +130,12 @@ SPECULATIVE_METHODS = ("ngram", "draft", "self")
 @dataclass
 class SpeculativeConfig:
     speculative_method: str | None = None  # ngram | draft | self; None: no speculation
-    num_speculative_tokens: int = 4  # the most tokens proposed per step (fewer when acceptance is low)
+    # the most tokens proposed per step (fewer where acceptance is low); None: 16 for ngram, whose
+    # k follows the match's length (long matches are copied text), and 4 for a draft model
+    num_speculative_tokens: int | None = None
     draft_model: str | None = None  # for method=draft: a smaller model with the target's tokenizer
     self_draft_layers: int | None = None  # for method=self: the target's first layers that draft (None: half)
-    ngram_max: int = 4  # for method=ngram: the longest suffix looked up in the prompt and output
+    ngram_max: int = 8  # for method=ngram: the longest suffix looked up in the prompt and output
     # ... and the shortest. A 1-token match's drafts were accepted 14-19% of the time on SmolLM2,
     # 2 tokens' 43%, 8 or more tokens' 88-92%: verifying 1-token matches cost more than they gave
     # (n-gram over none: 1.41-1.46x -> 1.53x input-grounded, 1.20-1.29x -> 1.27-1.33x open chat)
@@ -148,6 +150,8 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_method must be one of {SPECULATIVE_METHODS}, got {self.speculative_method!r}"
             )
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = 16 if self.speculative_method == "ngram" else 4
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
         if self.speculative_method == "draft" and not self.draft_model:

@@ -32,7 +32,7 @@ from hyperserve.engine.detokenizer import IncrementalDetokenizer
 from hyperserve.engine.disk_cache import DiskKVStore, DiskTier
 from hyperserve.engine.kv_cache_manager import KVCacheManager, extend_hashes
 from hyperserve.engine.lora_manager import LoRAManager
-from hyperserve.engine.memory import cuda_kv_cache_budget, return_freed_heap
+from hyperserve.engine.memory import kv_groups, num_kv_blocks, return_freed_heap
 from hyperserve.engine.model_runner import ModelRunner, StepResult
 from hyperserve.engine.request import Request, RequestStatus
 from hyperserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -45,7 +45,6 @@ from hyperserve.models.registry import resolve_model
 from hyperserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hyperserve.sampling_params import SamplingParams
 
-CPU_KV_CACHE_BYTES = 4 * 2**30  # the CPU's KV pool unless kv_cache_memory_gb says otherwise
 MAX_FAILED_STEPS = 3  # steps failing in a row after which the engine is taken to be broken
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_LOGIT_BIAS_ENTRIES = 16, 4096, 64, 1024
 
@@ -114,7 +113,8 @@ class LLMEngine:
     def _build(self, config: EngineConfig) -> None:
         source = self.source
         model = loader.load_model(config, self.workers.group if self.workers is not None else None)
-        num_blocks, window, num_window_blocks = self._kv_groups(model, self._num_kv_blocks(model))
+        num_blocks = num_kv_blocks(model, self.config, self.hf_config, self.max_model_len)
+        num_blocks, window, num_window_blocks = kv_groups(model, self.config, num_blocks, self._disk_tier_enabled())
         if num_blocks * config.cache.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV pool ({num_blocks} blocks of {config.cache.block_size} tokens) cannot hold one "
@@ -137,10 +137,11 @@ class LLMEngine:
                                    self.lora.prefetch if self.lora is not None else None)
         spec = config.speculative
         draft = self._load_draft(spec.draft_model) if spec.speculative_method == "draft" else None
-        self.proposer = build_proposer(spec, self.runner, self.kv_cache, draft) if spec.speculative_method else None
         self.verify_cost = spec.speculative_verify_cost
         if self.verify_cost is None:
-            self.verify_cost = self.runner.verify_row_cost() if self.proposer is not None else 0.0
+            self.verify_cost = self.runner.verify_row_cost() if spec.speculative_method else 0.0
+        self.proposer = (build_proposer(spec, self.runner, self.kv_cache, draft, self.verify_cost)
+                         if spec.speculative_method else None)
         self._groups: dict[str, _Group] = {}
         self.kv_transfers = KVTransferStats()
         return_freed_heap()
@@ -417,8 +418,9 @@ class LLMEngine:
             room = self.max_model_len - request.num_tokens
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - request.num_output_tokens - 1)
-            limit = min(self.config.speculative.num_speculative_tokens, room)
-            k = num_tokens_to_propose(request.acceptance, limit, self.proposer.draft_cost, self.verify_cost)
+            k = min(self.config.speculative.num_speculative_tokens, room)
+            if not self.proposer.sizes_proposals:
+                k = num_tokens_to_propose(request.acceptance, k, self.proposer.draft_cost, self.verify_cost)
             if k > 0 and self.kv_cache.allocate_slots(request.request_id, request.num_tokens + k):
                 requests.append(request)
                 num_tokens.append(k)
@@ -428,6 +430,7 @@ class LLMEngine:
             return
         for request, proposal in zip(requests, self.proposer.propose(requests, num_tokens)):
             request.spec_token_ids, request.spec_probs = proposal.token_ids, proposal.probs
+            request.spec_acceptance = proposal.acceptance or request.acceptance
             request.acceptance.steps_without = 0
             self.kv_cache.trim(request.request_id, request.num_tokens + len(proposal.token_ids))
 
@@ -524,49 +527,6 @@ class LLMEngine:
             return own
         return min(self.eos_token_ids)
 
-    def _num_kv_blocks(self, model: LlamaForCausalLM) -> int:
-        """The pool's size: num_kv_blocks, or kv_cache_memory_gb, or on CUDA what
-        gpu_memory_utilization leaves after the weights and a measured step, or 4 GB on the CPU."""
-        cache = self.config.cache
-        if cache.num_kv_blocks is not None:
-            num_blocks = cache.num_kv_blocks
-        else:
-            if cache.kv_cache_memory_gb is not None:
-                budget = int(cache.kv_cache_memory_gb * 2**30)
-            elif self.config.model.device == "cuda":
-                budget = cuda_kv_cache_budget(model, self.config, self.max_model_len)
-            else:
-                budget = CPU_KV_CACHE_BYTES
-            heads = model.tp.largest_kv_heads(self.hf_config.num_key_value_heads)  # per rank, as the budget is
-            per_block = loader.kv_bytes_per_token(self.hf_config, self.config.model.torch_dtype,
-                                                  cache.kv_cache_dtype, heads) * cache.block_size
-            num_blocks = budget // per_block
-        return num_blocks
-
-    def _kv_groups(self, model: LlamaForCausalLM, num_blocks: int) -> tuple[int, int | None, int | None]:
-        """How the pool of num_blocks (blocks of every layer) is laid out: (blocks of the first
-        group, the window its windowed layers release blocks behind, blocks of the windowed layers'
-        own group). Sliding-window layers keep only what their window sees, so memory per sequence
-        stays bounded; not where a disk tier or a drafting model reads whole blocks of every layer.
-        A model that also has full-attention layers (Gemma 3) gives its windowed layers a pool of
-        their own, sized for max_num_seqs sequences each holding a window and a step's tokens, the
-        full-attention layers the rest of the same memory."""
-        cache, scheduler = self.config.cache, self.config.scheduler
-        window = model.sliding_window
-        if (window is None or self._disk_tier_enabled()
-                or self.config.speculative.speculative_method in ("draft", "self")):
-            return num_blocks, None, None
-        if not model.interleaves_full_attention:
-            return num_blocks, window, None
-        num_windowed = sum(model.window_layers)
-        num_full = len(model.window_layers) - num_windowed
-        per_sequence = -(-(window + scheduler.max_num_batched_tokens) // cache.block_size) + 1
-        num_window_blocks = min(scheduler.max_num_seqs * per_sequence, num_blocks)
-        num_full_blocks = (num_blocks * (num_full + num_windowed) - num_window_blocks * num_windowed) // num_full
-        logger.info("KV pool: %d blocks for %d full-attention layers, %d for %d sliding-window layers "
-                    "(window %d tokens)", num_full_blocks, num_full, num_window_blocks, num_windowed, window)
-        return num_full_blocks, window, num_window_blocks
-
     @functools.cached_property
     def kv_identity(self) -> str:
         """What this engine's KV depends on (weights, dtypes, quantization, block size): blocks of
@@ -599,27 +559,6 @@ class LLMEngine:
         if not same_vocab:
             raise ValueError(f"draft model {name!r} does not share the target model's tokenizer")
         return loader.load_model(self.config, name=name, max_position=self.max_model_len, seed_offset=1)
-
-
-def estimate_memory_bytes(config: EngineConfig) -> int:
-    """An engine's memory before it is loaded: its weight files (a quantized load holds about as
-    much; float32 from a 4-bit file holds several times more) and its KV pool's budget."""
-    cache = config.cache
-    weights = 0
-    if config.model.load_format != "random":
-        source = resolve_model(config.model.model)
-        files = [source.path] if source.gguf_file else [
-            *source.directory.glob("*.safetensors"), *source.directory.glob("*.bin")]
-        weights = sum(f.stat().st_size for f in files)
-    if cache.num_kv_blocks is not None:
-        hf_config = loader.load_config(resolve_model(config.model.model))
-        kv = cache.num_kv_blocks * cache.block_size * loader.kv_bytes_per_token(
-            hf_config, config.model.torch_dtype, cache.kv_cache_dtype)
-    elif cache.kv_cache_memory_gb is not None:
-        kv = int(cache.kv_cache_memory_gb * 2**30)
-    else:
-        kv = CPU_KV_CACHE_BYTES if config.model.device == "cpu" else 0  # CUDA: sized from what is free
-    return weights + kv
 
 
 def _check_tensor_parallel(config: EngineConfig, hf_config) -> None:

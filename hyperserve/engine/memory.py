@@ -1,4 +1,5 @@
-"""Sizing the KV pool on CUDA from gpu_memory_utilization, and handing memory back after loading.
+"""How big the KV pool is and how its layers share it, an engine's memory before it loads, sizing
+the pool on CUDA from gpu_memory_utilization, and handing memory back after loading.
 
 The pool gets what is left of utilization x the GPU's memory after the weights, the activations of
 the largest step and what lives outside PyTorch's allocator (the CUDA context, cuBLAS workspaces).
@@ -17,9 +18,77 @@ import torch
 
 from hyperserve.config import EngineConfig
 from hyperserve.layers.attention import AttentionMetadata, KVCache, PrefillSpan
+from hyperserve.models import loader
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
+from hyperserve.models.registry import resolve_model
 
 logger = logging.getLogger("hyperserve.memory")
+
+CPU_KV_CACHE_BYTES = 4 * 2**30  # the CPU's KV pool unless kv_cache_memory_gb says otherwise
+
+
+def num_kv_blocks(model: LlamaForCausalLM, config: EngineConfig, hf_config, max_model_len: int) -> int:
+    """The pool's size: num_kv_blocks, or kv_cache_memory_gb, or on CUDA what
+    gpu_memory_utilization leaves after the weights and a measured step, or 4 GB on the CPU."""
+    cache = config.cache
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    if cache.kv_cache_memory_gb is not None:
+        budget = int(cache.kv_cache_memory_gb * 2**30)
+    elif config.model.device == "cuda":
+        budget = cuda_kv_cache_budget(model, config, max_model_len)
+    else:
+        budget = CPU_KV_CACHE_BYTES
+    heads = model.tp.largest_kv_heads(hf_config.num_key_value_heads)  # per rank, as the budget is
+    per_block = loader.kv_bytes_per_token(hf_config, config.model.torch_dtype, cache.kv_cache_dtype,
+                                          heads) * cache.block_size
+    return budget // per_block
+
+
+def kv_groups(model: LlamaForCausalLM, config: EngineConfig, num_blocks: int,
+              reads_whole_blocks: bool) -> tuple[int, int | None, int | None]:
+    """How the pool of num_blocks (blocks of every layer) is laid out: (blocks of the first
+    group, the window its windowed layers release blocks behind, blocks of the windowed layers'
+    own group). Sliding-window layers keep only what their window sees, so memory per sequence
+    stays bounded; not where a disk tier (`reads_whole_blocks`) or a drafting model reads whole
+    blocks of every layer. A model that also has full-attention layers (Gemma 3) gives its windowed
+    layers a pool of their own, sized for max_num_seqs sequences each holding a window and a
+    step's tokens, the full-attention layers the rest of the same memory."""
+    cache, scheduler = config.cache, config.scheduler
+    window = model.sliding_window
+    if window is None or reads_whole_blocks or config.speculative.speculative_method in ("draft", "self"):
+        return num_blocks, None, None
+    if not model.interleaves_full_attention:
+        return num_blocks, window, None
+    num_windowed = sum(model.window_layers)
+    num_full = len(model.window_layers) - num_windowed
+    per_sequence = -(-(window + scheduler.max_num_batched_tokens) // cache.block_size) + 1
+    num_window_blocks = min(scheduler.max_num_seqs * per_sequence, num_blocks)
+    num_full_blocks = (num_blocks * (num_full + num_windowed) - num_window_blocks * num_windowed) // num_full
+    logger.info("KV pool: %d blocks for %d full-attention layers, %d for %d sliding-window layers "
+                "(window %d tokens)", num_full_blocks, num_full, num_window_blocks, num_windowed, window)
+    return num_full_blocks, window, num_window_blocks
+
+
+def estimate_memory_bytes(config: EngineConfig) -> int:
+    """An engine's memory before it is loaded: its weight files (a quantized load holds about as
+    much; float32 from a 4-bit file holds several times more) and its KV pool's budget."""
+    cache = config.cache
+    weights = 0
+    if config.model.load_format != "random":
+        source = resolve_model(config.model.model)
+        files = [source.path] if source.gguf_file else [
+            *source.directory.glob("*.safetensors"), *source.directory.glob("*.bin")]
+        weights = sum(f.stat().st_size for f in files)
+    if cache.num_kv_blocks is not None:
+        hf_config = loader.load_config(resolve_model(config.model.model))
+        kv = cache.num_kv_blocks * cache.block_size * loader.kv_bytes_per_token(
+            hf_config, config.model.torch_dtype, cache.kv_cache_dtype)
+    elif cache.kv_cache_memory_gb is not None:
+        kv = int(cache.kv_cache_memory_gb * 2**30)
+    else:
+        kv = CPU_KV_CACHE_BYTES if config.model.device == "cpu" else 0  # CUDA: sized from what is free
+    return weights + kv
 
 
 @torch.inference_mode()

@@ -99,11 +99,13 @@ class Request:
     metrics: RequestMetrics = field(init=False)
     # Speculative decoding: draft tokens to verify next step (positions num_tokens, num_tokens + 1, ...),
     # their draft distributions (None: deterministic proposals), how many leading tokens have KV in a
-    # separate draft model's cache, and the request's acceptance rate.
+    # separate draft model's cache, the request's acceptance rate, and the rate the drafts' outcome
+    # updates (the request's own, or the n-gram proposer's for the length of the match they continue).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None
     draft_num_computed: int = 0
     acceptance: Acceptance = field(default_factory=Acceptance)
+    spec_acceptance: Acceptance | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

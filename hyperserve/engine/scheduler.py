@@ -195,7 +195,7 @@ class Scheduler:
         return updated
 
     def _record_speculation(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        request.acceptance.observe(num_drafts, num_accepted)
+        (request.spec_acceptance or request.acceptance).observe(num_drafts, num_accepted)
         request.metrics.num_draft_tokens += num_drafts
         request.metrics.num_accepted_tokens += num_accepted
         self.spec_stats.num_drafts += 1

@@ -40,6 +40,7 @@ PROBE_EVERY = 16  # a request that stopped speculating proposes one token this o
 class Proposal:
     token_ids: list[int]
     probs: torch.Tensor | None  # [k, V] the draft's distributions; None: deterministic proposals
+    acceptance: Acceptance | None = None  # what its verification updates (None: the request's own)
 
 
 def num_tokens_to_propose(acceptance: Acceptance, max_tokens: int, draft_cost: float, verify_cost: float) -> int:
@@ -61,31 +62,51 @@ def num_tokens_to_propose(acceptance: Acceptance, max_tokens: int, draft_cost: f
 
 class Proposer(Protocol):
     draft_cost: float  # one proposed token's cost relative to a target decode step
+    # True: propose() is given each request's limit and picks k itself; False: it is given k
+    sizes_proposals: bool
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Proposal]: ...
 
 
 class NgramProposer:
-    draft_cost = 0.0
+    """Prompt lookup, with k chosen per proposal from how long the match is: the acceptance of a
+    match's continuation rises steeply with its length (SmolLM2, greedy: 2 tokens 43%, 8 or more
+    88-92% per drafted token), so one rate per request drafted too much after short matches and
+    too little after long ones. Each match length keeps its own acceptance, shared by all requests."""
 
-    def __init__(self, ngram_min: int, ngram_max: int) -> None:
-        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+    draft_cost = 0.0
+    sizes_proposals = True
+
+    def __init__(self, ngram_min: int, ngram_max: int, verify_cost: float = 0.0) -> None:
+        self.ngram_min, self.ngram_max, self.verify_cost = ngram_min, ngram_max, verify_cost
+        self.acceptance = {n: Acceptance() for n in range(ngram_min, ngram_max + 1)}
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Proposal]:
-        return [Proposal(self.lookup(r.all_token_ids, k), None) for r, k in zip(requests, num_tokens)]
+        proposals = []
+        for request, limit in zip(requests, num_tokens):
+            n, continuation = self.lookup(request.all_token_ids, limit)
+            if not continuation:
+                proposals.append(Proposal([], None))
+                continue
+            acceptance = self.acceptance[n]
+            k = num_tokens_to_propose(acceptance, len(continuation), self.draft_cost, self.verify_cost)
+            acceptance.steps_without = 0 if k else acceptance.steps_without + 1
+            proposals.append(Proposal(continuation[:k], None, acceptance))
+        return proposals
 
-    def lookup(self, tokens: list[int], k: int) -> list[int]:
-        """The k tokens that followed the latest earlier occurrence of the longest matching suffix
-        (ngram_max tokens down to ngram_min). The tokens as 4-byte integers and bytes.rfind: a
-        few C-speed searches, where NumPy window scans took 0.35 ms of a 6 ms decode step."""
+    def lookup(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
+        """The longest suffix (ngram_max tokens down to ngram_min) that occurred before, and the k
+        tokens that followed its latest earlier occurrence; (0, []) if none did. The tokens as
+        4-byte integers and bytes.rfind: a few C-speed searches, where NumPy window scans took
+        0.35 ms of a 6 ms decode step."""
         data = array.array("i", tokens).tobytes()
         for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
             suffix, end = data[-4 * n :], len(data) - 4  # occurrences end before the suffix's last token
             while (at := data.rfind(suffix, 0, end)) > 0 and at % 4:
                 end = at + len(suffix) - 1  # straddles token boundaries: look further back
             if at >= 0:
-                return tokens[at // 4 + n : at // 4 + n + k]
-        return []
+                return n, tokens[at // 4 + n : at // 4 + n + k]
+        return 0, []
 
 
 class ModelProposer:
@@ -93,6 +114,8 @@ class ModelProposer:
     draft KV is missing (the last sampled token, or the whole prompt the first time), then k - 1
     one-token steps. Draft tokens are sampled with the request's own sampling parameters, so q is
     close to the target's p and acceptance is high."""
+
+    sizes_proposals = False
 
     def __init__(self, runner: ModelRunner, kv_cache: KVCacheManager, model: LlamaForCausalLM,
                  kv_caches: list[KVCache], shares_target_kv: bool, draft_cost: float) -> None:
@@ -135,9 +158,9 @@ class ModelProposer:
 
 
 def build_proposer(config: SpeculativeConfig, runner: ModelRunner, kv_cache: KVCacheManager,
-                   draft: LlamaForCausalLM | None) -> Proposer:
+                   draft: LlamaForCausalLM | None, verify_cost: float) -> Proposer:
     if config.speculative_method == "ngram":
-        return NgramProposer(config.ngram_min, config.ngram_max)
+        return NgramProposer(config.ngram_min, config.ngram_max, verify_cost)
     target = runner.model
     if config.speculative_method == "self":
         num_layers = target.config.num_hidden_layers

@@ -1,4 +1,4 @@
-"""Native CPU kernels (cpu_ops.cpp and the header it includes), compiled once per source and PyTorch version.
+"""Native CPU kernels (cpu_ops.cpp and the headers it includes), compiled once per source and PyTorch version.
 
 `make install` builds them (`python -m hyperserve.kernels`); a process that finds no build
 compiles it on first use (~30 s, logged) into HYPERSERVE_KERNEL_CACHE (default
@@ -21,7 +21,8 @@ import torch
 logger = logging.getLogger("hyperserve.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
-HEADERS = [Path(__file__).with_name("step_team.h")]  # what SOURCE includes from here
+HEADERS = [Path(__file__).with_name(name) for name in (  # what SOURCE includes from here
+    "decode_layer.h", "isa.h", "lora.h", "paged_attention.h", "quantized_matmul.h", "step_team.h")]
 CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]  # OpenMP: at::parallel_for is inline; links torch's libgomp
 
 

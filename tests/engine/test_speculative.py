@@ -173,10 +173,30 @@ def test_greedy_output_is_identical_with_a_draft_model(device, tiny_target):
 
 def test_ngram_proposes_the_continuation_of_the_latest_match():
     proposer = NgramProposer(ngram_min=1, ngram_max=3)
-    assert proposer.lookup([5, 6, 7, 8, 1, 5, 6, 7, 9, 5, 6, 7], 2) == [9, 5]  # latest of two matches
-    assert proposer.lookup([1, 2, 3, 4], 3) == []  # no earlier occurrence of any suffix
-    assert proposer.lookup([4, 1, 2, 9, 9, 2], 4) == [9, 9, 2]  # falls back to the 1-gram "2"
+    assert proposer.lookup([5, 6, 7, 8, 1, 5, 6, 7, 9, 5, 6, 7], 2) == (3, [9, 5])  # latest of two matches
+    assert proposer.lookup([1, 2, 3, 4], 3) == (0, [])  # no earlier occurrence of any suffix
+    assert proposer.lookup([4, 1, 2, 9, 9, 2], 4) == (1, [9, 9, 2])  # falls back to the 1-gram "2"
 
+
+def test_ngram_drafts_as_far_as_the_match_length_has_been_accepted():
+    """Each match length has its own acceptance, learned from verification: a long match that was
+    copied through gets long drafts, a short one that was not gets none (or a probe now and then)."""
+    from hyperserve.engine.request import Request
+    from hyperserve.sampling_params import SamplingParams
+
+    copy = list(range(100, 120))
+    proposer = NgramProposer(ngram_min=2, ngram_max=8, verify_cost=0.3)
+    history = copy + [1, 2] + copy[:8]  # the last 8 tokens occurred before
+    long_match = Request("long", history, SamplingParams(), 0.0)
+    short_match = Request("short", [7, 8, 50, 51, 7, 8], SamplingParams(), 0.0)  # only "7 8" did
+    for _ in range(20):  # what verification would report: long matches copied through, short ones not
+        proposer.acceptance[8].observe(16, 16)
+        proposer.acceptance[2].observe(2, 0)
+    long_proposal, short_proposal = proposer.propose([long_match, short_match], [16, 16])
+    assert long_proposal.token_ids == history[8:24] and long_proposal.acceptance is proposer.acceptance[8]
+    assert short_proposal.token_ids == [] and short_proposal.acceptance is proposer.acceptance[2]
+    proposer.acceptance[2].steps_without = 16
+    assert proposer.propose([short_match], [16])[0].token_ids == [50]  # a probe of the short match
 
 def test_ngram_lookup_matches_a_plain_search_on_random_tokens():
     """Against the obvious search, on short alphabets (many partial matches) and ids whose bytes
@@ -195,7 +215,7 @@ def test_ngram_lookup_matches_a_plain_search_on_random_tokens():
         alphabet = rng.choice([[0, 1], [0, 1, 2, 3, 4], [0, 256, 65536, 1], list(range(20))])
         tokens = [rng.choice(alphabet) for _ in range(rng.randint(1, 40))]
         k = rng.randint(1, 5)
-        assert NgramProposer(shortest, longest).lookup(tokens, k) == reference(tokens, k, shortest, longest)
+        assert NgramProposer(shortest, longest).lookup(tokens, k)[1] == reference(tokens, k, shortest, longest)
 
 
 def test_greedy_verification_stops_at_the_first_mismatch():

@@ -14,7 +14,8 @@ from fastapi.testclient import TestClient
 
 from hyperserve import LLM, SamplingParams
 from hyperserve.config import EngineConfig
-from hyperserve.engine.engine import LLMEngine, estimate_memory_bytes
+from hyperserve.engine.engine import LLMEngine
+from hyperserve.engine.memory import estimate_memory_bytes
 from hyperserve.server.app import build_app
 from hyperserve.server.model_pool import ModelEntry
 from hyperserve.server.settings import ServerSettings

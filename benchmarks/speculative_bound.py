@@ -1,0 +1,64 @@
+"""How fast n-gram speculation could be, by what one more token costs a step (the verify cost).
+
+Runs benchmarks/speculative.py's greedy prompts (input-grounded and open chat) once per verify
+cost, with the engine's verify cost fixed at that value (so it picks k per proposal as it would on
+hardware where a row costs that much), and counts the steps: a plain decode step costs 1 and a
+verify step of k drafts 1 + k * cost. The modelled speed-up is decode tokens over that sum. Greedy
+output is deterministic, so the counts are exact and free of a shared VM's noise; what it leaves
+out is the host work per step, and a real step's cost is only roughly linear in its rows
+(BENCHMARKS.md, sixteenth step: 2 to 5 rows cost 1.2, 1.4, 1.8 and 2.2 one-row steps here).
+
+    python benchmarks/speculative_bound.py [--costs 0.05 0.1 0.2 0.3] [--max-tokens 256]
+        [--options '{"num_tokens": 4, "ngram_max": 4}']   # other speculative settings, same costs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.speculative import CHAT, GROUNDED, header  # noqa: E402
+from hyperserve import LLM, SamplingParams  # noqa: E402
+
+
+def modelled_speedup(llm: LLM, prompts: list[str], max_tokens: int, cost: float) -> tuple[float, float]:
+    """(modelled speed-up over no speculation, tokens per verify step) for these prompts."""
+    stats = llm.engine.scheduler.spec_stats
+    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    decoded = sum(len(llm.chat([{"role": "user", "content": p}], params, use_tqdm=False)[0].outputs[0].token_ids) - 1
+                  for p in prompts)
+    steps, drafted, accepted = (now - then for now, then in zip(
+        (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens), before))
+    plain = decoded - steps - accepted  # every other token took a step of its own
+    return decoded / (plain + steps + cost * drafted), (steps + accepted) / max(steps, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--costs", type=float, nargs="+", default=[0.05, 0.1, 0.15, 0.2, 0.3])
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--options", default="{}", help="speculative settings (JSON) besides method and verify_cost")
+    args = parser.parse_args()
+    options = json.loads(args.options)
+    print(header())
+    print(f"n-gram speculation {options or '(defaults)'}, greedy, up to {args.max_tokens} tokens, stopping at EOS")
+    print("| verify cost | input-grounded | tokens a verify step | open chat | tokens a verify step |")
+    print("|---|---|---|---|---|")
+    for cost in args.costs:
+        llm = LLM(max_model_len=2048, kv_cache_memory_gb=0.5,
+                  speculative={"method": "ngram", "verify_cost": cost, **options})
+        grounded = modelled_speedup(llm, GROUNDED, args.max_tokens, cost)
+        chat = modelled_speedup(llm, CHAT, args.max_tokens, cost)
+        llm.close()
+        print(f"| {cost:.2f} | {grounded[0]:.2f}x | {grounded[1]:.2f} | {chat[0]:.2f}x | {chat[1]:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

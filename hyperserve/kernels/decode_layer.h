@@ -1,0 +1,197 @@
+// One Llama decoder layer for a decode step (and all of a model's layers in one call), from the
+// quantized projections, paged attention and LoRA pieces.
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "isa.h"
+#include "lora.h"
+#include "paged_attention.h"
+#include "quantized_matmul.h"
+#include "step_team.h"
+
+namespace {
+
+// ---- one Llama decoder layer ----
+
+void rms_norm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = x + r * dim;
+    float squares = 0.f;
+    for (int64_t j = 0; j < dim; ++j) squares += src[j] * src[j];
+    const float inverse = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
+    for (int64_t j = 0; j < dim; ++j) out[r * dim + j] = src[j] * inverse * weight[j];
+  }
+}
+
+// The step's rows as DecodeBatch, each slot and block inside a cache of num_slots (an index out of
+// range would write outside it). Checked once per step: every layer's cache has num_slots.
+DecodeBatch checked_batch(const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& lengths,
+                          int64_t rows, int64_t block_size, int64_t num_slots) {
+  for (const at::Tensor* t : {&slots, &block_tables, &lengths}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->size(0) == rows,
+                "decode_layer: slots, block tables and lengths must be contiguous int64, one row per token");
+  }
+  TORCH_CHECK(block_tables.dim() == 2 && block_size > 0, "decode_layer: block tables must be [rows, max_blocks]");
+  const DecodeBatch batch{slots.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(),
+                          block_tables.size(1), block_size};
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t length = batch.lengths[r];
+    TORCH_CHECK(batch.slots[r] >= 0 && batch.slots[r] < num_slots && length >= 1 &&
+                    length <= batch.max_blocks * block_size,
+                "decode_layer: slot or context length out of range");
+    for (int64_t b = 0; b < (length + block_size - 1) / block_size; ++b) {
+      const int64_t block = batch.block_tables[r * batch.max_blocks + b];
+      TORCH_CHECK(block >= 0 && (block + 1) * block_size <= num_slots, "decode_layer: block out of range");
+    }
+  }
+  return batch;
+}
+
+// hidden [rows, dim] (float32, updated in place) through one Llama decoder layer, one new token
+// per row. weights: input norm, qkv, o, post-attention norm, gate_up, down (norms float32, the
+// projections Q4_1 as above). K/V caches are [slots, kv_heads, head_dim] in float32, bfloat16 or
+// float16; token t of row r lives at slot block_tables[r][t / block_size] * block_size + t % block_size.
+// lora: for each adapter of the step, A and B (as LoRAWeights says) of qkv, o, gate_up and down;
+// lora_rows: each row's adapter, an index into them (-1: none). The batch is checked already.
+void run_decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& cos, const at::Tensor& signed_sin,
+                      at::Tensor key_cache, at::Tensor value_cache, const DecodeBatch& batch, int64_t num_heads,
+                      int64_t num_kv_heads, double eps, double scale, at::TensorList lora,
+                      const at::Tensor& lora_rows) {
+  TORCH_CHECK(weights.size() == 6, "decode_layer: expected 6 weights (norm, qkv, o, norm, gate_up, down)");
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && hidden.dim() == 2,
+              "decode_layer: hidden must be contiguous float32 [rows, dim]");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.scalar_type() == value_cache.scalar_type() &&
+                  key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 3 &&
+                  key_cache.size(1) == num_kv_heads && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+              "decode_layer: K/V caches must be contiguous [slots, kv_heads, head_dim] of one dtype");
+  const int64_t rows = hidden.size(0), dim = hidden.size(1), head_dim = key_cache.size(2);
+  const int64_t qkv_features = (num_heads + 2 * num_kv_heads) * head_dim;
+  for (int i : {0, 3}) {
+    TORCH_CHECK(weights[i].scalar_type() == at::kFloat && weights[i].is_contiguous() && weights[i].numel() == dim,
+                "decode_layer: norm weights must be contiguous float32 [dim]");
+  }
+  const QuantizedWeight qkv = quantized_weight(weights[1], dim, Format::kQ4_1);
+  const QuantizedWeight o = quantized_weight(weights[2], num_heads * head_dim, Format::kQ4_1);
+  const QuantizedWeight gate_up = quantized_weight(weights[4], dim, Format::kQ4_1);
+  const int64_t intermediate = gate_up.out_features / 2;
+  const QuantizedWeight down = quantized_weight(weights[5], intermediate, Format::kQ4_1);
+  TORCH_CHECK(head_dim % 2 == 0 && qkv.out_features == qkv_features && o.out_features == dim &&
+                  down.out_features == dim,
+              "decode_layer: weight shapes do not fit the layer");
+  for (const at::Tensor* t : {&cos, &signed_sin}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == rows * head_dim,
+                "decode_layer: cos and sin must be contiguous float32 [rows, head_dim]");
+  }
+
+  TORCH_CHECK(lora.size() % 8 == 0, "decode_layer: LoRA takes A and B of the four projections per adapter");
+  std::vector<LoRAWeights> lora_qkv, lora_o, lora_gate_up, lora_down;
+  at::ScalarType lora_dtype = at::kFloat;
+  const int64_t* row_adapter = nullptr;
+  const std::vector<int64_t> qkv_offsets{0, num_heads * head_dim, (num_heads + num_kv_heads) * head_dim,
+                                         qkv_features};
+  if (!lora.empty()) {
+    const int64_t num_adapters = static_cast<int64_t>(lora.size()) / 8;
+    TORCH_CHECK(lora_rows.scalar_type() == at::kLong && lora_rows.is_contiguous() && lora_rows.numel() == rows,
+                "decode_layer: lora_rows must be contiguous int64, one per row");
+    row_adapter = lora_rows.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(row_adapter[r] < num_adapters, "decode_layer: a row's adapter is out of range");
+    }
+    for (const at::Tensor& t : lora) {
+      if (t.numel() > 0) lora_dtype = t.scalar_type();
+    }
+    TORCH_CHECK(lora_dtype == at::kFloat || lora_dtype == at::kBFloat16,
+                "decode_layer: LoRA weights must be float32 or bfloat16");
+    for (int64_t i = 0; i < num_adapters; ++i) {
+      const at::Tensor* t = lora.data() + 8 * i;
+      lora_qkv.push_back(lora_weights(t[0], t[1], dim, qkv_features, 3, lora_dtype));
+      lora_o.push_back(lora_weights(t[2], t[3], num_heads * head_dim, dim, 1, lora_dtype));
+      lora_gate_up.push_back(lora_weights(t[4], t[5], dim, 2 * intermediate, 2, lora_dtype));
+      lora_down.push_back(lora_weights(t[6], t[7], intermediate, dim, 1, lora_dtype));
+    }
+  }
+
+  const Isa isa = best_isa();
+  const bool avx2 = isa != Isa::kPortable;
+  float* h = hidden.data_ptr<float>();
+  std::vector<float> x(rows * std::max(dim, intermediate));
+  std::vector<float> wide(rows * std::max(qkv_features, 2 * intermediate));
+  std::vector<float> attended(rows * num_heads * head_dim), projected(rows * dim);
+
+  rms_norm(h, weights[0].data_ptr<float>(), rows, dim, static_cast<float>(eps), x.data());
+  quantized_matmul(qkv, x.data(), rows, wide.data(), isa);
+  lora_add(lora_qkv, lora_dtype, row_adapter, x.data(), rows, dim, wide.data(), qkv_features, qkv_offsets, avx2);
+  const auto attend_all = [&](auto* keys, auto* values) {
+    decode_attention(wide.data(), rows, num_heads, num_kv_heads, head_dim, cos.data_ptr<float>(),
+                     signed_sin.data_ptr<float>(), static_cast<float>(scale), keys, values, batch, attended.data(),
+                     avx2);
+  };
+  switch (key_cache.scalar_type()) {
+    case at::kFloat: attend_all(key_cache.data_ptr<float>(), value_cache.data_ptr<float>()); break;
+    case at::kBFloat16:
+      attend_all(key_cache.data_ptr<at::BFloat16>(), value_cache.data_ptr<at::BFloat16>());
+      break;
+    case at::kHalf: attend_all(key_cache.data_ptr<at::Half>(), value_cache.data_ptr<at::Half>()); break;
+    default: TORCH_CHECK(false, "decode_layer: K/V caches must be float32, bfloat16 or float16");
+  }
+  quantized_matmul(o, attended.data(), rows, projected.data(), isa);
+  lora_add(lora_o, lora_dtype, row_adapter, attended.data(), rows, num_heads * head_dim, projected.data(), dim,
+           {0, dim}, avx2);
+  for (int64_t i = 0; i < rows * dim; ++i) h[i] += projected[i];
+
+  rms_norm(h, weights[3].data_ptr<float>(), rows, dim, static_cast<float>(eps), x.data());
+  quantized_matmul(gate_up, x.data(), rows, wide.data(), isa);
+  lora_add(lora_gate_up, lora_dtype, row_adapter, x.data(), rows, dim, wide.data(), 2 * intermediate,
+           {0, intermediate, 2 * intermediate}, avx2);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = wide.data() + r * 2 * intermediate;
+    silu_mul(gate, gate + intermediate, x.data() + r * intermediate, intermediate, avx2);
+  }
+  quantized_matmul(down, x.data(), rows, projected.data(), isa);
+  lora_add(lora_down, lora_dtype, row_adapter, x.data(), rows, intermediate, projected.data(), dim, {0, dim}, avx2);
+  for (int64_t i = 0; i < rows * dim; ++i) h[i] += projected[i];
+}
+
+// decode_layer as an op: checks the batch, then runs the layer.
+void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& cos, const at::Tensor& signed_sin,
+                  at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slots, const at::Tensor& block_tables,
+                  const at::Tensor& lengths, int64_t block_size, int64_t num_heads, int64_t num_kv_heads, double eps,
+                  double scale, at::TensorList lora, const at::Tensor& lora_rows) {
+  TORCH_CHECK(hidden.dim() == 2, "decode_layer: hidden must be contiguous float32 [rows, dim]");
+  const DecodeBatch batch = checked_batch(slots, block_tables, lengths, hidden.size(0), block_size, key_cache.size(0));
+  run_step([&] {
+    run_decode_layer(hidden, weights, cos, signed_sin, key_cache, value_cache, batch, num_heads, num_kv_heads, eps,
+                     scale, lora, lora_rows);
+  });
+}
+
+// Every layer of a model through decode_layer in one call, without LoRA: weights holds each layer's
+// six in turn, key_caches and value_caches one per layer. One dispatch from Python per step rather
+// than one per layer.
+void decode_layers(at::Tensor hidden, at::TensorList weights, const at::Tensor& cos, const at::Tensor& signed_sin,
+                   at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& slots,
+                   const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size, int64_t num_heads,
+                   int64_t num_kv_heads, double eps, double scale) {
+  const size_t layers = key_caches.size();
+  TORCH_CHECK(layers > 0 && value_caches.size() == layers && weights.size() == 6 * layers && hidden.dim() == 2,
+              "decode_layers: six weights and one K and V cache per layer");
+  for (size_t i = 0; i < layers; ++i) {
+    TORCH_CHECK(key_caches[i].size(0) == key_caches[0].size(0), "decode_layers: every layer's cache has one size");
+  }
+  const DecodeBatch batch =
+      checked_batch(slots, block_tables, lengths, hidden.size(0), block_size, key_caches[0].size(0));
+  run_step([&] {
+    for (size_t i = 0; i < layers; ++i) {
+      run_decode_layer(hidden, weights.slice(6 * i, 6), cos, signed_sin, key_caches[i], value_caches[i], batch,
+                       num_heads, num_kv_heads, eps, scale, {}, at::Tensor());
+    }
+  });
+}
+
+}  // namespace

@@ -1,0 +1,597 @@
+// Quantized weights (GGUF's Q4_1 and Q8_0, and Q4_1 interleaved by 8 channels) times a few rows of
+// float32 input: the decode step's projections and LM head (layouts and arithmetic: cpu_ops.cpp).
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "isa.h"
+#include "step_team.h"
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kMaxGroups = 256;  // in_features up to 8192
+constexpr int64_t kRowTile = 8;      // input rows that share one unpacked weight group
+constexpr int64_t kPrefetchRows = 16;   // channels fetched ahead of use
+constexpr int64_t kBlockPrefetchBytes = 1024;  // interleaved blocks: bytes fetched ahead of use
+
+// ---- quantized matrix times a few rows ----
+
+enum class Format { kQ4_1, kQ8_0 };
+
+Format parse_format(const std::string& name) {
+  if (name == "q4_1") return Format::kQ4_1;
+  TORCH_CHECK(name == "q8_0", "quantized weights: format must be q4_1 or q8_0, got ", name);
+  return Format::kQ8_0;
+}
+
+constexpr int64_t kBlock = 8;                              // channels of an interleaved Q4_1 block
+constexpr int64_t kBlockGroupBytes = kBlock * (kGroup / 2 + 4);  // a block's codes, scales, minimums of one group
+
+struct QuantizedWeight {  // one quantized linear: out_features rows of row_bytes, or blocks of 8 of them
+  const uint8_t* data;
+  Format format;
+  bool interleaved;  // Q4_1 in blocks of kBlock channels (see the top of the file)
+  int64_t out_features, in_features, groups, row_bytes;
+
+  int64_t group_bytes() const { return format == Format::kQ4_1 ? kGroup / 2 : kGroup; }
+  // row layout only: channel n's codes, scales and minimums (Q4_1)
+  const uint8_t* codes(int64_t n) const { return data + n * row_bytes; }
+  const at::Half* scales(int64_t n) const {
+    return reinterpret_cast<const at::Half*>(codes(n) + groups * group_bytes());
+  }
+  const at::Half* mins(int64_t n) const { return scales(n) + groups; }
+  // interleaved layout only: group g of the block holding channel n
+  const uint8_t* block_group(int64_t n, int64_t g) const {
+    return data + ((n / kBlock) * groups + g) * kBlockGroupBytes;
+  }
+
+  // either layout: code j of group g of channel n (Q8_0's are signed), its scale and minimum
+  int code(int64_t n, int64_t g, int64_t j) const {
+    if (format == Format::kQ8_0) return static_cast<int8_t>(codes(n)[g * kGroup + j]);
+    const int64_t low = j % (kGroup / 2);  // code j sits in GGUF's byte j % 16 of the group
+    const uint8_t byte = interleaved ? block_group(n, g)[low / 4 * 32 + n % kBlock * 4 + low % 4]
+                                     : codes(n)[g * kGroup / 2 + low];
+    return j < kGroup / 2 ? byte & 0x0F : byte >> 4;
+  }
+  float scale(int64_t n, int64_t g) const {
+    return interleaved ? static_cast<float>(reinterpret_cast<const at::Half*>(block_group(n, g) + 128)[n % kBlock])
+                       : static_cast<float>(scales(n)[g]);
+  }
+  float min(int64_t n, int64_t g) const {  // Q4_1 only
+    return interleaved ? static_cast<float>(reinterpret_cast<const at::Half*>(block_group(n, g) + 144)[n % kBlock])
+                       : static_cast<float>(mins(n)[g]);
+  }
+};
+
+// A 2-D packed weight is in the row layout, a 3-D one [out / 8, groups, 160] interleaved (Q4_1 only).
+QuantizedWeight quantized_weight(const at::Tensor& packed, int64_t in_features, Format format) {
+  TORCH_CHECK(in_features % kGroup == 0 && in_features <= kMaxGroups * kGroup,
+              "quantized weights: in_features must be a multiple of 32, at most 8192");
+  const int64_t groups = in_features / kGroup;
+  const int64_t row_bytes = format == Format::kQ4_1 ? in_features / 2 + 4 * groups : in_features + 2 * groups;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "quantized weights: expected contiguous uint8");
+  if (packed.dim() == 3) {
+    TORCH_CHECK(format == Format::kQ4_1 && packed.size(1) == groups && packed.size(2) == kBlockGroupBytes,
+                "quantized weights: expected contiguous uint8 [out_features / 8, ", groups, ", ", kBlockGroupBytes,
+                "] (Q4_1 interleaved) for in_features ", in_features);
+    return {packed.data_ptr<uint8_t>(), format, true, packed.size(0) * kBlock, in_features, groups, row_bytes};
+  }
+  TORCH_CHECK(packed.dim() == 2 && packed.size(1) == row_bytes, "quantized weights: expected contiguous uint8 [out_features, ",
+              row_bytes, "] for in_features ", in_features);
+  return {packed.data_ptr<uint8_t>(), format, false, packed.size(0), in_features, groups, row_bytes};
+}
+
+struct QuantizedRows {  // the input, 16 bits per group of 32
+  std::vector<int16_t> codes;  // [M, K]
+  std::vector<float> scales;   // [M, K / 32]
+  std::vector<float> sums;     // [M, K / 32], exact float sums of each group
+};
+
+// One group of 32 inputs: its scale, its sum, and its codes 0..15 at `first`, 16..31 at `second`.
+// Division rather than a multiply by 1 / scale, whose rounding would break exact ties (frequent
+// with bfloat16 inputs) towards zero.
+// A group's largest magnitude; its sum into `sum`.
+float group_amax(const float* src, float& sum) {
+  float amax = 0.f;
+  sum = 0.f;
+  for (int64_t j = 0; j < kGroup; ++j) {
+    amax = std::max(amax, std::fabs(src[j]));
+    sum += src[j];
+  }
+  return amax;
+}
+
+void quantize_group(const float* src, int16_t* first, int16_t* second, float& scale, float& sum) {
+  scale = group_amax(src, sum) / 32767.f;
+  for (int64_t j = 0; j < kGroup; ++j) {
+    (j < kGroup / 2 ? first : second - kGroup / 2)[j] =
+        scale > 0.f ? static_cast<int16_t>(std::nearbyint(src[j] / scale)) : 0;
+  }
+}
+
+#ifdef HYPERSERVE_X86
+
+
+// group_amax in four vectors, left in v (the sum in another order: equal within float rounding).
+AVX2 float group_amax_avx2(const float* src, __m256 (&v)[4], float& sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps();
+  for (int k = 0; k < 4; ++k) {
+    v[k] = _mm256_loadu_ps(src + 8 * k);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  sum = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+  return _mm_cvtss_f32(m);
+}
+
+// quantize_group in four vectors.
+AVX2 void quantize_group_avx2(const float* src, int16_t* first, int16_t* second, float& scale, float& sum) {
+  __m256 v[4];
+  scale = group_amax_avx2(src, v, sum) / 32767.f;
+  const __m256 divisor = _mm256_set1_ps(scale);
+  for (int k = 0; k < 4; k += 2) {  // rounds to nearest, ties to even, as nearbyint does
+    const __m256i a = scale > 0.f ? _mm256_cvtps_epi32(_mm256_div_ps(v[k], divisor)) : _mm256_setzero_si256();
+    const __m256i b = scale > 0.f ? _mm256_cvtps_epi32(_mm256_div_ps(v[k + 1], divisor)) : _mm256_setzero_si256();
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(k == 0 ? first : second),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+  }
+}
+#endif
+
+// The rows [rows, in_features] quantized group by group. `paired`: each pair of groups (g, g + 1)
+// laid out as g's codes 0..15, g + 1's 0..15, g's 16..31, g + 1's 16..31, to match how the AVX-512
+// kernel widens two groups of Q4_1 codes at once (in_features must then hold an even number).
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in_features, bool avx2, bool paired) {
+  const int64_t groups = in_features / kGroup, half = kGroup / 2;
+  QuantizedRows q{std::vector<int16_t>(rows * in_features), std::vector<float>(rows * groups),
+                  std::vector<float>(rows * groups)};
+  for (int64_t g = 0; g < rows * groups; ++g) {
+    int16_t* first = q.codes.data() + g * kGroup;
+    int16_t* second = first + half;
+    if (paired) {  // groups (g, g + 1) share 64 codes; g % 2 says which half of each 32 is g's
+      first = q.codes.data() + (g - g % 2) * kGroup + (g % 2) * half;
+      second = first + kGroup;
+    }
+#ifdef HYPERSERVE_X86
+    if (avx2) {
+      quantize_group_avx2(x + g * kGroup, first, second, q.scales[g], q.sums[g]);
+      continue;
+    }
+#endif
+    quantize_group(x + g * kGroup, first, second, q.scales[g], q.sums[g]);
+  }
+  return q;
+}
+
+// The input at 8 bits per group of 32 (scale amax / 127), for the interleaved Q4_1 kernels.
+struct QuantizedRows8 {
+  std::vector<int8_t> codes;  // [M, K]
+  std::vector<float> scales;  // [M, K / 32]
+  std::vector<float> sums;    // [M, K / 32], exact float sums of each group
+};
+
+void quantize_group8(const float* src, int8_t* dst, float& scale, float& sum) {
+  scale = group_amax(src, sum) / 127.f;
+  for (int64_t j = 0; j < kGroup; ++j) dst[j] = scale > 0.f ? static_cast<int8_t>(std::nearbyint(src[j] / scale)) : 0;
+}
+
+#ifdef HYPERSERVE_X86
+// quantize_group8 in four vectors.
+AVX2 void quantize_group8_avx2(const float* src, int8_t* dst, float& scale, float& sum) {
+  __m256 v[4];
+  scale = group_amax_avx2(src, v, sum) / 127.f;
+  if (scale == 0.f) {
+    std::memset(dst, 0, kGroup);
+    return;
+  }
+  const __m256 divisor = _mm256_set1_ps(scale);
+  __m256i q[4];
+  for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_div_ps(v[k], divisor));  // ties to even
+  // the packs work within 128-bit lanes: dwords come out as 0, 2, 4, 6, 1, 3, 5, 7 of the wanted order
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+#endif
+
+QuantizedRows8 quantize_rows8(const float* x, int64_t rows, int64_t in_features, bool avx2) {
+  const int64_t groups = in_features / kGroup;
+  QuantizedRows8 q{std::vector<int8_t>(rows * in_features), std::vector<float>(rows * groups),
+                   std::vector<float>(rows * groups)};
+  for (int64_t g = 0; g < rows * groups; ++g) {
+#ifdef HYPERSERVE_X86
+    if (avx2) {
+      quantize_group8_avx2(x + g * kGroup, q.codes.data() + g * kGroup, q.scales[g], q.sums[g]);
+      continue;
+    }
+#endif
+    quantize_group8(x + g * kGroup, q.codes.data() + g * kGroup, q.scales[g], q.sums[g]);
+  }
+  return q;
+}
+
+// Channel n against R input rows from row0: `ds` holds each row's combined scales d[g] * dx[g],
+// `tail` each row's minimum term sum_g m[g] * s[g] (zero for Q8_0, which has no minimums).
+void rows_portable(const QuantizedWeight& w, int64_t n, const float* ds, const float* tail, const QuantizedRows& x,
+                   int64_t row0, int64_t R, float* out, int64_t out_stride) {
+  for (int64_t r = 0; r < R; ++r) {
+    const int16_t* xq = x.codes.data() + (row0 + r) * w.in_features;
+    float total = tail[r];
+    for (int64_t g = 0; g < w.groups; ++g) {
+      int32_t dot = 0;
+      for (int64_t j = 0; j < kGroup; ++j) dot += w.code(n, g, j) * xq[g * kGroup + j];
+      total += ds[r * w.groups + g] * static_cast<float>(dot);
+    }
+    out[r * out_stride] = total;
+  }
+}
+
+// ds[r][g] = d[g] * dx[r][g] and tail[r] = sum_g m[g] * s[r][g].
+void scales_portable(const QuantizedWeight& w, int64_t n, const QuantizedRows& x, int64_t row0, int64_t R, float* ds,
+                     float* tail) {
+  const at::Half* d = w.scales(n);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* dx = x.scales.data() + (row0 + r) * w.groups;
+    const float* sx = x.sums.data() + (row0 + r) * w.groups;
+    tail[r] = 0.f;
+    for (int64_t g = 0; g < w.groups; ++g) {
+      ds[r * w.groups + g] = static_cast<float>(d[g]) * dx[g];
+      if (w.format == Format::kQ4_1) tail[r] += static_cast<float>(w.mins(n)[g]) * sx[g];
+    }
+  }
+}
+
+#ifdef HYPERSERVE_X86
+
+// scales_portable, eight groups at a time.
+AVX2 void scales_avx2(const QuantizedWeight& w, int64_t n, const QuantizedRows& x, int64_t row0, int64_t R,
+                      float* ds, float* tail) {
+  const at::Half* d = w.scales(n);
+  const at::Half* m = w.mins(n);
+  const bool has_mins = w.format == Format::kQ4_1;
+  const int64_t vectorized = w.groups / 8 * 8;
+  for (int64_t r = 0; r < R; ++r) {
+    const float* dx = x.scales.data() + (row0 + r) * w.groups;
+    const float* sx = x.sums.data() + (row0 + r) * w.groups;
+    float* dsr = ds + r * w.groups;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t g = 0; g < vectorized; g += 8) {
+      _mm256_storeu_ps(dsr + g, _mm256_mul_ps(load8_half(d + g), _mm256_loadu_ps(dx + g)));
+      if (has_mins) acc = _mm256_fmadd_ps(load8_half(m + g), _mm256_loadu_ps(sx + g), acc);
+    }
+    float total = hsum(acc);
+    for (int64_t g = vectorized; g < w.groups; ++g) {
+      dsr[g] = half_to_float(d[g]) * dx[g];
+      if (has_mins) total += half_to_float(m[g]) * sx[g];
+    }
+    tail[r] = total;
+  }
+}
+
+// A group's 32 codes as two vectors of 16-bit lanes: codes 0..15 and 16..31.
+template <Format F>
+AVX2 inline void unpack_group(const uint8_t* group, __m256i& first, __m256i& second) {
+  if constexpr (F == Format::kQ4_1) {
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
+    first = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F));
+    second = _mm256_srli_epi16(bytes, 4);
+  } else {
+    first = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
+    second = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + kGroup / 2)));
+  }
+}
+
+// C channels from n against R input rows from row0: ds and tail hold channel c's row r at c * R + r.
+// Each (channel, row) pair has its own accumulator, summed over the groups in order, so neither a
+// row's batch nor the channel tiling changes its result; C > 1 gives a single row independent
+// chains to overlap (one chain waits on its multiply-add's latency every group).
+template <Format F, int R, int C>
+AVX2 void rows_avx2(const QuantizedWeight& w, int64_t n, const float* ds, const float* tail, const QuantizedRows& x,
+                    int64_t row0, float* out, int64_t out_stride) {
+  constexpr int64_t group_bytes = F == Format::kQ4_1 ? kGroup / 2 : kGroup;
+  const uint8_t* codes = w.codes(n);
+  const int64_t groups = w.groups, row_bytes = w.row_bytes;
+  const int16_t* xq = x.codes.data() + row0 * w.in_features;
+  __m256 acc[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int c = 0; c < C; ++c) {  // each weight group is unpacked once, used R times
+      __m256i first, second;
+      unpack_group<F>(codes + c * row_bytes + g * group_bytes, first, second);
+      for (int r = 0; r < R; ++r) {
+        const int16_t* group = xq + r * groups * kGroup + g * kGroup;
+        const __m256i dot = _mm256_add_epi32(
+            _mm256_madd_epi16(first, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group))),
+            _mm256_madd_epi16(second, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kGroup / 2))));
+        acc[c][r] =
+            _mm256_fmadd_ps(_mm256_broadcast_ss(ds + (c * R + r) * groups + g), _mm256_cvtepi32_ps(dot), acc[c][r]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) out[r * out_stride + c] = hsum(acc[c][r]) + tail[c * R + r];
+}
+
+using RowsKernel = decltype(&rows_avx2<Format::kQ4_1, 1, 1>);
+
+template <Format F>
+RowsKernel rows_avx2_for(int64_t R, int64_t C) {  // C > 1 only as channel_tile gives it: C * R == 4
+  TORCH_CHECK(C == 1 || C * R == 4, "quantized kernel: no tile of ", C, " channels by ", R, " rows");
+  if (C == 4) return rows_avx2<F, 1, 4>;
+  if (C == 2) return rows_avx2<F, 2, 2>;
+  static constexpr RowsKernel kernels[kRowTile] = {
+      rows_avx2<F, 1, 1>, rows_avx2<F, 2, 1>, rows_avx2<F, 3, 1>, rows_avx2<F, 4, 1>,
+      rows_avx2<F, 5, 1>, rows_avx2<F, 6, 1>, rows_avx2<F, 7, 1>, rows_avx2<F, 8, 1>};
+  return kernels[R - 1];
+}
+
+// ---- the same on AVX-512 with VNNI: a group of 32 in one 512-bit register ----
+
+// C channels from n against R input rows from row0, as rows_avx2 but with the scales (d * dx, and
+// Q4_1's minimum term m * s) taken 16 groups at a time in the kernel itself. Q4_1 takes groups in
+// pairs: 32 code bytes widen to [g's low nibbles, g+1's low nibbles] and [g's high nibbles, g+1's
+// high nibbles], and the input rows are laid out to match (`paired`), so two _mm512_dpwssd_epi32
+// leave g's sum in lanes 0-7 and g+1's in lanes 8-15, scaled by one multiply-add: half the
+// instructions per weight of the AVX2 kernel. Q8_0's group of 32 signed codes widens to one
+// register as it is.
+template <Format F, int R, int C>
+AVX512 void rows_avx512(const QuantizedWeight& w, int64_t n, const QuantizedRows& x, int64_t row0, float* out,
+                        int64_t out_stride) {
+  const uint8_t* codes = w.codes(n);
+  const int64_t groups = w.groups, row_bytes = w.row_bytes;
+  const int16_t* xq = x.codes.data() + row0 * w.in_features;
+  const float* dx = x.scales.data() + row0 * groups;
+  const float* sx = x.sums.data() + row0 * groups;
+  const __m512i mask = _mm512_set1_epi16(0x0F);
+  __m512 acc[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const int64_t count = std::min<int64_t>(16, groups - g0);
+    const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+    __m512 scales[C][R];  // d * dx of these 16 groups, spread to each group's lanes by a permute
+    for (int c = 0; c < C; ++c) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, w.scales(n + c) + g0));
+      for (int r = 0; r < R; ++r) {
+        scales[c][r] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(valid, dx + r * groups + g0));
+      }
+      if constexpr (F == Format::kQ4_1) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, w.mins(n + c) + g0));
+        for (int r = 0; r < R; ++r) {
+          acc[c][r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(valid, sx + r * groups + g0), acc[c][r]);
+        }
+      }
+    }
+    if constexpr (F == Format::kQ4_1) {
+      for (int pair = 0; pair < count; pair += 2) {  // lanes 0-7: group g0 + pair, lanes 8-15: the next
+        const __m512i spread = _mm512_set_epi32(pair + 1, pair + 1, pair + 1, pair + 1, pair + 1, pair + 1, pair + 1,
+                                                pair + 1, pair, pair, pair, pair, pair, pair, pair, pair);
+        const int64_t g = g0 + pair;
+        for (int c = 0; c < C; ++c) {
+          const __m512i bytes = _mm512_cvtepu8_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c * row_bytes + g * kGroup / 2)));
+          const __m512i low = _mm512_and_si512(bytes, mask), high = _mm512_srli_epi16(bytes, 4);
+          for (int r = 0; r < R; ++r) {
+            const int16_t* pairx = xq + r * groups * kGroup + g * kGroup;
+            const __m512i dot = _mm512_dpwssd_epi32(
+                _mm512_dpwssd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(pairx)), high,
+                _mm512_loadu_si512(pairx + kGroup));
+            acc[c][r] =
+                _mm512_fmadd_ps(_mm512_permutexvar_ps(spread, scales[c][r]), _mm512_cvtepi32_ps(dot), acc[c][r]);
+          }
+        }
+      }
+    } else {
+      for (int i = 0; i < count; ++i) {
+        const __m512i spread = _mm512_set1_epi32(i);
+        const int64_t g = g0 + i;
+        for (int c = 0; c < C; ++c) {
+          const __m512i group = _mm512_cvtepi8_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c * row_bytes + g * kGroup)));
+          for (int r = 0; r < R; ++r) {
+            const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), group,
+                                                    _mm512_loadu_si512(xq + r * groups * kGroup + g * kGroup));
+            acc[c][r] =
+                _mm512_fmadd_ps(_mm512_permutexvar_ps(spread, scales[c][r]), _mm512_cvtepi32_ps(dot), acc[c][r]);
+          }
+        }
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) out[r * out_stride + c] = _mm512_reduce_add_ps(acc[c][r]);
+}
+
+using Avx512Kernel = decltype(&rows_avx512<Format::kQ4_1, 1, 1>);
+
+template <Format F>
+Avx512Kernel rows_avx512_for(int64_t R, int64_t C) {
+  TORCH_CHECK(C == 1 || C * R == 4, "quantized kernel: no tile of ", C, " channels by ", R, " rows");
+  if (C == 4) return rows_avx512<F, 1, 4>;
+  if (C == 2) return rows_avx512<F, 2, 2>;
+  static constexpr Avx512Kernel kernels[kRowTile] = {
+      rows_avx512<F, 1, 1>, rows_avx512<F, 2, 1>, rows_avx512<F, 3, 1>, rows_avx512<F, 4, 1>,
+      rows_avx512<F, 5, 1>, rows_avx512<F, 6, 1>, rows_avx512<F, 7, 1>, rows_avx512<F, 8, 1>};
+  return kernels[R - 1];
+}
+#endif
+
+// ---- interleaved Q4_1 against 8-bit rows: a block of 8 channels at a time ----
+
+constexpr int64_t kBlockRowTile = 4;  // input rows per pass over a block (registers: 8 of codes, one sum per row)
+
+// The block holding channel n against R input rows from row0 -> out[r * out_stride + c], c < 8. Per
+// row and channel: sum over the groups in order of d * dx * (integer dot) + m * s, as the AVX2 kernel
+// computes it (fused multiply-adds included), so both give the same numbers.
+void block_portable(const QuantizedWeight& w, int64_t n, const QuantizedRows8& x, int64_t row0, int64_t R, float* out,
+                    int64_t out_stride) {
+  for (int64_t r = 0; r < R; ++r) {
+    const int8_t* xq = x.codes.data() + (row0 + r) * w.in_features;
+    const float* dx = x.scales.data() + (row0 + r) * w.groups;
+    const float* sx = x.sums.data() + (row0 + r) * w.groups;
+    for (int64_t c = 0; c < kBlock; ++c) {
+      float total = 0.f;
+      for (int64_t g = 0; g < w.groups; ++g) {
+        int32_t dot = 0;
+        for (int64_t j = 0; j < kGroup; ++j) dot += w.code(n + c, g, j) * xq[g * kGroup + j];
+        total = std::fma(w.scale(n + c, g) * dx[g], static_cast<float>(dot), total);
+        total = std::fma(w.min(n + c, g), sx[g], total);
+      }
+      out[r * out_stride + c] = total;
+    }
+  }
+}
+
+#ifdef HYPERSERVE_X86
+// block_portable for R rows: the group's 128 code bytes widen to 8 registers of 32 codes (4 of each
+// channel); _mm256_maddubs_epi16 against 4 input codes broadcast gives each channel's pairs, whose 8
+// products per group add up in 16 bits without overflow (8 * 2 * 15 * 127 < 32767), then one
+// _mm256_madd_epi16 leaves channel c's dot product in lane c.
+AVX2 inline __m256i broadcast4(const int8_t* p) {  // 4 bytes into every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int R>
+AVX2 void block_avx2(const QuantizedWeight& w, int64_t n, const QuantizedRows8& x, int64_t row0, float* out,
+                     int64_t out_stride) {
+  const uint8_t* group = w.block_group(n, 0);
+  const int8_t* xq = x.codes.data() + row0 * w.in_features;
+  const float* dx = x.scales.data() + row0 * w.groups;
+  const float* sx = x.sums.data() + row0 * w.groups;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g, group += kBlockGroupBytes) {
+    __builtin_prefetch(group + kBlockPrefetchBytes);
+    __builtin_prefetch(group + kBlockPrefetchBytes + 64);
+    __builtin_prefetch(group + kBlockPrefetchBytes + 128);
+    __m256i low[4], high[4];  // codes 4k..4k+3 and 16+4k..16+4k+3 of each channel
+    for (int k = 0; k < 4; ++k) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 32 * k));
+      low[k] = _mm256_and_si256(bytes, nibble);
+      high[k] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+    }
+    const __m256 d = load8_half(reinterpret_cast<const at::Half*>(group + 128));
+    const __m256 m = load8_half(reinterpret_cast<const at::Half*>(group + 144));
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xg = xq + r * w.in_features + g * kGroup;
+      __m256i pairs = _mm256_maddubs_epi16(low[0], broadcast4(xg));
+      for (int k = 1; k < 4; ++k) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(low[k], broadcast4(xg + 4 * k)));
+      for (int k = 0; k < 4; ++k) {
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(high[k], broadcast4(xg + 16 + 4 * k)));
+      }
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+      const int64_t at = r * w.groups + g;
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[at])), dot, acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[at]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float lanes[kBlock];
+    _mm256_storeu_ps(lanes, acc[r]);
+    std::copy(lanes, lanes + kBlock, out + r * out_stride);
+  }
+}
+
+using BlockKernel = decltype(&block_avx2<1>);
+constexpr BlockKernel kBlockKernels[kBlockRowTile] = {block_avx2<1>, block_avx2<2>, block_avx2<3>, block_avx2<4>};
+#endif
+
+// out [rows, out_features] = x W^T for an interleaved Q4_1 weight, a block of 8 channels per task.
+void block_matmul(const QuantizedWeight& w, const float* x, int64_t rows, float* out, Isa isa) {
+  const QuantizedRows8 q = quantize_rows8(x, rows, w.in_features, isa != Isa::kPortable);
+  parallel_for(0, w.out_features / kBlock, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t row0 = 0; row0 < rows; row0 += kBlockRowTile) {
+        const int64_t R = std::min(kBlockRowTile, rows - row0);
+        float* dst = out + row0 * w.out_features + b * kBlock;
+#ifdef HYPERSERVE_X86
+        if (isa != Isa::kPortable) {
+          kBlockKernels[R - 1](w, b * kBlock, q, row0, dst, w.out_features);
+          continue;
+        }
+#endif
+        block_portable(w, b * kBlock, q, row0, R, dst, w.out_features);
+      }
+    }
+  });
+}
+
+// Channels per kernel call for a batch of `rows`: enough independent sums to keep the CPU busy. Q8_0
+// on AVX2 takes one channel at a time: four rows of 612 bytes read in turn left AMD's prefetchers
+// behind (the LM head ran at 4.8 GB/s against 8.6 one row at a time on a 2-core EPYC, AVX2 only).
+int64_t channel_tile(int64_t rows, Isa isa, Format format) {
+  if (isa == Isa::kPortable || rows > 2 || (isa == Isa::kAvx2 && format == Format::kQ8_0)) return 1;
+  return 4 / rows;
+}
+
+// C channels from n against every input row, `kRowTile` rows at a time.
+void channels(const QuantizedWeight& w, int64_t n, int64_t C, const QuantizedRows& x, int64_t rows, float* out,
+              int64_t out_stride, Isa isa) {
+  float ds[kRowTile * kMaxGroups], tail[kRowTile];  // C * R <= kRowTile
+  for (int64_t row0 = 0; row0 < rows; row0 += kRowTile) {
+    const int64_t R = std::min(kRowTile, rows - row0);
+    float* dst = out + row0 * out_stride;
+#ifdef HYPERSERVE_X86
+    const bool q41 = w.format == Format::kQ4_1;
+    if (isa == Isa::kAvx512) {
+      (q41 ? rows_avx512_for<Format::kQ4_1>(R, C) : rows_avx512_for<Format::kQ8_0>(R, C))(w, n, x, row0, dst,
+                                                                                          out_stride);
+      continue;
+    }
+    if (isa == Isa::kAvx2) {
+      for (int64_t c = 0; c < C; ++c) scales_avx2(w, n + c, x, row0, R, ds + c * R * w.groups, tail + c * R);
+      (q41 ? rows_avx2_for<Format::kQ4_1>(R, C) : rows_avx2_for<Format::kQ8_0>(R, C))(w, n, ds, tail, x, row0, dst,
+                                                                                    out_stride);
+      continue;
+    }
+#endif
+    scales_portable(w, n, x, row0, R, ds, tail);
+    rows_portable(w, n, ds, tail, x, row0, R, dst, out_stride);
+  }
+}
+
+// Fetch channel n's bytes ahead of use: streaming rows of a few hundred bytes each, the hardware
+// prefetcher alone left the kernel waiting on memory at the start of every row.
+inline void prefetch_rows(const QuantizedWeight& w, int64_t n, int64_t count, int64_t end) {
+  if (n >= end) return;
+  const char* first = reinterpret_cast<const char*>(w.codes(n));
+  const char* last = reinterpret_cast<const char*>(w.codes(std::min(n + count, end)));
+  for (const char* line = first; line < last; line += 64) __builtin_prefetch(line);
+}
+
+// out [rows, out_features] = x W^T for float32 x [rows, in_features].
+void quantized_matmul(const QuantizedWeight& w, const float* x, int64_t rows, float* out, Isa isa) {
+  if (rows == 0) return;  // a step that samples nothing (a prefill chunk) asks for no logits
+  if (w.interleaved) return block_matmul(w, x, rows, out, isa == Isa::kAvx512 ? Isa::kAvx2 : isa);
+  const bool q41 = w.format == Format::kQ4_1;
+  if (isa == Isa::kAvx512 && q41 && w.groups % 2 == 1) isa = Isa::kAvx2;  // it takes Q4_1 groups in pairs
+  const QuantizedRows q = quantize_rows(x, rows, w.in_features, isa != Isa::kPortable, isa == Isa::kAvx512 && q41);
+  const int64_t tile = channel_tile(rows, isa, w.format);
+  // Enough channels per task that each thread streams a long stretch of weights.
+  parallel_for(0, w.out_features, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end;) {
+      const int64_t C = end - n >= tile ? tile : 1;
+      prefetch_rows(w, n + kPrefetchRows, C, end);
+      channels(w, n, C, q, rows, out + n, w.out_features, isa);
+      n += C;
+    }
+  });
+}
+
+}  // namespace
