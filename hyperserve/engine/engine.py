@@ -410,6 +410,9 @@ class LLMEngine:
         about as much as decoding them."""
         if self.proposer is None or len(self.scheduler.running) > self.config.speculative.speculative_max_batch:
             return
+        # A draft model writes its drafts' KV, so their slots come first (and what it did not
+        # draft is trimmed); a proposer that sizes its own proposals (a lookup) gets slots after.
+        sized_after = self.proposer.sizes_proposals
         requests, num_tokens = [], []
         for request in self.scheduler.running:
             if request.num_computed_tokens != request.num_tokens - 1:
@@ -419,9 +422,9 @@ class LLMEngine:
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - request.num_output_tokens - 1)
             k = min(self.config.speculative.num_speculative_tokens, room)
-            if not self.proposer.sizes_proposals:
+            if not sized_after:
                 k = num_tokens_to_propose(request.acceptance, k, self.proposer.draft_cost, self.verify_cost)
-            if k > 0 and self.kv_cache.allocate_slots(request.request_id, request.num_tokens + k):
+            if k > 0 and (sized_after or self.kv_cache.allocate_slots(request.request_id, request.num_tokens + k)):
                 requests.append(request)
                 num_tokens.append(k)
             else:
@@ -429,10 +432,14 @@ class LLMEngine:
         if not requests:
             return
         for request, proposal in zip(requests, self.proposer.propose(requests, num_tokens)):
+            end = request.num_tokens + len(proposal.token_ids)
+            if not sized_after:
+                self.kv_cache.trim(request.request_id, end)
+            elif proposal.token_ids and not self.kv_cache.allocate_slots(request.request_id, end):
+                continue  # the pool is short: no drafts this step
             request.spec_token_ids, request.spec_probs = proposal.token_ids, proposal.probs
             request.spec_acceptance = proposal.acceptance or request.acceptance
             request.acceptance.steps_without = 0
-            self.kv_cache.trim(request.request_id, request.num_tokens + len(proposal.token_ids))
 
     def _logprobs(self, result: StepResult, row: int, request: Request) -> dict[int, Logprob]:
         out = result.logprobs

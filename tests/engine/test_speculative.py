@@ -198,6 +198,38 @@ def test_ngram_drafts_as_far_as_the_match_length_has_been_accepted():
     proposer.acceptance[2].steps_without = 16
     assert proposer.propose([short_match], [16])[0].token_ids == [50]  # a probe of the short match
 
+def test_a_lookup_takes_kv_slots_only_for_the_drafts_it_proposes(tiny_target):
+    """Slots for n-gram drafts are allocated after the lookup, for its proposal's length: taking
+    them for the most drafts a step allows (16) and trimming allocated and freed a block at most
+    steps, and a short pool could refuse drafts that fit."""
+    _, path, _ = tiny_target
+    llm = _speculative_llm(path, {"method": "ngram", "num_tokens": 16})
+    engine, asked, checked = llm.engine, [], []
+    allocate, propose = engine.kv_cache.allocate_slots, engine._propose
+
+    def spy(request_id, num_tokens, prefix=None):
+        asked.append(num_tokens)
+        return allocate(request_id, num_tokens, prefix)
+
+    def proposing() -> None:  # what _propose asks the pool for, against what it proposed
+        asked.clear()
+        engine.kv_cache.allocate_slots = spy
+        try:
+            propose()
+        finally:
+            engine.kv_cache.allocate_slots = allocate
+        for request in engine.scheduler.running:
+            checked.append(all(n <= request.num_tokens + len(request.spec_token_ids) for n in asked))
+
+    engine._propose = proposing
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]  # repeats: lookups find matches
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert checked and all(checked)
+    assert engine.scheduler.spec_stats.num_draft_tokens > 0
+
+
 def test_ngram_lookup_matches_a_plain_search_on_random_tokens():
     """Against the obvious search, on short alphabets (many partial matches) and ids whose bytes
     repeat (0, 256, 65536: a byte search could match across token boundaries)."""
