@@ -5,7 +5,7 @@ only for the rows that are sampled: the last new token of each request that reac
 with speculation also the rows of its draft tokens, which are verified against them.
 
 For int4 models on the CPU, steps run the fused native decoder layers (layers/fused_decode.py,
-which says which steps: every step on AVX2-only CPUs, those of up to QUANTIZED_MAX_ROWS tokens
+which says which steps: every step on AVX2-only CPUs, those of up to a few hundred tokens
 elsewhere): one call per layer, every token a row with its own slot, block table, context length
 and LoRA adapter (the PyTorch layers' projections add each row's adapter delta too:
 layers/lora.py). Otherwise, with `compile`, steps that only decode (one new token per sequence,

@@ -6,10 +6,15 @@
 // - Q4_1 (the int4 projections): w = q * d + m, q in 0..15; byte j of a group holds q[j] in the low
 //   nibble and q[j + 16] in the high one. 20 bytes per 32 weights.
 // - Q8_0 (the embedding and LM head of an int4 model): w = q * d, q in -127..127. 34 bytes per 32.
-// - Q4_1 interleaved by 8 channels (a 3-D weight [out / 8, groups, 160]; on AVX2-only CPUs, see
-//   interleaves_q41 in layers/quantization.py): for each block of 8 channels and group g, 128 code
-//   bytes, then the 8 channels' float16 scales, then their minimums. Code byte 32 k + 4 c + i is GGUF's byte 4 k + i of
-//   channel c's group (k, i in 0..3), so one 32-byte load holds 4 codes of each of the 8 channels.
+// - Q4_1 interleaved by 8 channels (a 3-D weight [out / 8, groups, 160]; the int4 projections'
+//   layout wherever the CPU has AVX2, see interleaves_q41 in layers/quantization.py): for each block
+//   of 8 channels and group g, 128 code bytes, then the 8 channels' float16 scales, then their
+//   minimums. Code byte 32 k + 4 c + i is GGUF's byte 4 k + i of channel c's group (k, i in 0..3),
+//   so one 32-byte load holds 4 codes of each of the 8 channels.
+// - Q8_0 interleaved by 16 channels (the LM head where the int4 projections are interleaved; a 3-D
+//   weight [out / 16, groups, 544]): for each block and group, 512 code bytes, then the 16 channels'
+//   float16 scales. Code byte 32 p + 2 c + i is code 2 p + i of channel c (p in 0..15, i in 0..1),
+//   so one 32-byte load holds 2 codes of each of the 16 channels, one read stream per block.
 //
 // The input is quantized to 16 bits per group of 32 (scale dx, and its exact float sum s), so a
 // group's dot product is integer work:  sum_j w_j x_j = d * dx * sum_j q_j xq_j + m * s.
@@ -20,7 +25,9 @@
 // takes 8-bit activations instead: each _mm256_maddubs_epi16 multiplies 4 codes of 8 channels at
 // once, a group's 8 products sum in 16 bits, and one scale multiply serves 8 channels, for 2.2x fewer
 // instructions per weight than the 16-bit AVX2 kernel on CPUs without VNNI, where decode is bound by
-// instructions more than by memory. The instruction set is
+// instructions more than by memory. With AVX-512 VNNI one _mm512_dpbusd_epi32 multiplies 4 codes of
+// 16 channels (two blocks) and sums them into 32 bits, the same integer sums in a third of the
+// instructions a row, which is what a verified draft row costs. The instruction set is
 // picked at run time (`isa()`): one build serves AVX2 and AVX-512 machines alike; quantized_linear's
 // `isa` argument forces a lesser one (tests), "portable" the plain C++ loops.
 //
@@ -56,6 +63,23 @@ at::Tensor dequantize(const at::Tensor& weight, int64_t in_features, const std::
   const QuantizedWeight w = quantized_weight(weight, in_features, parse_format(format));
   at::Tensor out = at::empty({w.out_features, in_features}, weight.options().dtype(at::kFloat));
   float* dst = out.data_ptr<float>();
+  if (w.interleaved && w.format == Format::kQ8_0) {
+    at::parallel_for(0, w.out_features / kHeadBlock, 2, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin * kHeadBlock; n < end * kHeadBlock; n += kHeadBlock) {
+        for (int64_t g = 0; g < w.groups; ++g) {
+          const uint8_t* group = w.block_group(n, g);
+          for (int64_t c = 0; c < kHeadBlock; ++c) {
+            const float d = w.scale(n + c, g);
+            float* row = dst + (n + c) * in_features + g * kGroup;
+            for (int64_t j = 0; j < kGroup; ++j) {
+              row[j] = static_cast<float>(static_cast<int8_t>(group[j / 2 * 32 + c * 2 + j % 2])) * d;
+            }
+          }
+        }
+      }
+    });
+    return out;
+  }
   if (w.interleaved) {
     at::parallel_for(0, w.out_features / kBlock, 2, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin * kBlock; n < end * kBlock; n += kBlock) {

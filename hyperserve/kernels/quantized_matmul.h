@@ -35,11 +35,13 @@ Format parse_format(const std::string& name) {
 
 constexpr int64_t kBlock = 8;                              // channels of an interleaved Q4_1 block
 constexpr int64_t kBlockGroupBytes = kBlock * (kGroup / 2 + 4);  // a block's codes, scales, minimums of one group
+constexpr int64_t kHeadBlock = 16;                         // channels of an interleaved Q8_0 block
+constexpr int64_t kHeadBlockGroupBytes = kHeadBlock * (kGroup + 2);  // a block's codes and scales of one group
 
-struct QuantizedWeight {  // one quantized linear: out_features rows of row_bytes, or blocks of 8 of them
+struct QuantizedWeight {  // one quantized linear: out_features rows of row_bytes, or blocks of 8 or 16 of them
   const uint8_t* data;
   Format format;
-  bool interleaved;  // Q4_1 in blocks of kBlock channels (see the top of the file)
+  bool interleaved;  // Q4_1 in blocks of kBlock channels, Q8_0 of kHeadBlock (see the top of cpu_ops.cpp)
   int64_t out_features, in_features, groups, row_bytes;
 
   int64_t group_bytes() const { return format == Format::kQ4_1 ? kGroup / 2 : kGroup; }
@@ -49,22 +51,27 @@ struct QuantizedWeight {  // one quantized linear: out_features rows of row_byte
     return reinterpret_cast<const at::Half*>(codes(n) + groups * group_bytes());
   }
   const at::Half* mins(int64_t n) const { return scales(n) + groups; }
-  // interleaved layout only: group g of the block holding channel n
+  // interleaved layout only: channels per block, and group g of the block holding channel n
+  int64_t block() const { return format == Format::kQ4_1 ? kBlock : kHeadBlock; }
   const uint8_t* block_group(int64_t n, int64_t g) const {
-    return data + ((n / kBlock) * groups + g) * kBlockGroupBytes;
+    return data + ((n / block()) * groups + g) * (format == Format::kQ4_1 ? kBlockGroupBytes : kHeadBlockGroupBytes);
   }
 
   // either layout: code j of group g of channel n (Q8_0's are signed), its scale and minimum
   int code(int64_t n, int64_t g, int64_t j) const {
-    if (format == Format::kQ8_0) return static_cast<int8_t>(codes(n)[g * kGroup + j]);
+    if (format == Format::kQ8_0) {
+      return static_cast<int8_t>(interleaved ? block_group(n, g)[j / 2 * 32 + n % kHeadBlock * 2 + j % 2]
+                                             : codes(n)[g * kGroup + j]);
+    }
     const int64_t low = j % (kGroup / 2);  // code j sits in GGUF's byte j % 16 of the group
     const uint8_t byte = interleaved ? block_group(n, g)[low / 4 * 32 + n % kBlock * 4 + low % 4]
                                      : codes(n)[g * kGroup / 2 + low];
     return j < kGroup / 2 ? byte & 0x0F : byte >> 4;
   }
   float scale(int64_t n, int64_t g) const {
-    return interleaved ? static_cast<float>(reinterpret_cast<const at::Half*>(block_group(n, g) + 128)[n % kBlock])
-                       : static_cast<float>(scales(n)[g]);
+    if (!interleaved) return static_cast<float>(scales(n)[g]);
+    const int64_t codes_bytes = block() * group_bytes();
+    return static_cast<float>(reinterpret_cast<const at::Half*>(block_group(n, g) + codes_bytes)[n % block()]);
   }
   float min(int64_t n, int64_t g) const {  // Q4_1 only
     return interleaved ? static_cast<float>(reinterpret_cast<const at::Half*>(block_group(n, g) + 144)[n % kBlock])
@@ -72,7 +79,8 @@ struct QuantizedWeight {  // one quantized linear: out_features rows of row_byte
   }
 };
 
-// A 2-D packed weight is in the row layout, a 3-D one [out / 8, groups, 160] interleaved (Q4_1 only).
+// A 2-D packed weight is in the row layout, a 3-D one interleaved: Q4_1 [out / 8, groups, 160],
+// Q8_0 [out / 16, groups, 544].
 QuantizedWeight quantized_weight(const at::Tensor& packed, int64_t in_features, Format format) {
   TORCH_CHECK(in_features % kGroup == 0 && in_features <= kMaxGroups * kGroup,
               "quantized weights: in_features must be a multiple of 32, at most 8192");
@@ -80,10 +88,12 @@ QuantizedWeight quantized_weight(const at::Tensor& packed, int64_t in_features, 
   const int64_t row_bytes = format == Format::kQ4_1 ? in_features / 2 + 4 * groups : in_features + 2 * groups;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "quantized weights: expected contiguous uint8");
   if (packed.dim() == 3) {
-    TORCH_CHECK(format == Format::kQ4_1 && packed.size(1) == groups && packed.size(2) == kBlockGroupBytes,
-                "quantized weights: expected contiguous uint8 [out_features / 8, ", groups, ", ", kBlockGroupBytes,
-                "] (Q4_1 interleaved) for in_features ", in_features);
-    return {packed.data_ptr<uint8_t>(), format, true, packed.size(0) * kBlock, in_features, groups, row_bytes};
+    const bool q41 = format == Format::kQ4_1;
+    const int64_t block = q41 ? kBlock : kHeadBlock, bytes = q41 ? kBlockGroupBytes : kHeadBlockGroupBytes;
+    TORCH_CHECK(packed.size(1) == groups && packed.size(2) == bytes, "quantized weights: expected contiguous uint8 [",
+                "out_features / ", block, ", ", groups, ", ", bytes, "] (", q41 ? "Q4_1" : "Q8_0",
+                " interleaved) for in_features ", in_features);
+    return {packed.data_ptr<uint8_t>(), format, true, packed.size(0) * block, in_features, groups, row_bytes};
   }
   TORCH_CHECK(packed.dim() == 2 && packed.size(1) == row_bytes, "quantized weights: expected contiguous uint8 [out_features, ",
               row_bytes, "] for in_features ", in_features);
@@ -432,6 +442,7 @@ Avx512Kernel rows_avx512_for(int64_t R, int64_t C) {
 // ---- interleaved Q4_1 against 8-bit rows: a block of 8 channels at a time ----
 
 constexpr int64_t kBlockRowTile = 4;  // input rows per pass over a block (registers: 8 of codes, one sum per row)
+constexpr int64_t kBlockRowTile512 = 8;  // with AVX-512: 32 registers, 8 rows' sums of 16 channels
 
 // The block holding channel n against R input rows from row0 -> out[r * out_stride + c], c < 8. Per
 // row and channel: sum over the groups in order of d * dx * (integer dot) + m * s, as the AVX2 kernel
@@ -510,23 +521,221 @@ AVX2 void block_avx2(const QuantizedWeight& w, int64_t n, const QuantizedRows8& 
 
 using BlockKernel = decltype(&block_avx2<1>);
 constexpr BlockKernel kBlockKernels[kBlockRowTile] = {block_avx2<1>, block_avx2<2>, block_avx2<3>, block_avx2<4>};
+
+// block_avx2 for two blocks at once (16 channels, one per 32-bit lane; `pair` false: the block at n
+// alone, its 8 channels computed twice and stored once). `_mm512_dpbusd_epi32` adds each lane's four
+// products of unsigned codes and signed inputs straight into 32 bits, the exact integer sums of the
+// AVX2 kernel's 17 instructions in 8, and the float arithmetic after them is the same lane for lane:
+// both kernels give the same numbers.
+AVX512 inline __m512 load16_half_pair(const uint8_t* a, const uint8_t* b) {  // 8 float16 at each -> 16 floats
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+}
+
+template <int R>
+AVX512 void block_pair_avx512(const QuantizedWeight& w, int64_t n, bool pair, const QuantizedRows8& x, int64_t row0,
+                              float* out, int64_t out_stride) {
+  const uint8_t* first = w.block_group(n, 0);
+  const uint8_t* second = pair ? w.block_group(n + kBlock, 0) : first;
+  const int32_t* xq = reinterpret_cast<const int32_t*>(x.codes.data() + row0 * w.in_features);
+  const float* dx = x.scales.data() + row0 * w.groups;
+  const float* sx = x.sums.data() + row0 * w.groups;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g, first += kBlockGroupBytes, second += kBlockGroupBytes) {
+    for (const uint8_t* block : {first, second}) {
+      __builtin_prefetch(block + kBlockPrefetchBytes);
+      __builtin_prefetch(block + kBlockPrefetchBytes + 64);
+      __builtin_prefetch(block + kBlockPrefetchBytes + 128);
+    }
+    __m512i low[4], high[4];  // as block_avx2's, the first block's in the low half, the second's in the high
+    for (int k = 0; k < 4; ++k) {
+      const __m512i bytes = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + 32 * k))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + 32 * k)), 1);
+      low[k] = _mm512_and_si512(bytes, nibble);
+      high[k] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+    }
+    const __m512 d = load16_half_pair(first + 128, second + 128), m = load16_half_pair(first + 144, second + 144);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xg = xq + (r * w.in_features + g * kGroup) / 4;  // 4 codes per 32 bits
+      __m512i dot = _mm512_setzero_si512();
+      for (int k = 0; k < 4; ++k) dot = _mm512_dpbusd_epi32(dot, low[k], _mm512_set1_epi32(xg[k]));
+      for (int k = 0; k < 4; ++k) dot = _mm512_dpbusd_epi32(dot, high[k], _mm512_set1_epi32(xg[4 + k]));
+      const int64_t at = r * w.groups + g;
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[at])), _mm512_cvtepi32_ps(dot), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[at]), acc[r]);
+    }
+  }
+  const __mmask16 stored = pair ? 0xFFFF : 0x00FF;
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * out_stride, stored, acc[r]);
+}
+
+using BlockPairKernel = decltype(&block_pair_avx512<1>);
+constexpr BlockPairKernel kBlockPairKernels[kBlockRowTile512] = {
+    block_pair_avx512<1>, block_pair_avx512<2>, block_pair_avx512<3>, block_pair_avx512<4>,
+    block_pair_avx512<5>, block_pair_avx512<6>, block_pair_avx512<7>, block_pair_avx512<8>};
 #endif
 
-// out [rows, out_features] = x W^T for an interleaved Q4_1 weight, a block of 8 channels per task.
+// out [rows, out_features] = x W^T for an interleaved Q4_1 weight: blocks of 8 channels, two at a
+// time with AVX-512.
 void block_matmul(const QuantizedWeight& w, const float* x, int64_t rows, float* out, Isa isa) {
   const QuantizedRows8 q = quantize_rows8(x, rows, w.in_features, isa != Isa::kPortable);
-  parallel_for(0, w.out_features / kBlock, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      for (int64_t row0 = 0; row0 < rows; row0 += kBlockRowTile) {
-        const int64_t R = std::min(kBlockRowTile, rows - row0);
+  const int64_t step = isa == Isa::kAvx512 ? 2 : 1;  // blocks per kernel call
+  const int64_t tile = isa == Isa::kAvx512 ? kBlockRowTile512 : kBlockRowTile;
+  const int64_t calls = (w.out_features / kBlock + step - 1) / step;
+  parallel_for(0, calls, 8 / step, [&](int64_t begin, int64_t end) {
+    for (int64_t call = begin; call < end; ++call) {
+      const int64_t b = call * step;
+      for (int64_t row0 = 0; row0 < rows; row0 += tile) {
+        const int64_t R = std::min(tile, rows - row0);
         float* dst = out + row0 * w.out_features + b * kBlock;
 #ifdef HYPERSERVE_X86
-        if (isa != Isa::kPortable) {
+        if (isa == Isa::kAvx512) {
+          kBlockPairKernels[R - 1](w, b * kBlock, b + 1 < w.out_features / kBlock, q, row0, dst, w.out_features);
+          continue;
+        }
+        if (isa == Isa::kAvx2) {
           kBlockKernels[R - 1](w, b * kBlock, q, row0, dst, w.out_features);
           continue;
         }
 #endif
         block_portable(w, b * kBlock, q, row0, R, dst, w.out_features);
+      }
+    }
+  });
+}
+
+// ---- interleaved Q8_0 (the LM head) against 16-bit rows: a block of 16 channels at a time ----
+
+constexpr int64_t kHeadRowTile = 4;  // AVX2 registers: two halves' sums and one integer sum per row
+
+// The block holding channel n against R input rows from row0 -> out[r * out_stride + c], c < 16.
+// Per row and channel: the sum over the groups, in order, of d * dx * (integer dot product); every
+// instruction set computes exactly this, so all give the same numbers.
+void head_block_portable(const QuantizedWeight& w, int64_t n, const QuantizedRows& x, int64_t row0, int64_t R,
+                         float* out, int64_t out_stride) {
+  for (int64_t r = 0; r < R; ++r) {
+    const int16_t* xq = x.codes.data() + (row0 + r) * w.in_features;
+    const float* dx = x.scales.data() + (row0 + r) * w.groups;
+    for (int64_t c = 0; c < kHeadBlock; ++c) {
+      float total = 0.f;
+      for (int64_t g = 0; g < w.groups; ++g) {
+        int32_t dot = 0;
+        for (int64_t j = 0; j < kGroup; ++j) dot += w.code(n + c, g, j) * xq[g * kGroup + j];
+        total = std::fma(w.scale(n + c, g) * dx[g], static_cast<float>(dot), total);
+      }
+      out[r * out_stride + c] = total;
+    }
+  }
+}
+
+#ifdef HYPERSERVE_X86
+inline int32_t code_pair(const int16_t* p) {  // two 16-bit input codes, as one 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline void prefetch_head_group(const uint8_t* group) {
+  for (int64_t line = 0; line < kHeadBlockGroupBytes; line += 64) {
+    __builtin_prefetch(group + kBlockPrefetchBytes + line);
+  }
+}
+
+// head_block_portable with the group's codes 32 bytes at a time: 2 codes of each of the 16 channels,
+// sign-extended to 16 bits, against the same 2 input codes broadcast (_mm256_madd_epi16: each
+// channel's pair sum in its 32-bit lane), 8 channels per register.
+template <int R>
+AVX2 void head_block_avx2(const QuantizedWeight& w, int64_t n, const QuantizedRows& x, int64_t row0, float* out,
+                          int64_t out_stride) {
+  const uint8_t* group = w.block_group(n, 0);
+  const int16_t* xq = x.codes.data() + row0 * w.in_features;
+  const float* dx = x.scales.data() + row0 * w.groups;
+  __m256 acc[2][R];
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < R; ++r) acc[h][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g, group += kHeadBlockGroupBytes) {
+    prefetch_head_group(group);
+    for (int h = 0; h < 2; ++h) {  // channels 0-7, then 8-15
+      __m256i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+      for (int p = 0; p < kGroup / 2; ++p) {
+        const __m256i codes =
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 32 * p + 16 * h)));
+        for (int r = 0; r < R; ++r) {
+          const __m256i pair = _mm256_set1_epi32(code_pair(xq + r * w.in_features + g * kGroup + 2 * p));
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(codes, pair));
+        }
+      }
+      const __m256 d = load8_half(reinterpret_cast<const at::Half*>(group + kHeadBlock * kGroup) + 8 * h);
+      for (int r = 0; r < R; ++r) {
+        acc[h][r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[r * w.groups + g])), _mm256_cvtepi32_ps(dot[r]),
+                                    acc[h][r]);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * out_stride + 8 * h, acc[h][r]);
+}
+
+// The same with all 16 channels in one register: `_mm512_dpwssd_epi32` multiplies and adds each
+// channel's pair into its lane in one instruction.
+template <int R>
+AVX512 void head_block_avx512(const QuantizedWeight& w, int64_t n, const QuantizedRows& x, int64_t row0, float* out,
+                              int64_t out_stride) {
+  const uint8_t* group = w.block_group(n, 0);
+  const int16_t* xq = x.codes.data() + row0 * w.in_features;
+  const float* dx = x.scales.data() + row0 * w.groups;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g, group += kHeadBlockGroupBytes) {
+    prefetch_head_group(group);
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    for (int p = 0; p < kGroup / 2; ++p) {
+      const __m512i codes = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 32 * p)));
+      for (int r = 0; r < R; ++r) {
+        dot[r] = _mm512_dpwssd_epi32(dot[r], codes,
+                                     _mm512_set1_epi32(code_pair(xq + r * w.in_features + g * kGroup + 2 * p)));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kHeadBlock * kGroup)));
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[r * w.groups + g])), _mm512_cvtepi32_ps(dot[r]),
+                               acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride, acc[r]);
+}
+
+using HeadKernel = decltype(&head_block_avx2<1>);
+constexpr HeadKernel kHeadKernelsAvx2[kHeadRowTile] = {head_block_avx2<1>, head_block_avx2<2>, head_block_avx2<3>,
+                                                       head_block_avx2<4>};
+constexpr HeadKernel kHeadKernelsAvx512[kBlockRowTile512] = {
+    head_block_avx512<1>, head_block_avx512<2>, head_block_avx512<3>, head_block_avx512<4>,
+    head_block_avx512<5>, head_block_avx512<6>, head_block_avx512<7>, head_block_avx512<8>};
+#endif
+
+// out [rows, out_features] = x W^T for an interleaved Q8_0 weight, a block of 16 channels per call.
+void head_matmul(const QuantizedWeight& w, const float* x, int64_t rows, float* out, Isa isa) {
+  const QuantizedRows q = quantize_rows(x, rows, w.in_features, isa != Isa::kPortable, false);
+  const int64_t tile = isa == Isa::kAvx512 ? kBlockRowTile512 : kHeadRowTile;
+  parallel_for(0, w.out_features / kHeadBlock, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t row0 = 0; row0 < rows; row0 += tile) {
+        const int64_t R = std::min(tile, rows - row0);
+        float* dst = out + row0 * w.out_features + b * kHeadBlock;
+#ifdef HYPERSERVE_X86
+        if (isa != Isa::kPortable) {
+          (isa == Isa::kAvx512 ? kHeadKernelsAvx512 : kHeadKernelsAvx2)[R - 1](w, b * kHeadBlock, q, row0, dst,
+                                                                               w.out_features);
+          continue;
+        }
+#endif
+        head_block_portable(w, b * kHeadBlock, q, row0, R, dst, w.out_features);
       }
     }
   });
@@ -578,7 +787,7 @@ inline void prefetch_rows(const QuantizedWeight& w, int64_t n, int64_t count, in
 // out [rows, out_features] = x W^T for float32 x [rows, in_features].
 void quantized_matmul(const QuantizedWeight& w, const float* x, int64_t rows, float* out, Isa isa) {
   if (rows == 0) return;  // a step that samples nothing (a prefill chunk) asks for no logits
-  if (w.interleaved) return block_matmul(w, x, rows, out, isa == Isa::kAvx512 ? Isa::kAvx2 : isa);
+  if (w.interleaved) return (w.format == Format::kQ4_1 ? block_matmul : head_matmul)(w, x, rows, out, isa);
   const bool q41 = w.format == Format::kQ4_1;
   if (isa == Isa::kAvx512 && q41 && w.groups % 2 == 1) isa = Isa::kAvx2;  // it takes Q4_1 groups in pairs
   const QuantizedRows q = quantize_rows(x, rows, w.in_features, isa != Isa::kPortable, isa == Isa::kAvx512 && q41);

@@ -12,13 +12,14 @@ table and context length, so one call serves decodes, speculative verification (
 a sequence, each attending to those before it) and prefill chunks alike, and a row's numbers do
 not depend on the rows beside it.
 
-Which steps it takes (`FusedDecode.takes`): where the int4 weights are interleaved (AVX2-only
-CPUs, `quantization.interleaves_q41`), every step. There its 8-bit kernels prefill faster than the
-dense float32 path, and one path for every token means that a prompt's last tokens, computed here
-after a prefix-cache hit, round exactly as they do when the whole prompt is computed: a request
-gives the same answer whether its prefix was cached, and whatever ran beside it. Elsewhere
-(AVX-512 VNNI: 16-bit activations) only steps of up to QUANTIZED_MAX_ROWS tokens, since larger
-ones run faster as dense bfloat16 or float32 matrix products. `FusedDecode.unsupported` says why a model
+Which steps it takes (`FusedDecode.takes`): where the int4 weights are interleaved
+(`quantization.interleaves_q41`) and the CPU has no native bfloat16 (AVX2-only CPUs), every step.
+There its 8-bit kernels prefill faster than the dense float32 path, and one path for every token
+means that a prompt's last tokens, computed here after a prefix-cache hit, round exactly as they do
+when the whole prompt is computed: a request gives the same answer whether its prefix was cached,
+and whatever ran beside it. Elsewhere (AMX or AVX-512 BF16) only steps of up to
+INTERLEAVED_MAX_ROWS tokens (QUANTIZED_MAX_ROWS in the row layout), since larger ones run faster as
+dense bfloat16 matrix products. `FusedDecode.unsupported` says why a model
 cannot use it at all.
 """
 
@@ -29,7 +30,14 @@ import torch
 from hyperserve import kernels
 from hyperserve.layers.attention import KVCache
 from hyperserve.layers.lora import LoRABatch, unwrapped
-from hyperserve.layers.quantization import QUANTIZED_MAX_ROWS, Int4Linear, Q8Embedding, Q8Head
+from hyperserve.layers.quantization import (
+    INTERLEAVED_MAX_ROWS,
+    QUANTIZED_MAX_ROWS,
+    Int4Linear,
+    Q8Embedding,
+    Q8Head,
+    dense_dtype,
+)
 
 
 class FusedDecode:
@@ -42,7 +50,7 @@ class FusedDecode:
         self.eps = config.rms_norm_eps
         self.scale = model.model.layers[0].self_attn.scale
         self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
-        self.embedding, self.head = model.model.embed_tokens.q80, model.lm_head.q80
+        self.embedding, self.head = model.model.embed_tokens, model.lm_head.q80
         self.final_norm = model.model.norm.weight.detach().float().contiguous()
         # cos and signed sin of every position, [max_position, head_dim] each: a step indexes them
         # (two ops) rather than building them from the rotary table (eight, 1% of a SmolLM2 step)
@@ -51,12 +59,15 @@ class FusedDecode:
         self.cos, self.signed_sin = cos.squeeze(1).contiguous(), signed_sin.squeeze(1).contiguous()
         self.layers = [self._weights(layer) for layer in model.model.layers]
         self._all_layers = [w for layer in self.layers for w in layer]
-        # int4 weights in the interleaved layout (norms are weights 0 and 3)
-        self.every_step = all(w.dim() == 3 for layer in self.layers for w in layer[1:3] + layer[4:])
+        # int4 weights in the interleaved layout (norms are weights 0 and 3), on a CPU without a
+        # native dense type faster than the 8-bit kernels
+        interleaved = all(w.dim() == 3 for layer in self.layers for w in layer[1:3] + layer[4:])
+        self.every_step = interleaved and dense_dtype() == torch.float32
+        self.max_rows = INTERLEAVED_MAX_ROWS if interleaved else QUANTIZED_MAX_ROWS
 
     def takes(self, num_tokens: int) -> bool:
         """Whether a step of this many tokens runs here (see the module's docstring)."""
-        return self.every_step or num_tokens <= QUANTIZED_MAX_ROWS
+        return self.every_step or num_tokens <= self.max_rows
 
     @staticmethod
     def unsupported(model: torch.nn.Module, kv_caches: list[KVCache]) -> str | None:
@@ -91,7 +102,7 @@ class FusedDecode:
         """Float32 hidden states [T, hidden] (before the final norm) of T tokens, each with its
         cache slot, its sequence's block table (a row of block_tables, padded) and the length of
         context it attends to, itself included; with `lora`, each row's adapter too."""
-        hidden = torch.ops.hyperserve.dequantize(self.embedding.index_select(0, input_ids), self.hidden_size, "q8_0")
+        hidden = self.embedding.lookup(input_ids)
         cos, signed_sin = self.cos[positions], self.signed_sin[positions]
         shared = (slots, block_tables, lengths, kv_caches[0].block_size, self.num_heads, self.num_kv_heads, self.eps,
                   self.scale)

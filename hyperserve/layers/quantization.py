@@ -11,11 +11,12 @@ embedding is Q8_0, as SmolLM2's is), one copy serving both when they are tied; w
 head is a PyTorch int8 linear (`Int8Head`) and the embedding stays float.
 
 Int4 projections run their packed kernel for small batches (decode and speculative verification,
-up to `QUANTIZED_MAX_ROWS` rows): bandwidth-bound, they gain from reading fewer bytes. Larger
-batches (prefill, wide decode batches) are compute-bound and multiply the weights dequantized per
-call in the CPU's fastest dense type (bfloat16 where the CPU multiplies it natively, see
-`dense_dtype`). On AVX2-only CPUs the fused decoder layers (layers/fused_decode.py) take every
-step instead: the interleaved layout's 8-bit kernel prefills faster than float32 products there.
+up to `QUANTIZED_MAX_ROWS` rows in GGUF's row layout, `INTERLEAVED_MAX_ROWS` in the interleaved
+one): bandwidth-bound, they gain from reading fewer bytes. Larger batches (long prefills) are
+compute-bound and multiply the weights dequantized per call in the CPU's fastest dense type
+(bfloat16 where the CPU multiplies it natively, see `dense_dtype`). Where that is float32
+(AVX2-only CPUs) the fused decoder layers (layers/fused_decode.py) take every step instead: the
+interleaved layout's 8-bit kernel prefills faster than float32 products there.
 The Q8_0 head runs its kernel for any number of rows.
 
 `int8` (and int4's head): int8 weights with one scale per output channel, run by PyTorch's x86 quantized engine
@@ -56,6 +57,10 @@ INT4_GROUP_SIZE = 32
 # decoding 8 / 16 / 24 sequences on the 2-core AMX VM: threshold 4: 207 / 359 / 467; 16: 294 / 361
 # / 472; 32: 283 / 362 / 416. It also covers a speculative verify step (k + 1 rows per request).
 QUANTIZED_MAX_ROWS = 16
+# The interleaved layout's 8-bit kernel stays ahead of dequantizing for a bfloat16 product much
+# longer: on the 2-core AMX VM (AVX-512 VNNI), SmolLM2 int4 steps of 64 / 128 / 256 / 512 tokens took
+# 61 / 125 / 268 / 641 ms in the kernel, 142 / 172 / 282 / 514 ms dense (dequantizing is 90 of them).
+INTERLEAVED_MAX_ROWS = 256
 
 
 @functools.cache
@@ -90,10 +95,12 @@ def dense_dtype() -> torch.dtype:
 
 class DenseForLargeBatches(nn.Module):
     """A quantized linear for small batches that multiplies a dense weight (`dense()`, in
-    `dense_dtype`) for more than QUANTIZED_MAX_ROWS rows. Subclasses implement both."""
+    `dense_dtype`) for more than `max_rows` rows. Subclasses implement both."""
+
+    max_rows = QUANTIZED_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > QUANTIZED_MAX_ROWS:
+        if x.shape[0] > self.max_rows:
             weight = self.dense()
             return F.linear(x.to(weight.dtype), weight).to(x.dtype)
         return self.small_batch(x).to(x.dtype)
@@ -131,6 +138,7 @@ class Int4Linear(DenseForLargeBatches):
             self.q41 = pack_q41(codes.to(torch.uint8), scale, low)
             if interleaves_q41() and out_features % 8 == 0:
                 self.q41 = interleave_q41(self.q41)
+                self.max_rows = INTERLEAVED_MAX_ROWS
             self.num_bytes = self.q41.numel()
         else:
             self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -175,12 +183,13 @@ def pack_q41(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tor
 
 
 def interleaves_q41() -> bool:
-    """Whether int4 weights are laid out for the interleaved kernel (interleave_q41): on CPUs whose
-    best kernel is AVX2 (no AVX-512 VNNI). Its 8-bit activations (as llama.cpp's Q8_1) take half the
-    instructions of the 16-bit kernel, which bounds decode there: SmolLM2's 30 layers went from 13.7
-    to 8.4 ms a token on a 2-core AMD EPYC (AVX2 only), for +1.1-1.7% decode-path perplexity over float32
-    against +0.01% (benchmarks/quality.py). With VNNI the 16-bit kernel is fast enough to keep."""
-    return kernels.isa() == "avx2"
+    """Whether int4 weights are laid out for the interleaved kernel (interleave_q41): wherever the
+    native kernels have a vector path (AVX2, AVX-512 VNNI). Its 8-bit activations (as llama.cpp's
+    Q8_1) take half the instructions of the 16-bit row kernel on AVX2 (SmolLM2's 30 layers went
+    from 13.7 to 8.4 ms a token on a 2-core AMD EPYC, AVX2 only) and a third with VNNI, whose
+    `vpdpbusd` sums four products into 32 bits: a verified draft row cost a third as much there.
+    Decode-path perplexity is +1.1-1.7% over float32 against +0.01% (benchmarks/quality.py)."""
+    return kernels.isa() in ("avx2", "avx512_vnni")
 
 
 def interleave_q41(rows: torch.Tensor) -> torch.Tensor:
@@ -210,20 +219,41 @@ def pack_q80(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([codes.flatten(1).view(torch.uint8), scale.view(torch.uint8)], dim=1).contiguous()
 
 
-class Q8Embedding(nn.Module):
-    """The token embedding in Q8_0 (pack_q80), rows dequantized on lookup: a quarter of float32's
-    memory, and the same bytes as a tied Q8Head."""
+def interleave_q80(rows: torch.Tensor) -> torch.Tensor:
+    """pack_q80's rows [out, in + in / 16] -> blocks of 16 channels [ceil(out / 16), groups, 544], the
+    last padded with zero channels: for each group, the 16 channels' codes 2 at a time (byte 32 p +
+    2 c + i is code 2 p + i of channel c), then their 16 scales. The native kernels multiply 16
+    channels at once in this layout, reading one stream of bytes per block (kernels/cpu_ops.cpp)."""
+    out_features, row_bytes = rows.shape
+    groups = row_bytes // 34
+    rows = F.pad(rows, (0, 0, 0, -out_features % 16))
+    blocks = rows.shape[0] // 16
+    codes = rows[:, : 32 * groups].reshape(blocks, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)  # [b, g, p, c, i]
+    scales = rows[:, 32 * groups:].reshape(blocks, 16, groups, 2).permute(0, 2, 1, 3)
+    return torch.cat([codes.reshape(blocks, groups, -1), scales.reshape(blocks, groups, -1)], dim=2).contiguous()
 
-    def __init__(self, q80: torch.Tensor, embedding_dim: int, dtype: torch.dtype) -> None:
+
+class Q8Embedding(nn.Module):
+    """The token embedding in Q8_0 (pack_q80, or interleave_q80's blocks where the int4 weights are
+    interleaved), rows dequantized on lookup: a quarter of float32's memory, and the same bytes as a
+    tied Q8Head."""
+
+    def __init__(self, q80: torch.Tensor, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.q80, self.embedding_dim, self.dtype = q80, embedding_dim, dtype
-        self.num_embeddings = q80.shape[0]
+        self.num_embeddings = num_embeddings
         self.num_bytes = q80.numel()
 
+    def lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Float32 rows [N, embedding_dim] of N token ids."""
+        ids = input_ids.reshape(-1)
+        if self.q80.dim() == 2:
+            return torch.ops.hyperserve.dequantize(self.q80.index_select(0, ids), self.embedding_dim, "q8_0")
+        blocks = torch.ops.hyperserve.dequantize(self.q80.index_select(0, ids // 16), self.embedding_dim, "q8_0")
+        return blocks.view(-1, 16, self.embedding_dim)[torch.arange(len(ids)), ids % 16]
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.q80.index_select(0, input_ids.reshape(-1))
-        hidden = torch.ops.hyperserve.dequantize(rows, self.embedding_dim, "q8_0")
-        return hidden.view(*input_ids.shape, self.embedding_dim).to(self.dtype)
+        return self.lookup(input_ids).view(*input_ids.shape, self.embedding_dim).to(self.dtype)
 
 
 class Q8Head(nn.Module):
@@ -233,14 +263,14 @@ class Q8Head(nn.Module):
     dequantized float32 product (at 16 rows 14.5 against 84 ms; 2-core AMD EPYC, AVX2 only).
     `shared`: the bytes belong to a tied Q8Embedding, which counts them."""
 
-    def __init__(self, q80: torch.Tensor, in_features: int, shared: bool) -> None:
+    def __init__(self, q80: torch.Tensor, out_features: int, in_features: int, shared: bool) -> None:
         super().__init__()
-        self.q80, self.in_features = q80, in_features
+        self.q80, self.out_features, self.in_features = q80, out_features, in_features
         self.num_bytes = 0 if shared else q80.numel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 logits: in bfloat16 near-ties would tie
-        return torch.ops.hyperserve.quantized_linear(x.float(), self.q80, "q8_0")
+        # float32 logits: in bfloat16 near-ties would tie; interleaved blocks pad the vocabulary
+        return torch.ops.hyperserve.quantized_linear(x.float(), self.q80, "q8_0")[:, : self.out_features]
 
 
 class Int8Head(DenseForLargeBatches):
@@ -351,10 +381,14 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> tuple[i
                 setattr(parent, name, Int4Linear(linear.weight, linear.bias, dense))
         tied, hidden_size = model.lm_head is None, model.config.hidden_size
         if kernels.available():
-            embedding = pack_q80(model.model.embed_tokens.weight)
-            model.model.embed_tokens = Q8Embedding(embedding, hidden_size, dtype)
-            head = embedding if tied else pack_q80(model.lm_head.weight)
-            model.lm_head = Q8Head(head, hidden_size, shared=tied)
+            # interleaved where the int4 weights are: the same bytes, for kernels with no per-row permutes
+            pack = (lambda w: interleave_q80(pack_q80(w))) if interleaves_q41() else pack_q80
+            embedding_weight = model.model.embed_tokens.weight
+            embedding = pack(embedding_weight)
+            model.model.embed_tokens = Q8Embedding(embedding, embedding_weight.shape[0], hidden_size, dtype)
+            head_weight = embedding_weight if tied else model.lm_head.weight
+            model.lm_head = Q8Head(embedding if tied else pack(head_weight), head_weight.shape[0], hidden_size,
+                                   shared=tied)
         else:
             model.lm_head = Int8Head(model.model.embed_tokens.weight if tied else model.lm_head.weight, dense)
     elif method == "int8":

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hyperserve import kernels
-from hyperserve.layers.quantization import cpu_flags, interleave_q41, pack_q41, pack_q80
+from hyperserve.layers.quantization import Q8Embedding, cpu_flags, interleave_q41, interleave_q80, pack_q41, pack_q80
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels could not be built here")
 
@@ -176,9 +176,47 @@ def test_interleaved_rows_do_not_depend_on_their_batch_and_avx2_gives_the_portab
     torch.testing.assert_close(together, portable, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("out_features", [96, 88])  # blocks of 8 in pairs, and one left alone
+def test_avx512_multiplies_interleaved_blocks_in_pairs_to_the_avx2_kernels_bits(out_features):
+    """vpdpbusd's 32-bit sums are the AVX2 kernel's exact integer sums and the float steps after
+    them are the same, lane for lane: a draft verified on either CPU class rounds as on the other."""
+    runnable("avx512_vnni")
+    interleaved = interleave_q41(quantized(out_features, 576)[0])
+    x = torch.randn(17, 576)  # row tiles of 8, and one left over
+    avx2 = torch.ops.hyperserve.quantized_linear(x, interleaved, "q4_1", "avx2")
+    assert torch.equal(torch.ops.hyperserve.quantized_linear(x, interleaved, "q4_1", "avx512_vnni"), avx2)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 9, 17])  # row tiles of 4 (AVX2) and 8 (AVX-512), and what is left over
+def test_interleaved_q8_0_gives_the_row_layouts_product_on_every_instruction_set(rows):
+    """The LM head in blocks of 16 channels: 16-bit activations as in the row layout, so within float
+    rounding of it, and the same integer sums and float steps on every instruction set, bit for bit.
+    40 channels: the last block is padded with zero channels, whose outputs are zero."""
+    packed, weight = quantized(40, 576, "q8_0")
+    interleaved = interleave_q80(packed)
+    assert interleaved.shape == (3, 18, 544)
+    x = torch.randn(rows, 576)
+    expected = x @ weight.T
+    portable = torch.ops.hyperserve.quantized_linear(x, interleaved, "q8_0", "portable")
+    assert portable.shape == (rows, 48) and torch.equal(portable[:, 40:], torch.zeros(rows, 8))
+    assert (portable[:, :40] - expected).norm() / expected.norm() < 1e-4
+    for isa in isas_here()[1:]:
+        assert torch.equal(torch.ops.hyperserve.quantized_linear(x, interleaved, "q8_0", isa), portable), isa
+    wrong = interleave_q80(quantized(40, 576, "q8_0", seed=1)[0])
+    assert (torch.ops.hyperserve.quantized_linear(x, wrong, "q8_0")[:, :40] - expected).norm() / expected.norm() > 0.3
+
+
+def test_an_interleaved_embedding_looks_up_the_rows_of_the_row_layout():
+    packed, weight = quantized(40, 96, "q8_0")
+    assert torch.equal(torch.ops.hyperserve.dequantize(interleave_q80(packed), 96, "q8_0")[:40], weight)
+    ids = torch.tensor([[39, 0, 17], [16, 15, 17]])
+    rows, blocks = (Q8Embedding(q, 40, 96, torch.float32) for q in (packed, interleave_q80(packed)))
+    assert torch.equal(blocks(ids), rows(ids)) and torch.equal(rows(ids), weight[ids])
+
+
 def test_an_interleaved_weight_must_fit_its_input():
     packed, _ = quantized(32, 64)
     with pytest.raises(RuntimeError, match="Q4_1 interleaved"):
         torch.ops.hyperserve.quantized_linear(torch.randn(2, 96), interleave_q41(packed), "q4_1")
-    with pytest.raises(RuntimeError, match="Q4_1 interleaved"):
+    with pytest.raises(RuntimeError, match="Q8_0 interleaved"):
         torch.ops.hyperserve.quantized_linear(torch.randn(2, 64), interleave_q41(packed), "q8_0")

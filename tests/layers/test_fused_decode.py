@@ -5,7 +5,7 @@ import torch
 
 from hyperserve import LLM, SamplingParams, kernels
 from hyperserve.engine.model_runner import SeqChunk
-from hyperserve.layers import quantization
+from hyperserve.layers import fused_decode, quantization
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels could not be built here")
@@ -85,11 +85,13 @@ def test_attention_over_contexts_of_several_spans_matches_the_pytorch_layers(sav
 
 
 @pytest.mark.parametrize("q41_layout", ["interleaved"], indirect=True)
-def test_a_step_gives_the_same_bits_on_one_thread_or_several(save_hf_model, q41_layout):
+def test_a_step_gives_the_same_bits_on_one_thread_or_several(save_hf_model, q41_layout, monkeypatch):
     """The step's threads take pieces of each operation as they come free (a descheduled thread's
     share is done by the others), so which thread computes which channel or attention span varies;
     each is computed whole by one of them, so the logits must not change by a bit. Four threads on
-    this machine's cores share them, so pieces do change hands."""
+    this machine's cores share them, so pieces do change hands. The prefills run fused too, as on
+    AVX2-only CPUs: oneDNN's bfloat16 products may split their sums by the thread count."""
+    monkeypatch.setattr(fused_decode, "dense_dtype", lambda: torch.float32)
     _, path = save_hf_model(tiny_config("llama", num_attention_heads=3, num_key_value_heads=1, hidden_size=192,
                                         intermediate_size=512, max_position_embeddings=1024))
     llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.05, block_size=24)
@@ -161,6 +163,7 @@ def test_where_every_step_is_fused_a_request_is_the_same_cached_chunked_or_batch
     if kernels.isa() == "portable":
         pytest.skip("the interleaved layout is chosen only where the CPU has AVX2")
     monkeypatch.setattr(quantization, "interleaves_q41", lambda: True)
+    monkeypatch.setattr(fused_decode, "dense_dtype", lambda: torch.float32)  # no native bfloat16, as on AVX2
     _, path = save_hf_model(tiny_config("llama", hidden_size=192, num_attention_heads=3, num_key_value_heads=1))
     generator = torch.Generator().manual_seed(1)
     prompt, *others = (torch.randint(0, 256, (n,), generator=generator).tolist() for n in (70, 45, 30))
