@@ -51,6 +51,8 @@ class RequestResult:
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str = ""
+    status: int | None = None  # the HTTP status, once the server answered
+    chunks: int = 0  # chunks with text
 
     @property
     def tpot(self) -> float:
@@ -88,43 +90,59 @@ async def send(session: aiohttp.ClientSession, args: argparse.Namespace, spec: R
         url, body["prompt"] = "/v1/completions", spec.prompt
     result = RequestResult(ok=False)
     start = time.perf_counter()
-    last = None
-    chunks = 0
-    try:
-        async with session.post(args.base_url.rstrip("/") + url, json=body) as response:
-            if response.status != 200:
-                result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
-                return result
-            async for raw in response.content:  # one line at a time
-                now = time.perf_counter()  # when the chunk arrived, before it is parsed
-                data = parse_sse_chunk(raw.decode())
-                if data is None:
-                    continue
-                if data.get("usage"):
-                    result.prompt_tokens = data["usage"]["prompt_tokens"]
-                    result.output_tokens = data["usage"]["completion_tokens"]
-                choices = data.get("choices") or []
-                if not choices:
-                    continue
-                choice = choices[0]
-                text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-                if not text:
-                    continue
-                if last is None:
-                    result.ttft = now - start
-                else:
-                    result.itls.append(now - last)
-                last = now
-                chunks += 1
-    except (aiohttp.ClientError, TimeoutError, ValueError) as error:
-        result.error = f"{type(error).__name__}: {error}"
+    for attempt in range(2):
+        try:
+            await _stream(session, args.base_url.rstrip("/") + url, body, start, result)
+            break
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as error:
+            # A kept-alive connection that the server closed between requests (llama-server closes
+            # each after a few) fails before any answer: send it again once, on a new connection.
+            if attempt == 0 and result.status is None:
+                continue
+            result.error = f"{type(error).__name__}: {error}"
+            return result
+        except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+            result.error = f"{type(error).__name__}: {error}"
+            return result
+    if result.error:
         return result
     result.e2e = time.perf_counter() - start
-    result.output_tokens = result.output_tokens or chunks
-    result.ok = last is not None
+    result.output_tokens = result.output_tokens or result.chunks
+    result.ok = result.chunks > 0
     if not result.ok:
         result.error = "no tokens received"
     return result
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, body: dict, start: float, result: RequestResult) -> None:
+    """One streamed request into `result`: its status, TTFT and the gaps between chunks."""
+    last = None
+    async with session.post(url, json=body) as response:
+        result.status = response.status
+        if response.status != 200:
+            result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
+            return
+        async for raw in response.content:  # one line at a time
+            now = time.perf_counter()  # when the chunk arrived, before it is parsed
+            data = parse_sse_chunk(raw.decode())
+            if data is None:
+                continue
+            if data.get("usage"):
+                result.prompt_tokens = data["usage"]["prompt_tokens"]
+                result.output_tokens = data["usage"]["completion_tokens"]
+            choices = data.get("choices") or []
+            if not choices:
+                continue
+            choice = choices[0]
+            text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+            if not text:
+                continue
+            if result.chunks == 0:
+                result.ttft = now - start
+            else:
+                result.itls.append(now - last)
+            last = now
+            result.chunks += 1
 
 
 async def run_load(args: argparse.Namespace, specs: list[RequestSpec]) -> tuple[list[RequestResult], float]:

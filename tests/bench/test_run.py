@@ -64,3 +64,54 @@ def test_a_failing_server_is_reported_per_request(stub):
 def test_an_unreachable_server_is_reported_not_raised():
     summary = bench(f"http://127.0.0.1:{free_port()}")
     assert summary["num_failed"] == 4 and "Connect" in summary["errors"][0]
+
+
+class _DroppingServer:
+    """Answers each request with a short stream, but drops every `drop_every`-th connection once
+    its request is in, unanswered, as a server drops a kept-alive connection it had closed."""
+
+    def __init__(self, drop_every: int) -> None:
+        import socket
+
+        self.drop_every, self.connections = drop_every, 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        stream = "".join(f'data: {{"choices": [{{"text": "t{i}"}}]}}\n\n' for i in range(3)) + "data: [DONE]\n\n"
+        answer = ("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                  f"content-length: {len(stream)}\r\n\r\n{stream}").encode()
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            with connection:
+                self.connections += 1
+                connection.recv(65536)
+                if self.connections % self.drop_every:
+                    connection.sendall(answer)
+
+    def close(self) -> None:
+        self.listener.close()
+        self.thread.join(timeout=10)
+
+
+def test_a_connection_dropped_before_any_answer_is_tried_once_more():
+    """llama-server closes kept-alive connections after a few requests; the request that finds one
+    closed is sent again on a new connection. One that fails twice is reported."""
+    server = _DroppingServer(drop_every=2)
+    try:
+        summary = bench(server.url, "--concurrency", "1")
+        assert summary["num_ok"] == 4 and summary["num_failed"] == 0
+        assert server.connections == 7  # answered, then dropped and answered, three times
+    finally:
+        server.close()
+    server = _DroppingServer(drop_every=1)
+    try:
+        summary = bench(server.url, "--num-requests", "1")
+        assert summary["num_failed"] == 1 and "Disconnected" in summary["errors"][0]
+    finally:
+        server.close()
