@@ -97,7 +97,8 @@ def run(methods: list[str], workloads: dict[str, list[str]], max_tokens: int, nu
                     total[2] += m.num_draft_tokens
                     total[3] += m.num_accepted_tokens
                     total[4] += llm.engine.scheduler.spec_stats.num_drafts - steps
-    results = {method: {} for method in methods}
+    # what the engine timed at start: one more token in a step, relative to a one-token step
+    results = {method: {"verify_cost": engines[method].engine.verify_cost} for method in methods}
     for (method, workload), (tokens, seconds, drafted, accepted, steps) in totals.items():
         results[method][workload] = {
             "output_tokens": tokens,
@@ -130,6 +131,8 @@ def main() -> None:
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)
 
+    print("verify cost (one more token in a step / a one-token step), timed at start: "
+          + ", ".join(f"{method} {r['verify_cost']:.2f}" for method, r in results.items() if method != "none"))
     print(f"{'workload':<20}{'method':<10}{'decode tok/s':>14}{'speedup':>9}{'accept rate':>13}{'mean len':>10}")
     for workload in workloads:
         base = results["none"][workload]["decode_tps"] if "none" in results else None

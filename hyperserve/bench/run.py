@@ -23,6 +23,9 @@ import aiohttp
 
 from hyperserve.common.sse import parse_sse_chunk
 
+# Tries of a request whose kept-alive connection the server had closed (several pooled ones may be).
+STALE_CONNECTION_TRIES = 3
+
 # Common English words: one token each in the usual BPE vocabularies (SmolLM2, Llama 3, Qwen2).
 _WORDS = (
     "the of and to in is was that for it with as his on be at by had are but from or have an they which "
@@ -90,14 +93,14 @@ async def send(session: aiohttp.ClientSession, args: argparse.Namespace, spec: R
         url, body["prompt"] = "/v1/completions", spec.prompt
     result = RequestResult(ok=False)
     start = time.perf_counter()
-    for attempt in range(2):
+    for attempt in range(STALE_CONNECTION_TRIES):
         try:
             await _stream(session, args.base_url.rstrip("/") + url, body, start, result)
             break
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as error:
             # A kept-alive connection that the server closed between requests (llama-server closes
-            # each after a few) fails before any answer: send it again once, on a new connection.
-            if attempt == 0 and result.status is None:
+            # each after a few) fails before any answer: send it again, on another connection.
+            if attempt + 1 < STALE_CONNECTION_TRIES and result.status is None:
                 continue
             result.error = f"{type(error).__name__}: {error}"
             return result

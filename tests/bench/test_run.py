@@ -99,9 +99,9 @@ class _DroppingServer:
         self.thread.join(timeout=10)
 
 
-def test_a_connection_dropped_before_any_answer_is_tried_once_more():
+def test_a_connection_dropped_before_any_answer_is_tried_again():
     """llama-server closes kept-alive connections after a few requests; the request that finds one
-    closed is sent again on a new connection. One that fails twice is reported."""
+    closed is sent again on another connection. One that fails every try is reported."""
     server = _DroppingServer(drop_every=2)
     try:
         summary = bench(server.url, "--concurrency", "1")
