@@ -444,22 +444,24 @@ Avx512Kernel rows_avx512_for(int64_t R, int64_t C) {
 constexpr int64_t kBlockRowTile = 4;  // input rows per pass over a block (registers: 8 of codes, one sum per row)
 constexpr int64_t kBlockRowTile512 = 8;  // with AVX-512: 32 registers, 8 rows' sums of 16 channels
 
-// The block holding channel n against R input rows from row0 -> out[r * out_stride + c], c < 8. Per
-// row and channel: sum over the groups in order of d * dx * (integer dot) + m * s, as the AVX2 kernel
-// computes it (fused multiply-adds included), so both give the same numbers.
-void block_portable(const QuantizedWeight& w, int64_t n, const QuantizedRows8& x, int64_t row0, int64_t R, float* out,
+// The block holding channel n against R input rows from row0 -> out[r * out_stride + c], c < 8 (Q4_1)
+// or 16 (Q8_0). Per row and channel: sum over the groups in order of d * dx * (integer dot) (+ m * s
+// for Q4_1), as the vector kernels compute it (fused multiply-adds included), so all give the same
+// numbers. `Rows`: QuantizedRows8 against Q4_1, QuantizedRows (16 bits) against the Q8_0 head.
+template <typename Rows>
+void block_portable(const QuantizedWeight& w, int64_t n, const Rows& x, int64_t row0, int64_t R, float* out,
                     int64_t out_stride) {
   for (int64_t r = 0; r < R; ++r) {
-    const int8_t* xq = x.codes.data() + (row0 + r) * w.in_features;
+    const auto* xq = x.codes.data() + (row0 + r) * w.in_features;
     const float* dx = x.scales.data() + (row0 + r) * w.groups;
     const float* sx = x.sums.data() + (row0 + r) * w.groups;
-    for (int64_t c = 0; c < kBlock; ++c) {
+    for (int64_t c = 0; c < w.block(); ++c) {
       float total = 0.f;
       for (int64_t g = 0; g < w.groups; ++g) {
         int32_t dot = 0;
         for (int64_t j = 0; j < kGroup; ++j) dot += w.code(n + c, g, j) * xq[g * kGroup + j];
         total = std::fma(w.scale(n + c, g) * dx[g], static_cast<float>(dot), total);
-        total = std::fma(w.min(n + c, g), sx[g], total);
+        if (w.format == Format::kQ4_1) total = std::fma(w.min(n + c, g), sx[g], total);
       }
       out[r * out_stride + c] = total;
     }
@@ -471,11 +473,13 @@ void block_portable(const QuantizedWeight& w, int64_t n, const QuantizedRows8& x
 // channel); _mm256_maddubs_epi16 against 4 input codes broadcast gives each channel's pairs, whose 8
 // products per group add up in 16 bits without overflow (8 * 2 * 15 * 127 < 32767), then one
 // _mm256_madd_epi16 leaves channel c's dot product in lane c.
-AVX2 inline __m256i broadcast4(const int8_t* p) {  // 4 bytes into every 32-bit lane
+inline int32_t load_i32(const void* p) {  // 4 bytes (4 input codes of 8 bits, or 2 of 16), unaligned
   int32_t v;
   std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
+  return v;
 }
+
+AVX2 inline __m256i broadcast4(const int8_t* p) { return _mm256_set1_epi32(load_i32(p)); }  // into every lane
 
 template <int R>
 AVX2 void block_avx2(const QuantizedWeight& w, int64_t n, const QuantizedRows8& x, int64_t row0, float* out,
@@ -612,42 +616,16 @@ void block_matmul(const QuantizedWeight& w, const float* x, int64_t rows, float*
 
 constexpr int64_t kHeadRowTile = 4;  // AVX2 registers: two halves' sums and one integer sum per row
 
-// The block holding channel n against R input rows from row0 -> out[r * out_stride + c], c < 16.
-// Per row and channel: the sum over the groups, in order, of d * dx * (integer dot product); every
-// instruction set computes exactly this, so all give the same numbers.
-void head_block_portable(const QuantizedWeight& w, int64_t n, const QuantizedRows& x, int64_t row0, int64_t R,
-                         float* out, int64_t out_stride) {
-  for (int64_t r = 0; r < R; ++r) {
-    const int16_t* xq = x.codes.data() + (row0 + r) * w.in_features;
-    const float* dx = x.scales.data() + (row0 + r) * w.groups;
-    for (int64_t c = 0; c < kHeadBlock; ++c) {
-      float total = 0.f;
-      for (int64_t g = 0; g < w.groups; ++g) {
-        int32_t dot = 0;
-        for (int64_t j = 0; j < kGroup; ++j) dot += w.code(n + c, g, j) * xq[g * kGroup + j];
-        total = std::fma(w.scale(n + c, g) * dx[g], static_cast<float>(dot), total);
-      }
-      out[r * out_stride + c] = total;
-    }
-  }
-}
-
 #ifdef HYPERSERVE_X86
-inline int32_t code_pair(const int16_t* p) {  // two 16-bit input codes, as one 32-bit lane
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
 inline void prefetch_head_group(const uint8_t* group) {
   for (int64_t line = 0; line < kHeadBlockGroupBytes; line += 64) {
     __builtin_prefetch(group + kBlockPrefetchBytes + line);
   }
 }
 
-// head_block_portable with the group's codes 32 bytes at a time: 2 codes of each of the 16 channels,
-// sign-extended to 16 bits, against the same 2 input codes broadcast (_mm256_madd_epi16: each
-// channel's pair sum in its 32-bit lane), 8 channels per register.
+// block_portable for a Q8_0 block, its group's codes 32 bytes at a time: 2 codes of each of the 16
+// channels, sign-extended to 16 bits, against the same 2 input codes broadcast (_mm256_madd_epi16:
+// each channel's pair sum in its 32-bit lane), 8 channels per register.
 template <int R>
 AVX2 void head_block_avx2(const QuantizedWeight& w, int64_t n, const QuantizedRows& x, int64_t row0, float* out,
                           int64_t out_stride) {
@@ -666,7 +644,7 @@ AVX2 void head_block_avx2(const QuantizedWeight& w, int64_t n, const QuantizedRo
         const __m256i codes =
             _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 32 * p + 16 * h)));
         for (int r = 0; r < R; ++r) {
-          const __m256i pair = _mm256_set1_epi32(code_pair(xq + r * w.in_features + g * kGroup + 2 * p));
+          const __m256i pair = _mm256_set1_epi32(load_i32(xq + r * w.in_features + g * kGroup + 2 * p));
           dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(codes, pair));
         }
       }
@@ -699,7 +677,7 @@ AVX512 void head_block_avx512(const QuantizedWeight& w, int64_t n, const Quantiz
       const __m512i codes = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 32 * p)));
       for (int r = 0; r < R; ++r) {
         dot[r] = _mm512_dpwssd_epi32(dot[r], codes,
-                                     _mm512_set1_epi32(code_pair(xq + r * w.in_features + g * kGroup + 2 * p)));
+                                     _mm512_set1_epi32(load_i32(xq + r * w.in_features + g * kGroup + 2 * p)));
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kHeadBlock * kGroup)));
@@ -735,7 +713,7 @@ void head_matmul(const QuantizedWeight& w, const float* x, int64_t rows, float* 
           continue;
         }
 #endif
-        head_block_portable(w, b * kHeadBlock, q, row0, R, dst, w.out_features);
+        block_portable(w, b * kHeadBlock, q, row0, R, dst, w.out_features);
       }
     }
   });
