@@ -70,8 +70,9 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
     @torch.library.register_fake("hyperserve::dequantize")
-    def _(weight, in_features, format):
-        return weight.new_empty((weight.shape[0], in_features), dtype=torch.float32)
+    def _(weight, in_features, format, channels=None):
+        rows = weight.shape[0] if channels is None else channels.shape[0]
+        return weight.new_empty((rows, in_features), dtype=torch.float32)
 
     @torch.library.register_fake("hyperserve::decode_layer")
     def _(hidden, weights, cos, signed_sin, key_cache, value_cache, slots, block_tables, lengths, block_size,

@@ -36,6 +36,7 @@
 
 #include <torch/library.h>
 
+#include <optional>
 #include <string>
 
 #include "decode_layer.h"
@@ -57,10 +58,30 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, const
 }
 
 // The weight as float32 [out_features, in_features]: for steps too large for the kernel above
-// (prefill), which multiply it densely so that no dense copy lives beside the packed one, and for
-// embedding lookups of a few rows.
-at::Tensor dequantize(const at::Tensor& weight, int64_t in_features, const std::string& format) {
+// (prefill), which multiply it densely so that no dense copy lives beside the packed one. With
+// `channels` (int64 [N]), only those: the embedding lookup of N tokens, in any layout.
+at::Tensor dequantize_channels(const QuantizedWeight& w, const at::Tensor& channels) {
+  TORCH_CHECK(channels.dim() == 1 && channels.scalar_type() == at::kLong, "dequantize: channels must be int64 [N]");
+  const at::Tensor ids = channels.contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  at::Tensor out = at::empty({ids.size(0), w.in_features}, at::kFloat);
+  float* dst = out.data_ptr<float>();
+  for (int64_t i = 0; i < ids.size(0); ++i) {
+    const int64_t n = id[i];
+    TORCH_CHECK(n >= 0 && n < w.out_features, "dequantize: channel ", n, " out of range for ", w.out_features);
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const float d = w.scale(n, g), m = w.format == Format::kQ4_1 ? w.min(n, g) : 0.f;
+      float* row = dst + i * w.in_features + g * kGroup;
+      for (int64_t j = 0; j < kGroup; ++j) row[j] = static_cast<float>(w.code(n, g, j)) * d + m;
+    }
+  }
+  return out;
+}
+
+at::Tensor dequantize(const at::Tensor& weight, int64_t in_features, const std::string& format,
+                      const std::optional<at::Tensor>& channels) {
   const QuantizedWeight w = quantized_weight(weight, in_features, parse_format(format));
+  if (channels.has_value()) return dequantize_channels(w, *channels);
   at::Tensor out = at::empty({w.out_features, in_features}, weight.options().dtype(at::kFloat));
   float* dst = out.data_ptr<float>();
   if (w.interleaved && w.format == Format::kQ8_0) {
@@ -139,7 +160,7 @@ std::string isa() { return isa_name(best_isa()); }
 
 TORCH_LIBRARY(hyperserve, m) {
   m.def("quantized_linear(Tensor x, Tensor weight, str format, str isa=\"\") -> Tensor");
-  m.def("dequantize(Tensor weight, int in_features, str format) -> Tensor");
+  m.def("dequantize(Tensor weight, int in_features, str format, Tensor? channels=None) -> Tensor");
   m.def("decode_layer(Tensor(a!) hidden, Tensor[] weights, Tensor cos, Tensor signed_sin, Tensor(b!) key_cache, "
         "Tensor(c!) value_cache, Tensor slots, Tensor block_tables, Tensor lengths, int block_size, int num_heads, "
         "int num_kv_heads, float eps, float scale, Tensor[] lora, Tensor lora_rows) -> ()");

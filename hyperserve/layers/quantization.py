@@ -246,11 +246,7 @@ class Q8Embedding(nn.Module):
 
     def lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Float32 rows [N, embedding_dim] of N token ids."""
-        ids = input_ids.reshape(-1)
-        if self.q80.dim() == 2:
-            return torch.ops.hyperserve.dequantize(self.q80.index_select(0, ids), self.embedding_dim, "q8_0")
-        blocks = torch.ops.hyperserve.dequantize(self.q80.index_select(0, ids // 16), self.embedding_dim, "q8_0")
-        return blocks.view(-1, 16, self.embedding_dim)[torch.arange(len(ids)), ids % 16]
+        return torch.ops.hyperserve.dequantize(self.q80, self.embedding_dim, "q8_0", input_ids.reshape(-1))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.lookup(input_ids).view(*input_ids.shape, self.embedding_dim).to(self.dtype)

@@ -80,6 +80,10 @@ def test_every_instruction_set_gives_the_portable_kernels_numbers(format):
 def test_dequantize_gives_the_packed_weight_back_exactly(format):
     packed, weight = quantized(48, 96, format)
     assert torch.equal(torch.ops.hyperserve.dequantize(packed, 96, format), weight)
+    channels = torch.tensor([47, 0, 8, 8])  # an embedding lookup: only these, in this order
+    assert torch.equal(torch.ops.hyperserve.dequantize(packed, 96, format, channels), weight[channels])
+    with pytest.raises(RuntimeError, match="channel 48 out of range"):
+        torch.ops.hyperserve.dequantize(packed, 96, format, torch.tensor([48]))
 
 
 def test_q8_0_packing_is_exact_for_a_q8_0_weight_and_close_for_any():
