@@ -4,6 +4,7 @@ for both endpoints, and what it reports when the server fails."""
 from __future__ import annotations
 
 import argparse
+import socket
 import threading
 import time
 
@@ -71,8 +72,6 @@ class _DroppingServer:
     its request is in, unanswered, as a server drops a kept-alive connection it had closed."""
 
     def __init__(self, drop_every: int) -> None:
-        import socket
-
         self.drop_every, self.connections = drop_every, 0
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
@@ -95,8 +94,10 @@ class _DroppingServer:
                     connection.sendall(answer)
 
     def close(self) -> None:
+        self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept(); close() alone does not
         self.listener.close()
         self.thread.join(timeout=10)
+        assert not self.thread.is_alive()
 
 
 def test_a_connection_dropped_before_any_answer_is_tried_again():
