@@ -542,7 +542,7 @@ AVX512 void block_pair_avx512(const QuantizedWeight& w, int64_t n, bool pair, co
                               float* out, int64_t out_stride) {
   const uint8_t* first = w.block_group(n, 0);
   const uint8_t* second = pair ? w.block_group(n + kBlock, 0) : first;
-  const int32_t* xq = reinterpret_cast<const int32_t*>(x.codes.data() + row0 * w.in_features);
+  const int8_t* xq = x.codes.data() + row0 * w.in_features;
   const float* dx = x.scales.data() + row0 * w.groups;
   const float* sx = x.sums.data() + row0 * w.groups;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -564,10 +564,12 @@ AVX512 void block_pair_avx512(const QuantizedWeight& w, int64_t n, bool pair, co
     }
     const __m512 d = load16_half_pair(first + 128, second + 128), m = load16_half_pair(first + 144, second + 144);
     for (int r = 0; r < R; ++r) {
-      const int32_t* xg = xq + (r * w.in_features + g * kGroup) / 4;  // 4 codes per 32 bits
+      const int8_t* xg = xq + r * w.in_features + g * kGroup;
       __m512i dot = _mm512_setzero_si512();
-      for (int k = 0; k < 4; ++k) dot = _mm512_dpbusd_epi32(dot, low[k], _mm512_set1_epi32(xg[k]));
-      for (int k = 0; k < 4; ++k) dot = _mm512_dpbusd_epi32(dot, high[k], _mm512_set1_epi32(xg[4 + k]));
+      for (int k = 0; k < 4; ++k) {  // codes 4k..4k+3 against the low nibbles, 16+4k.. against the high
+        dot = _mm512_dpbusd_epi32(dot, low[k], _mm512_set1_epi32(load_i32(xg + 4 * k)));
+        dot = _mm512_dpbusd_epi32(dot, high[k], _mm512_set1_epi32(load_i32(xg + 16 + 4 * k)));
+      }
       const int64_t at = r * w.groups + g;
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[at])), _mm512_cvtepi32_ps(dot), acc[r]);
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[at]), acc[r]);
