@@ -36,8 +36,10 @@
 
 #include <torch/library.h>
 
+#include <numeric>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "decode_layer.h"
 #include "isa.h"
@@ -57,17 +59,11 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, const
   return out.to(x.scalar_type());
 }
 
-// The weight as float32 [out_features, in_features]: for steps too large for the kernel above
-// (prefill), which multiply it densely so that no dense copy lives beside the packed one. With
-// `channels` (int64 [N]), only those: the embedding lookup of N tokens, in any layout.
-at::Tensor dequantize_channels(const QuantizedWeight& w, const at::Tensor& channels) {
-  TORCH_CHECK(channels.dim() == 1 && channels.scalar_type() == at::kLong, "dequantize: channels must be int64 [N]");
-  const at::Tensor ids = channels.contiguous();
-  const int64_t* id = ids.data_ptr<int64_t>();
-  at::Tensor out = at::empty({ids.size(0), w.in_features}, at::kFloat);
-  float* dst = out.data_ptr<float>();
-  for (int64_t i = 0; i < ids.size(0); ++i) {
-    const int64_t n = id[i];
+// Channels ids[0..count) of w as float32 rows into dst, through the layout-independent accessors:
+// the embedding lookup of a step's tokens, and the Q8_0 head's blocks, which nothing multiplies densely.
+void dequantize_channels(const QuantizedWeight& w, const int64_t* ids, int64_t count, float* dst) {
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t n = ids[i];
     TORCH_CHECK(n >= 0 && n < w.out_features, "dequantize: channel ", n, " out of range for ", w.out_features);
     for (int64_t g = 0; g < w.groups; ++g) {
       const float d = w.scale(n, g), m = w.format == Format::kQ4_1 ? w.min(n, g) : 0.f;
@@ -75,30 +71,27 @@ at::Tensor dequantize_channels(const QuantizedWeight& w, const at::Tensor& chann
       for (int64_t j = 0; j < kGroup; ++j) row[j] = static_cast<float>(w.code(n, g, j)) * d + m;
     }
   }
-  return out;
 }
 
+// The weight as float32 [out_features, in_features]: for steps too large for the kernel above
+// (prefill), which multiply it densely so that no dense copy lives beside the packed one. With
+// `channels` (int64 [N]), only those: the embedding lookup of N tokens, in any layout.
 at::Tensor dequantize(const at::Tensor& weight, int64_t in_features, const std::string& format,
                       const std::optional<at::Tensor>& channels) {
   const QuantizedWeight w = quantized_weight(weight, in_features, parse_format(format));
-  if (channels.has_value()) return dequantize_channels(w, *channels);
+  if (channels.has_value()) {
+    TORCH_CHECK(channels->dim() == 1 && channels->scalar_type() == at::kLong, "dequantize: channels must be int64 [N]");
+    const at::Tensor ids = channels->contiguous();
+    at::Tensor out = at::empty({ids.size(0), in_features}, at::kFloat);
+    dequantize_channels(w, ids.data_ptr<int64_t>(), ids.size(0), out.data_ptr<float>());
+    return out;
+  }
   at::Tensor out = at::empty({w.out_features, in_features}, weight.options().dtype(at::kFloat));
   float* dst = out.data_ptr<float>();
   if (w.interleaved && w.format == Format::kQ8_0) {
-    at::parallel_for(0, w.out_features / kHeadBlock, 2, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin * kHeadBlock; n < end * kHeadBlock; n += kHeadBlock) {
-        for (int64_t g = 0; g < w.groups; ++g) {
-          const uint8_t* group = w.block_group(n, g);
-          for (int64_t c = 0; c < kHeadBlock; ++c) {
-            const float d = w.scale(n + c, g);
-            float* row = dst + (n + c) * in_features + g * kGroup;
-            for (int64_t j = 0; j < kGroup; ++j) {
-              row[j] = static_cast<float>(static_cast<int8_t>(group[j / 2 * 32 + c * 2 + j % 2])) * d;
-            }
-          }
-        }
-      }
-    });
+    std::vector<int64_t> all(w.out_features);
+    std::iota(all.begin(), all.end(), 0);
+    dequantize_channels(w, all.data(), w.out_features, dst);
     return out;
   }
   if (w.interleaved) {

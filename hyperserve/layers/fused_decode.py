@@ -50,7 +50,7 @@ class FusedDecode:
         self.eps = config.rms_norm_eps
         self.scale = model.model.layers[0].self_attn.scale
         self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
-        self.embedding, self.head = model.model.embed_tokens, model.lm_head.q80
+        self.embedding, self.head = model.model.embed_tokens, model.lm_head
         self.final_norm = model.model.norm.weight.detach().float().contiguous()
         # cos and signed sin of every position, [max_position, head_dim] each: a step indexes them
         # (two ops) rather than building them from the rotary table (eight, 1% of a SmolLM2 step)
@@ -117,5 +117,4 @@ class FusedDecode:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [S, vocab] of final hidden rows [S, hidden]: the final norm, then the head."""
-        normed = torch.ops.hyperserve.rms_norm(hidden, self.final_norm, self.eps)
-        return torch.ops.hyperserve.quantized_linear(normed, self.head, "q8_0")[:, : self.vocab_size]
+        return self.head(torch.ops.hyperserve.rms_norm(hidden, self.final_norm, self.eps))[:, : self.vocab_size]
