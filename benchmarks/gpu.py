@@ -156,13 +156,21 @@ def workload(num: int, input_len: int, vocab: int) -> list[list[int]]:
 
 def run_hyperserve(model_dir: str, args) -> dict:
     from hyperserve import LLM, SamplingParams
+    from hyperserve.layers import triton_gemv
     from hyperserve.layers.quantization import weight_bytes as model_weight_bytes
+
+    if args.gemv_tiles:  # a sweep's winners (benchmarks/gpu_kernels.py --tiles-json)
+        with open(args.gemv_tiles) as f:
+            for entry in json.load(f):
+                key = (entry.pop("n"), entry.pop("k"), entry.pop("itemsize"))
+                triton_gemv.TILES[key] = triton_gemv.GemvTiles(**entry)
 
     started = time.perf_counter()
     llm = LLM(model=model_dir, load_format="random", device="cuda", dtype="bfloat16", max_model_len=2048,
               kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,
               enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+              kv_cache_dtype=args.kv_cache_dtype,
               num_scheduler_steps=args.num_scheduler_steps)
     startup = time.perf_counter() - started
     graphs = llm.engine.runner.decode_graphs
@@ -172,6 +180,7 @@ def run_hyperserve(model_dir: str, args) -> dict:
     embed = model.model.embed_tokens.weight
     streamed_bytes = weight_bytes - embed.numel() * embed.element_size()
     setup = {"attention": type(model.attention_backend).__name__, "cuda_graphs": graphs is not None,
+             "gemv_tiles": {f"{n}x{k}x{b}": vars(t) for (n, k, b), t in triton_gemv.TILES.items()},
              "kv_blocks": llm.engine.kv_cache.pool.num_blocks, "startup_seconds": startup,
              "graph_capture_seconds": graphs.capture_seconds if graphs is not None else 0.0}
     del model, embed, graphs  # so that deleting llm frees the GPU for what runs next
@@ -188,23 +197,29 @@ def run_hyperserve(model_dir: str, args) -> dict:
         decode_tps[steps] = (args.decode_tokens - 1) / (m.finished_time - m.first_token_time)
         single_profile[steps], profile.steps = profile.summary(), []
 
-    prompts = workload(args.num_requests, args.input_len, 128256)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    assert all(len(o.outputs[0].token_ids) == args.output_len for o in outputs)
+    elapsed = 0.0
+    if args.num_requests:
+        prompts = workload(args.num_requests, args.input_len, 128256)
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        assert all(len(o.outputs[0].token_ids) == args.output_len for o in outputs)
+        del outputs
     kernels = ""
     if args.kernel_table:
         kernels = (kernel_table(llm, workload(1, args.input_len, 128256), 64, "one prompt: prefill, 63 decode steps")
+                   + kernel_table(llm, workload(32, args.input_len, 128256), 1,
+                                  f"32 prompts of {args.input_len} tokens: prefill steps only")
                    + kernel_table(llm, workload(64, args.input_len, 128256), 32,
                                   "64 prompts: prefill chunks, 31 decode steps at batch 64"))
-    del llm, outputs
+    del llm
     gc.collect()
     torch.cuda.empty_cache()
     return {**setup, "weight_bytes": weight_bytes, "streamed_bytes": streamed_bytes, "decode_tps": decode_tps,
-            "offline_seconds": elapsed, "offline_tps": args.num_requests * args.output_len / elapsed,
+            "offline_seconds": elapsed,
+            "offline_tps": args.num_requests * args.output_len / elapsed if elapsed else 0.0,
             "single_stream_profile": single_profile, "offline_profile": profile.summary(), "kernel_table": kernels}
 
 
@@ -277,7 +292,7 @@ def run_server(model_dir: str, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--num-requests", type=int, default=1000)
+    parser.add_argument("--num-requests", type=int, default=1000, help="(b)'s requests; 0: no offline run")
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--decode-tokens", type=int, default=128)
@@ -291,6 +306,9 @@ def main() -> None:
     parser.add_argument("--num-scheduler-steps", type=int, default=1,
                         help="decode steps per schedule (single-stream decode is measured with 1 too)")
     parser.add_argument("--attention-backend", default="auto", help="auto (Triton on CUDA) or torch")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's), fp8 or int8")
+    parser.add_argument("--gemv-tiles", default=None,
+                        help="JSON of per-shape GEMV tiles (benchmarks/gpu_kernels.py --tiles-json) to run with")
     parser.add_argument("--serve-concurrency", type=int, nargs="*", default=[],
                         help="also serve the model and load it at these concurrencies")
     parser.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
@@ -327,7 +345,8 @@ def print_offline(ours: dict, bandwidth: float, theirs: dict, args) -> None:
     limit_tps = bandwidth / ours["streamed_bytes"]
     print(f"weights {ours['weight_bytes'] / 1e9:.2f} GB ({ours['streamed_bytes'] / 1e9:.2f} GB read per token)")
     print(f"engine: {ours['attention']}, CUDA graphs {'on' if ours['cuda_graphs'] else 'off'}, "
-          f"weights {args.quantization or 'bfloat16'}, {ours['kv_blocks']} KV blocks; started in "
+          f"weights {args.quantization or 'bfloat16'}, KV {args.kv_cache_dtype}, "
+          f"GEMV tiles {'swept' if ours['gemv_tiles'] else 'default'}, {ours['kv_blocks']} KV blocks; started in "
           f"{ours['startup_seconds']:.1f} s ({ours['graph_capture_seconds']:.1f} s capturing graphs)")
     for steps, summary in ours["single_stream_profile"].items():
         print_profile(f"single stream, {steps} step(s) per schedule", summary)
@@ -338,9 +357,10 @@ def print_offline(ours: dict, bandwidth: float, theirs: dict, args) -> None:
     for steps, tps in ours["decode_tps"].items():
         print(f"{f'(a) single-stream decode tok/s, {steps} step(s)':<42}{tps:>12.1f}")
         print(f"{'    fraction of the limit':<42}{tps / limit_tps:>12.1%}")
-    print(f"{f'(b) HyperServe offline output tok/s, {args.num_scheduler_steps} step(s)':<42}"
-          f"{ours['offline_tps']:>12.1f}")
-    if theirs:
+    if args.num_requests:
+        print(f"{f'(b) HyperServe offline output tok/s, {args.num_scheduler_steps} step(s)':<42}"
+              f"{ours['offline_tps']:>12.1f}")
+    if theirs and args.num_requests:
         print(f"{'(c) transformers.generate output tok/s':<42}{theirs['hf_tps']:>12.1f}")
         print(f"{'    ratio':<42}{ours['offline_tps'] / theirs['hf_tps']:>12.2f}x")
 

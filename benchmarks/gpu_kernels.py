@@ -3,16 +3,19 @@
 
 For each projection shape, at 1 and 16 rows: cuBLAS with bfloat16 weights (F.linear), the
 float8 path of larger batches (per-token activation scaling, then torch._scaled_mm), and the
-Triton GEMV (layers/triton_gemv.py) with bfloat16 and float8 weights at its default tiles, which
-are then swept at one row. Each time is the median of CUDA-event timings over weight copies that together exceed the
-L2 cache; GB/s counts the weight bytes read once.
+Triton GEMV (layers/triton_gemv.py) with bfloat16 and float8 weights at its tiles, which
+are then swept at one row (--tiles-json writes each shape's winner, for benchmarks/gpu.py
+--gemv-tiles). Each call is timed as the engine runs it, replayed from a CUDA graph (the median
+replay of one call per weight copy, the copies together past the L2 cache), so the host's launch
+time, which at these sizes is longer than the kernels, is left out; GB/s counts the weight bytes
+read once.
 
 --attention times layers/triton_attention.py at Llama-3-8B's heads (32 query, 8 KV, 128 wide,
 16-token blocks scattered over the pool) for batches and contexts from one long sequence to an
 offline run's hundreds, sweeping the tokens read per iteration, the warps, and the programs per
 SM that set the split count; GB/s counts the K/V bytes read once.
 
-    python benchmarks/gpu_kernels.py [--attention] [--json OUT]
+    python benchmarks/gpu_kernels.py [--shapes qkv o ...] [--tiles-json OUT] [--attention] [--json OUT]
 """
 
 from __future__ import annotations
@@ -29,23 +32,30 @@ import triton.testing
 from torch.nn import functional as F
 
 from hyperserve.layers.quantization import Fp8Linear
-from hyperserve.layers.triton_gemv import gemv
+from hyperserve.layers.triton_gemv import GemvTiles, gemv
 
 # (name, out features, in features) of Llama-3-8B's decode projections
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
           ("lm_head", 128256, 4096)]
-SWEEP = {"block_n": (16, 32, 64), "block_k": (256, 512, 1024), "num_warps": (4, 8), "num_stages": (3, 4),
-         "single_row": (True, False)}
+SWEEP = {"block_n": (8, 16, 32), "block_k": (512, 1024, 2048), "num_warps": (4, 8), "num_stages": (3,)}
 ROTATE_BYTES = 512 * 2**20  # weight copies per shape: past H100's 50 MB L2
 
 
 def timed(fn_for_copy, copies: int) -> float:
-    """Median microseconds of fn over rotating copies."""
-    state = itertools.cycle(range(copies))
-    return 1e3 * triton.testing.do_bench(lambda: fn_for_copy(next(state)), warmup=5, rep=25, return_mode="median")
+    """Median microseconds of one call of fn, from CUDA-graph replays of a call per weight copy."""
+    for i in range(copies):  # compiles, and picks cuBLAS's kernels, outside the capture
+        fn_for_copy(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            fn_for_copy(i)
+    us = 1e3 * triton.testing.do_bench(graph.replay, warmup=5, rep=25, return_mode="median") / copies
+    del graph
+    return us
 
 
-def measure(name: str, n: int, k: int) -> list[dict]:
+def measure(name: str, n: int, k: int, row_counts: list[int]) -> list[dict]:
     rows = []
     weight = torch.randn(n, k, device="cuda") * 0.02
     bf16_bytes = n * k * 2
@@ -53,7 +63,7 @@ def measure(name: str, n: int, k: int) -> list[dict]:
     bf16 = [weight.to(torch.bfloat16) if i == 0 else weight.to(torch.bfloat16).roll(i, 0) for i in range(copies)]
     fp8 = [Fp8Linear(w, None) for w in bf16[: max(2, math.ceil(ROTATE_BYTES / (n * k)))]]
     del weight
-    for m in (1, 16):
+    for m in row_counts:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         x17 = torch.randn(17, k, device="cuda", dtype=torch.bfloat16)
         results = {
@@ -71,17 +81,17 @@ def measure(name: str, n: int, k: int) -> list[dict]:
         for values in itertools.product(*SWEEP.values()):
             config = dict(zip(SWEEP, values))
             if dtype_name == "bf16":
-                fn = lambda i, c=config, w=weights: gemv(x, w[i], **c)
+                fn = lambda i, c=config, w=weights: gemv(x, w[i], tiles=GemvTiles(**c))
             else:
-                fn = lambda i, c=config, w=weights: gemv(x, w[i]._weight_t.t(), w[i]._scale[0], **c)
+                fn = lambda i, c=config, w=weights: gemv(x, w[i]._weight_t.t(), w[i]._scale[0], tiles=GemvTiles(**c))
             try:
                 us = timed(fn, len(weights))
-            except triton.runtime.errors.OutOfResources:
+            except (triton.runtime.errors.OutOfResources, triton.CompilationError):
                 continue
             if best is None or us < best[0]:
                 best = (us, config)
         rows.append({"shape": name, "n": n, "k": k, "rows": 1, "path": f"triton {dtype_name} best", "us": best[0],
-                     "gbs": nbytes / best[0] / 1e3, "config": best[1]})
+                     "gbs": nbytes / best[0] / 1e3, "config": best[1], "itemsize": 2 if dtype_name == "bf16" else 1})
     return rows
 
 
@@ -115,6 +125,9 @@ def measure_attention(batch: int, context: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attention", action="store_true", help="time the paged decode attention instead")
+    parser.add_argument("--shapes", nargs="*", default=[name for name, _, _ in SHAPES], help="projections to time")
+    parser.add_argument("--rows", type=int, nargs="*", default=[1, 16], help="rows to compare the paths at")
+    parser.add_argument("--tiles-json", default=None, help="write each shape's best tiles here")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     print(f"GPU: {torch.cuda.get_device_name()}")
@@ -129,7 +142,8 @@ def main() -> None:
                   f"{r['us']:>9.1f}{r['gbs']:>7.0f}")
     else:
         for name, n, k in SHAPES:
-            rows += measure(name, n, k)
+            if name in args.shapes:
+                rows += measure(name, n, k, args.rows)
             torch.cuda.empty_cache()
         print(f"{'shape':<9}{'rows':>5}  {'path':<26}{'us':>9}{'GB/s':>8}  config")
         for r in rows:
@@ -138,6 +152,10 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
+    if args.tiles_json:
+        with open(args.tiles_json, "w") as f:
+            json.dump([{"n": r["n"], "k": r["k"], "itemsize": r["itemsize"], **r["config"]} for r in rows
+                       if "config" in r], f, indent=2)
 
 
 if __name__ == "__main__":

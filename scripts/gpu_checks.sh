@@ -1,40 +1,75 @@
 #!/usr/bin/env bash
-# Every GPU check in one call, for a machine with CUDA and PyTorch already installed:
-#   bash scripts/gpu_checks.sh [OUTDIR]
-# 1. the CUDA-parametrised correctness tests: the Triton kernels natively, the engine against
-#    transformers with Triton decode and CUDA graphs, fp8 weights, KV blocks moved between engines
-#    (disaggregated prefill), and tensor parallelism over NCCL where there are two GPUs;
-# 2. benchmarks/gpu.py on the Llama-3-8B shape (random weights): bfloat16 with 8 decode steps per
-#    schedule and wide batches (512 sequences, 16,384 tokens a step) against transformers (with the
-#    top GPU kernels); the same with one step per schedule; `hyperserve serve` loaded by
-#    `hyperserve bench` at concurrency 1, 16 and 64; fp8 weights.
+# Every GPU check in one call, for a machine with CUDA and PyTorch already installed; all parts
+# take about 8 minutes on an H100, so that they fit a 15-minute device lease with its start-up:
+#   bash scripts/gpu_checks.sh [OUTDIR]            # every part
+#   PARTS="sweep single" bash scripts/gpu_checks.sh OUTDIR   # some of them
+# Parts, in order:
+#   tests    the CUDA-parametrised correctness tests: the Triton kernels natively, the engine against
+#            transformers with Triton decode and CUDA graphs, fp8 weights, KV blocks moved between
+#            engines (disaggregated prefill), tensor parallelism over NCCL where there are two GPUs
+#            (TESTS names other test paths);
+#   sweep    benchmarks/gpu_kernels.py: the decode GEMV against cuBLAS at one row, its tiles swept
+#            per Llama-3-8B projection, each shape's winner written to OUTDIR/gemv-tiles.json;
+#   single   benchmarks/gpu.py single-stream decode on the Llama-3-8B shape (random weights),
+#            bfloat16 and fp8, 8 steps per schedule: the GEMV's tiles as shipped, then the sweep's;
+#   offline  benchmarks/gpu.py offline, 1,000 requests (512 in, 256 out), bfloat16, 8 decode steps
+#            per schedule, wide batches (512 sequences, 16,384 tokens a step), against transformers,
+#            with the top GPU kernels; then the same with an fp8 KV cache (half the K/V bytes);
+#   fp8      the same offline run with fp8 weights, 300 requests;
+#   serve    `hyperserve serve` loaded by `hyperserve bench` at concurrency 1, 16 and 64 (not by default).
 # JSON and one log per part go to OUTDIR; the server's log and each level's JSON to SERVING_DIR.
-# Each part stops after TESTS_TIMEOUT / BENCH_TIMEOUT seconds, so one that hangs leaves the rest.
+# Each part stops after its own timeout, so one that hangs leaves the rest.
 set -uo pipefail
 OUTDIR=${1:-bench-results}
 SERVING_DIR=${SERVING_DIR:-$OUTDIR/serving}
+PARTS=${PARTS:-tests sweep single offline fp8}
 mkdir -p "$OUTDIR" "$SERVING_DIR"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd)
 PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 $PY -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)'
-timeout "${TESTS_TIMEOUT:-600}" $PY -m pytest -q -rfE -p no:cacheprovider --durations=5 -m gpu \
-    tests/models tests/engine tests/layers tests/distributed 2>&1 | tee "$OUTDIR/gpu-tests.log" | tail -n 25
-rc=${PIPESTATUS[0]}
-bench() {  # bench NAME ARGS...: one benchmarks/gpu.py run; its progress bars are left out of the log
-    local name=$1
-    shift
+rc=0
+part() { [[ " $PARTS " == *" $1 "* ]]; }
+bench() {  # bench NAME TIMEOUT ARGS...: one benchmarks/gpu.py run; its progress bars are left out of the log
+    local name=$1 limit=$2
+    shift 2
     echo "== benchmarks/gpu.py $*" | tee -a "$OUTDIR/gpu-bench.log"
-    timeout "${BENCH_TIMEOUT:-900}" $PY benchmarks/gpu.py --out-dir "$SERVING_DIR" --json "$OUTDIR/$name.json" "$@" \
-        2>"$OUTDIR/$name.err" | tee -a "$OUTDIR/gpu-bench.log"
+    timeout "$limit" $PY benchmarks/gpu.py --out-dir "$SERVING_DIR" --json "$OUTDIR/$name.json" "$@" \
+        2>"$OUTDIR/$name.err" | tee -a "$OUTDIR/gpu-bench.log" | grep -E "GPU:|engine:|tok/s|fraction|ratio|^\|"
     local status=${PIPESTATUS[0]}
     tail -n 5 "$OUTDIR/$name.err" | grep -v "it/s\|req/s" >>"$OUTDIR/gpu-bench.log"  # a failure's traceback
     rm -f "$OUTDIR/$name.err"
     rc=$(( rc || status ))
 }
+if part tests; then
+    timeout "${TESTS_TIMEOUT:-180}" $PY -m pytest -q -rfE -p no:cacheprovider --durations=5 -m gpu \
+        ${TESTS:-tests/models tests/engine tests/layers tests/distributed} 2>&1 | tee "$OUTDIR/gpu-tests.log" | tail -n 25
+    rc=$(( rc || PIPESTATUS[0] ))
+fi
+TILES=$OUTDIR/gemv-tiles.json
+if part sweep; then
+    timeout 150 $PY benchmarks/gpu_kernels.py --shapes qkv o gate_up down --rows 1 --tiles-json "$TILES" \
+        --json "$OUTDIR/gpu-kernels.json" 2>&1 | tee "$OUTDIR/gpu-kernels.log" | tail -n 25
+    rc=$(( rc || PIPESTATUS[0] ))
+fi
+SINGLE="--num-requests 0 --hf-requests 0 --num-scheduler-steps 8 --decode-tokens 512"
 WIDE="--max-num-seqs 512 --max-num-batched-tokens 16384"
-bench gpu --kernel-table --num-scheduler-steps 8 $WIDE ${GPU_BENCH_ARGS:-}
-bench gpu-1step --num-scheduler-steps 1 $WIDE --hf-requests 0 ${GPU_BENCH_ARGS:-}
-bench gpu-serve --no-offline --hf-requests 0 --serve-concurrency 1 16 64
-bench gpu-fp8 --quantization fp8 --num-scheduler-steps 8 $WIDE --hf-requests 0 --num-requests 300 ${GPU_BENCH_ARGS:-}
+if part single; then
+    bench gpu-single 75 $SINGLE
+    [ -s "$TILES" ] && bench gpu-single-swept 75 $SINGLE --gemv-tiles "$TILES"
+    bench gpu-single-fp8 75 $SINGLE --quantization fp8
+    [ -s "$TILES" ] && bench gpu-single-fp8-swept 75 $SINGLE --quantization fp8 --gemv-tiles "$TILES"
+fi
+if part offline; then
+    bench gpu 200 --kernel-table --num-scheduler-steps 8 $WIDE ${GPU_BENCH_ARGS:-}
+fi
+if part offline || part offline-fp8kv; then
+    bench gpu-fp8kv 100 --kv-cache-dtype fp8 --num-scheduler-steps 8 $WIDE --hf-requests 0
+fi
+if part fp8; then
+    bench gpu-fp8 120 --quantization fp8 --num-scheduler-steps 8 $WIDE --hf-requests 0 --num-requests 300
+fi
+if part serve; then
+    bench gpu-serve 240 --no-offline --hf-requests 0 --serve-concurrency 1 16 64
+fi
 exit $rc

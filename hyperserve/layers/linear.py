@@ -1,8 +1,8 @@
 """Linear: nn.Linear whose calls of a few rows on CUDA run the Triton GEMV.
 
 A decode step multiplies a few token rows by every weight matrix, so its time is the weight read.
-At one row the Triton GEMV (layers/triton_gemv.py) reads bfloat16 weights 5 to 11% faster than
-cuBLAS on an H100 at each Llama-3-8B projection shape (benchmarks/gpu_kernels.py, best tiles);
+At one row the Triton GEMV (layers/triton_gemv.py) reads bfloat16 weights 6 to 18% faster than
+cuBLAS on an H100 at each Llama-3-8B projection shape (benchmarks/gpu_kernels.py, CUDA-graph replays);
 larger calls, and every call on the CPU, run F.linear.
 """
 

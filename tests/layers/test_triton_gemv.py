@@ -19,11 +19,14 @@ def fp8_weight(n: int, k: int, generator: torch.Generator) -> tuple[torch.Tensor
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiles", [None, (8, 64, 4)], ids=["default-tiles", "small-tiles"])
 @pytest.mark.parametrize(("rows", "n", "k", "weights", "with_bias"), [
     (1, 100, 300, "fp8", True), (7, 64, 512, "fp8", False), (16, 33, 257, "fp8", True),
     (1, 96, 320, "bf16", False), (16, 70, 130, "bf16", True)])
-def test_gemv_matches_float64(device, rows, n, k, weights, with_bias):
-    from hyperserve.layers.triton_gemv import gemv
+def test_gemv_matches_float64(device, tiles, rows, n, k, weights, with_bias):
+    from hyperserve.layers.triton_gemv import GemvTiles, gemv
+
+    tiles = tiles and GemvTiles(*tiles)  # (block_n, block_k, num_warps): any tiling, the same function
 
     generator = torch.Generator().manual_seed(rows * n + k)
     x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
@@ -36,7 +39,7 @@ def test_gemv_matches_float64(device, rows, n, k, weights, with_bias):
     bias = torch.randn(n, generator=generator).to(torch.bfloat16) if with_bias else None
     expected = x.double() @ dense.T + (bias.double() if with_bias else 0)
     out = gemv(x.to(device), weight.to(device), None if scale is None else scale.to(device),
-               None if bias is None else bias.to(device))
+               None if bias is None else bias.to(device), tiles=tiles)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     error = (out.cpu().double() - expected).norm() / expected.norm()
     assert error < 8e-3  # the output's bfloat16 rounding
