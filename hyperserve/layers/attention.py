@@ -104,9 +104,14 @@ class KVCache:
         return {name: getattr(self, name) for name in names}
 
 
+def quantized_bound(dtype: torch.dtype) -> float:
+    """The largest magnitude a quantized cache of this storage dtype holds."""
+    return KV_QUANTIZED["int8" if dtype == torch.int8 else "fp8"][1]
+
+
 def _quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, Hkv, D] -> (codes in dtype, scales [T, Hkv] float32), one symmetric scale per row."""
-    bound = KV_QUANTIZED["int8" if dtype == torch.int8 else "fp8"][1]
+    bound = quantized_bound(dtype)
     scale = x.float().abs().amax(-1).clamp(min=1e-8) / bound
     scaled = x.float() / scale.unsqueeze(-1)
     codes = scaled.round().clamp(-bound, bound).to(dtype) if dtype == torch.int8 else scaled.to(dtype)

@@ -7,7 +7,9 @@ At prefill sizes they are passes over tens of MB each, and fusing them saves pas
 - add_rms_norm: residual + x and the RMSNorm of the sum, in one pass (vLLM's fused_add_rms_norm);
 - silu_and_mul: silu(gate) * up from the fused gate/up projection's output, in one pass;
 - rotary_and_cache: q and k rotated and the new K/V written into the paged cache, straight from
-  the QKV projection's output (five PyTorch ops, and at prefill three passes, before).
+  the QKV projection's output (five PyTorch ops, and at prefill three passes, before); into an
+  int8 or fp8 cache as codes and a scale per token and head, as KVCache.write quantizes (that
+  path took five ops more per layer, so an fp8 cache, half the K/V bytes, decoded slower).
 Rounding follows PyTorch's ops: the sum is rounded to the activations' dtype before it is
 normalised, the norm computes in float32, and the rotation rounds x * cos before adding the rest,
 as RotaryEmbedding's mul and addcmul do.
@@ -18,6 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from hyperserve.layers.attention import KVCache, quantized_bound
 
 
 @triton.jit
@@ -75,9 +79,29 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _cache_row(cache_ptr, scale_ptr, row, x, offs, BOUND: tl.constexpr, ROUND: tl.constexpr):
+    """Write one head's row x [D] into the cache; with a scale pointer, as codes with one symmetric
+    scale (attention._quantize_rows: the row's largest magnitude over BOUND), rounded half to even
+    to integers when ROUND (int8), else cast to the cache's float8 type."""
+    if BOUND == 0:
+        tl.store(cache_ptr + row * x.shape[0] + offs, x)
+    else:
+        x = x.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8) / BOUND
+        scaled = x / scale
+        if ROUND:
+            rounded = tl.floor(scaled + 0.5)
+            odd = rounded - 2.0 * tl.floor(rounded * 0.5) != 0.0
+            rounded = tl.where((rounded - scaled == 0.5) & odd, rounded - 1.0, rounded)
+            scaled = tl.minimum(tl.maximum(rounded, -BOUND), BOUND)
+        tl.store(cache_ptr + row * x.shape[0] + offs, scaled.to(cache_ptr.dtype.element_ty))
+        tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
 def _rotary_and_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr, key_cache_ptr, value_cache_ptr,
-                             stride_qkv, stride_cos, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                             D: tl.constexpr):
+                             key_scale_ptr, value_scale_ptr, stride_qkv, stride_cos, NUM_HEADS: tl.constexpr,
+                             NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, BOUND: tl.constexpr, ROUND: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
     offs = tl.arange(0, D)
@@ -95,26 +119,31 @@ def _rotary_and_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr,
         else:
             kv_head = head - NUM_HEADS
             tl.store(k_ptr + (token * NUM_KV_HEADS + kv_head) * D + offs, rotated)
-            tl.store(key_cache_ptr + (slot * NUM_KV_HEADS + kv_head) * D + offs, rotated)
+            _cache_row(key_cache_ptr, key_scale_ptr, slot * NUM_KV_HEADS + kv_head, rotated, offs, BOUND, ROUND)
     else:
         kv_head = head - NUM_HEADS - NUM_KV_HEADS
-        tl.store(value_cache_ptr + (slot * NUM_KV_HEADS + kv_head) * D + offs, tl.load(row + offs))
+        _cache_row(value_cache_ptr, value_scale_ptr, slot * NUM_KV_HEADS + kv_head, tl.load(row + offs), offs,
+                   BOUND, ROUND)
 
 
 def rotary_and_cache(qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor,
-                     key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int, num_kv_heads: int
+                     kv_cache: KVCache, num_heads: int, num_kv_heads: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [T, (H + 2 Hkv) * D] (q, k, v heads in a row) -> (q [T, H, D] and k [T, Hkv, D], rotated
     by RotaryEmbedding's (cos, signed sin) [T, 1, D]; v [T, Hkv, D], a view of qkv), with k and v
-    also written at their cache slots [T] of key_cache and value_cache [slots, Hkv, D]."""
+    also written at their cache slots [T] of kv_cache, quantized as KVCache.write does where the
+    cache is int8 or fp8."""
     tokens = qkv.shape[0]
-    head_dim = key_cache.shape[-1]
+    head_dim = kv_cache.key.shape[-1]
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     cos, sin = (t.reshape(tokens, head_dim) for t in cos_sin)
+    bound = quantized_bound(kv_cache.key.dtype) if kv_cache.quantized else 0.0
     if tokens:
         _rotary_and_cache_kernel[(tokens, num_heads + 2 * num_kv_heads)](
-            qkv, cos, sin, slots, q, k, key_cache, value_cache, qkv.stride(0), cos.stride(0),
-            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=head_dim, num_warps=1)
+            qkv, cos, sin, slots, q, k, kv_cache.key, kv_cache.value,
+            kv_cache.key_scale if kv_cache.quantized else q, kv_cache.value_scale if kv_cache.quantized else q,
+            qkv.stride(0), cos.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=head_dim,
+            BOUND=bound, ROUND=kv_cache.key.dtype == torch.int8, num_warps=1)
     v = qkv[:, (num_heads + num_kv_heads) * head_dim :].unflatten(-1, (num_kv_heads, head_dim))
     return q, k, v

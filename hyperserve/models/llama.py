@@ -81,11 +81,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # x [T, hidden]
-        if on_triton(qkv) and not kv_cache.quantized and self.head_dim & (self.head_dim - 1) == 0:
+        if on_triton(qkv) and self.head_dim & (self.head_dim - 1) == 0:
             from hyperserve.layers.triton_elementwise import rotary_and_cache
 
-            q, k, v = rotary_and_cache(qkv, cos_sin, meta.slot_mapping, kv_cache.key, kv_cache.value,
-                                       self.num_heads, self.num_kv_heads)
+            q, k, v = rotary_and_cache(qkv, cos_sin, meta.slot_mapping, kv_cache, self.num_heads, self.num_kv_heads)
             out = self.backend(q, k, v, kv_cache, meta, self.scale, kv_written=True)
         else:
             qk, v = qkv.split(self.qk_v_sizes, dim=-1)
