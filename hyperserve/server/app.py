@@ -223,7 +223,7 @@ def _model_card(model: ServedModel) -> dict[str, Any]:
 
 
 async def _respond(s: OpenAIServing, job: Job, stream: bool, request: Request, settings: ServerSettings) -> Response:
-    s.start(job)
+    s.start(job, final_only=not stream)
     if stream:
         return StreamingResponse(_sse(s, job), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": job.id})

@@ -49,6 +49,7 @@ class _Add:
     arrival_time: float
     pin_ttl_s: float | None = None  # a prefix to pin rather than a completion
     lora_request: LoRARequest | None = None
+    final_only: bool = False  # its stream gets the finished output alone
 
 
 @dataclass(slots=True)
@@ -94,10 +95,13 @@ class AsyncEngine:
 
     def submit(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
-        pin_ttl_s: float | None = None, lora_request: LoRARequest | None = None,
+        pin_ttl_s: float | None = None, lora_request: LoRARequest | None = None, final_only: bool = False,
     ) -> RequestStream:
         """Queue a request now (so admission control counts it at once); stream it from the result.
-        With `pin_ttl_s`, the request pins its prompt's KV instead (see LLMEngine.pin_prefix)."""
+        With `pin_ttl_s`, the request pins its prompt's KV instead (see LLMEngine.pin_prefix).
+        With `final_only`, the stream gets only the finished output: a response that is not
+        streamed then wakes the event loop once, not every token (on a 2-core machine that CPU
+        comes out of the engine's steps)."""
         outputs: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if self.dead is not None:
@@ -106,7 +110,8 @@ class AsyncEngine:
                 raise RuntimeError("the engine is shutting down")
             self._streams[request_id] = (asyncio.get_running_loop(), outputs)
             self._pending += 1
-        self._commands.put(_Add(request_id, prompt_ids, params, priority, time.time(), pin_ttl_s, lora_request))
+        self._commands.put(_Add(request_id, prompt_ids, params, priority, time.time(), pin_ttl_s, lora_request,
+                                final_only))
         return RequestStream(self, request_id, outputs)
 
     async def call(self, function: Callable[[LLMEngine], object]) -> object:
@@ -196,7 +201,7 @@ class AsyncEngine:
                 self.engine.pin_prefix(command.request_id, command.prompt_ids, command.pin_ttl_s)
             else:
                 self.engine.add_request(command.request_id, command.prompt_ids, command.params, command.priority,
-                                        command.arrival_time, command.lora_request)
+                                        command.arrival_time, command.lora_request, command.final_only)
         except Exception as error:  # ValueError: the client's mistake; anything else fails this request only
             if not isinstance(error, ValueError):
                 logger.exception("adding request %s failed", command.request_id)

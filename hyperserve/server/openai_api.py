@@ -257,14 +257,16 @@ class OpenAIServing:
             raise APIError(400, str(error), param="response_format" if constraint else None) from error
         return params
 
-    def start(self, job: Job) -> None:
-        """Admit the job and queue its requests, with no await in between (no admission races)."""
+    def start(self, job: Job, final_only: bool = False) -> None:
+        """Admit the job and queue its requests, with no await in between (no admission races).
+        `final_only`: the job is answered whole, so its requests report only when finished."""
         self._admit()
         job.finals = [None] * len(job.prompts)
         job.streams = []
         try:
             for i, prompt in enumerate(job.prompts):
-                job.streams.append(self._submit(f"{job.id}-{i}", prompt, job.params, job.priority, lora=job.lora))
+                job.streams.append(self._submit(f"{job.id}-{i}", prompt, job.params, job.priority, lora=job.lora,
+                                                final_only=final_only))
         except APIError:
             job.close()
             raise
@@ -275,9 +277,10 @@ class OpenAIServing:
                                 "retry later", type_="rate_limit_error", headers={"Retry-After": "1"})
 
     def _submit(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0,
-                pin_ttl_s: float | None = None, lora: LoRARequest | None = None) -> RequestStream:
+                pin_ttl_s: float | None = None, lora: LoRARequest | None = None,
+                final_only: bool = False) -> RequestStream:
         try:
-            return self.engine.submit(request_id, prompt, params, priority, pin_ttl_s, lora)
+            return self.engine.submit(request_id, prompt, params, priority, pin_ttl_s, lora, final_only)
         except (EngineDeadError, RuntimeError) as error:
             raise _api_error(error) from error
 
