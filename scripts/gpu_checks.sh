@@ -11,10 +11,12 @@
 #   sweep    benchmarks/gpu_kernels.py: the decode GEMV against cuBLAS at one row, its tiles swept
 #            per Llama-3-8B projection, each shape's winner written to OUTDIR/gemv-tiles.json;
 #   single   benchmarks/gpu.py single-stream decode on the Llama-3-8B shape (random weights),
-#            bfloat16 and fp8, 8 steps per schedule: the GEMV's tiles as shipped, then the sweep's;
+#            bfloat16 and fp8, 8 steps per schedule: the GEMV's tiles as shipped, then the sweep's
+#            (with fp8, the top GPU kernels);
 #   offline  benchmarks/gpu.py offline, 1,000 requests (512 in, 256 out), bfloat16, 8 decode steps
 #            per schedule, wide batches (512 sequences, 16,384 tokens a step), against transformers,
-#            with the top GPU kernels; then the same with an fp8 KV cache (half the K/V bytes);
+#            with the top GPU kernels; then the same with an fp8 KV cache (half the K/V bytes), its
+#            kernels too;
 #   fp8      the same offline run with fp8 weights, 300 requests;
 #   serve    `hyperserve serve` loaded by `hyperserve bench` at concurrency 1, 16 and 64 (not by default).
 # JSON and one log per part go to OUTDIR; the server's log and each level's JSON to SERVING_DIR.
@@ -58,13 +60,13 @@ if part single; then
     bench gpu-single 75 $SINGLE
     [ -s "$TILES" ] && bench gpu-single-swept 75 $SINGLE --gemv-tiles "$TILES"
     bench gpu-single-fp8 75 $SINGLE --quantization fp8
-    [ -s "$TILES" ] && bench gpu-single-fp8-swept 75 $SINGLE --quantization fp8 --gemv-tiles "$TILES"
+    [ -s "$TILES" ] && bench gpu-single-fp8-swept 90 $SINGLE --quantization fp8 --gemv-tiles "$TILES" --kernel-table
 fi
 if part offline; then
     bench gpu 200 --kernel-table --num-scheduler-steps 8 $WIDE ${GPU_BENCH_ARGS:-}
 fi
 if part offline || part offline-fp8kv; then
-    bench gpu-fp8kv 100 --kv-cache-dtype fp8 --num-scheduler-steps 8 $WIDE --hf-requests 0
+    bench gpu-fp8kv 120 --kv-cache-dtype fp8 --num-scheduler-steps 8 $WIDE --hf-requests 0 --kernel-table
 fi
 if part fp8; then
     bench gpu-fp8 120 --quantization fp8 --num-scheduler-steps 8 $WIDE --hf-requests 0 --num-requests 300
