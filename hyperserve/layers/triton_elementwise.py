@@ -80,9 +80,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _cache_row(cache_ptr, scale_ptr, row, x, offs, BOUND: tl.constexpr, ROUND: tl.constexpr):
-    """Write one head's row x [D] into the cache; with a scale pointer, as codes with one symmetric
-    scale (attention._quantize_rows: the row's largest magnitude over BOUND), rounded half to even
-    to integers when ROUND (int8), else cast to the cache's float8 type."""
+    """Write one head's row x [D] into the cache: as it is where BOUND is 0; else as codes with one
+    symmetric scale, stored at scale_ptr (attention._quantize_rows: the row's largest magnitude over
+    BOUND), rounded half to even to integers when ROUND (int8), or cast to the cache's float8 type."""
     if BOUND == 0:
         tl.store(cache_ptr + row * x.shape[0] + offs, x)
     else:

@@ -91,7 +91,7 @@ def _gemv_kernel(
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-         bias: torch.Tensor | None = None, tiles: GemvTiles | None = None, single_row: bool = True) -> torch.Tensor:
+         bias: torch.Tensor | None = None, tiles: GemvTiles | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) times weight [N, K] (any float type, float8 included), scaled per
     output channel by scale [N] (float32) and offset by bias [N] -> [M, N] in x's dtype, tiled
     as `tiles` (default: tiles_for the shape)."""
@@ -108,7 +108,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         x, weight, scale if scale is not None else weight, bias if bias is not None else weight, out,
         rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=1 if rows == 1 and single_row else MAX_ROWS, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        BLOCK_M=1 if rows == 1 else MAX_ROWS, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         NATIVE_DOT=x.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
