@@ -481,6 +481,12 @@ inline int32_t load_i32(const void* p) {  // 4 bytes (4 input codes of 8 bits, o
 
 AVX2 inline __m256i broadcast4(const int8_t* p) { return _mm256_set1_epi32(load_i32(p)); }  // into every lane
 
+// Fetch the group kBlockPrefetchBytes ahead of this one, Bytes long (one group of a block).
+template <int64_t Bytes>
+inline void prefetch_group_ahead(const uint8_t* group) {
+  for (int64_t line = 0; line < Bytes; line += 64) __builtin_prefetch(group + kBlockPrefetchBytes + line);
+}
+
 template <int R>
 AVX2 void block_avx2(const QuantizedWeight& w, int64_t n, const QuantizedRows8& x, int64_t row0, float* out,
                      int64_t out_stride) {
@@ -492,9 +498,7 @@ AVX2 void block_avx2(const QuantizedWeight& w, int64_t n, const QuantizedRows8& 
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g, group += kBlockGroupBytes) {
-    __builtin_prefetch(group + kBlockPrefetchBytes);
-    __builtin_prefetch(group + kBlockPrefetchBytes + 64);
-    __builtin_prefetch(group + kBlockPrefetchBytes + 128);
+    prefetch_group_ahead<kBlockGroupBytes>(group);
     __m256i low[4], high[4];  // codes 4k..4k+3 and 16+4k..16+4k+3 of each channel
     for (int k = 0; k < 4; ++k) {
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 32 * k));
@@ -549,11 +553,7 @@ AVX512 void block_pair_avx512(const QuantizedWeight& w, int64_t n, bool pair, co
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g, first += kBlockGroupBytes, second += kBlockGroupBytes) {
-    for (const uint8_t* block : {first, second}) {
-      __builtin_prefetch(block + kBlockPrefetchBytes);
-      __builtin_prefetch(block + kBlockPrefetchBytes + 64);
-      __builtin_prefetch(block + kBlockPrefetchBytes + 128);
-    }
+    for (const uint8_t* block : {first, second}) prefetch_group_ahead<kBlockGroupBytes>(block);
     __m512i low[4], high[4];  // as block_avx2's, the first block's in the low half, the second's in the high
     for (int k = 0; k < 4; ++k) {
       const __m512i bytes = _mm512_inserti64x4(
@@ -619,12 +619,6 @@ void block_matmul(const QuantizedWeight& w, const float* x, int64_t rows, float*
 constexpr int64_t kHeadRowTile = 4;  // AVX2 registers: two halves' sums and one integer sum per row
 
 #ifdef HYPERSERVE_X86
-inline void prefetch_head_group(const uint8_t* group) {
-  for (int64_t line = 0; line < kHeadBlockGroupBytes; line += 64) {
-    __builtin_prefetch(group + kBlockPrefetchBytes + line);
-  }
-}
-
 // block_portable for a Q8_0 block, its group's codes 32 bytes at a time: 2 codes of each of the 16
 // channels, sign-extended to 16 bits, against the same 2 input codes broadcast (_mm256_madd_epi16:
 // each channel's pair sum in its 32-bit lane), 8 channels per register.
@@ -638,7 +632,7 @@ AVX2 void head_block_avx2(const QuantizedWeight& w, int64_t n, const QuantizedRo
   for (int h = 0; h < 2; ++h)
     for (int r = 0; r < R; ++r) acc[h][r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g, group += kHeadBlockGroupBytes) {
-    prefetch_head_group(group);
+    prefetch_group_ahead<kHeadBlockGroupBytes>(group);
     for (int h = 0; h < 2; ++h) {  // channels 0-7, then 8-15
       __m256i dot[R];
       for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
@@ -672,7 +666,7 @@ AVX512 void head_block_avx512(const QuantizedWeight& w, int64_t n, const Quantiz
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g, group += kHeadBlockGroupBytes) {
-    prefetch_head_group(group);
+    prefetch_group_ahead<kHeadBlockGroupBytes>(group);
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for (int p = 0; p < kGroup / 2; ++p) {
