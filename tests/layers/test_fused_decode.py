@@ -46,18 +46,22 @@ def q41_layout(request, monkeypatch) -> str:
     return request.param
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [
-    (4, 2),  # head_dim 16: the vectorized attention
-    (16, 8),  # head_dim 4: the portable one
-    (3, 1),  # head_dim 64 and three query heads a K/V head, as SmolLM2's: heads read each cached vector together
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "hidden"), [
+    (4, 2, 64),  # head_dim 16: the vectorized attention
+    (16, 8, 64),  # head_dim 4: the portable one
+    # head_dim 64: the span kernel, its query heads reading each cached vector together: three a K/V
+    # head as SmolLM2's, two, and four (a task of three and one of one)
+    (3, 1, 192),
+    (4, 2, 256),
+    (4, 1, 256),
 ])
-def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, num_heads, num_kv_heads, q41_layout):
+def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, num_heads, num_kv_heads, hidden,
+                                                            q41_layout):
     """With 16-bit activations the two paths differ by float rounding. With 8-bit ones such a
     difference can move an activation across a rounding boundary (a step of 1/127 of its group's
     largest value), after which every later rounding differs too: on this tiny random model (two
     groups per row) the two paths then differ by 3% of the logits' norm. Attention or the cache
     written wrongly would differ by the logits' own size."""
-    hidden = 192 if num_heads == 3 else 64
     _, path = save_hf_model(tiny_config("llama", num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                                         hidden_size=hidden))
     llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01)
