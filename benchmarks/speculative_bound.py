@@ -8,6 +8,11 @@ output is deterministic, so the counts are exact and free of a shared VM's noise
 out is the host work per step, and a real step's cost is only roughly linear in its rows
 (BENCHMARKS.md, sixteenth step: 2 to 5 rows cost 1.2, 1.4, 1.8 and 2.2 one-row steps here).
 
+The `oracle k` columns bound what any choice of k can reach with the same lookup: the greedy
+answers are decoded once without speculation, and each proposal then drafts exactly the tokens of
+its continuation that the target would accept (up to num_speculative_tokens), none where it would
+accept none. Where even that stays under 2x at a CPU's verify cost, no k policy reaches 2x there.
+
     python benchmarks/speculative_bound.py [--costs 0.05 0.1 0.2 0.3] [--max-tokens 256]
         [--options '{"num_tokens": 4, "ngram_max": 4}']   # other speculative settings, same costs
 """
@@ -25,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.speculative import CHAT, GROUNDED, header  # noqa: E402
 from hyperserve import LLM, SamplingParams  # noqa: E402
+from hyperserve.config import SpeculativeConfig  # noqa: E402
+from hyperserve.engine.speculative import NgramProposer  # noqa: E402
 
 
 def modelled_speedup(llm: LLM, prompts: list[str], max_tokens: int, cost: float) -> tuple[float, float]:
@@ -40,6 +47,36 @@ def modelled_speedup(llm: LLM, prompts: list[str], max_tokens: int, cost: float)
     return decoded / (plain + steps + cost * drafted), (steps + accepted) / max(steps, 1)
 
 
+def greedy_answers(prompts: list[str], max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, output ids) of each prompt, decoded without speculation."""
+    llm = LLM(max_model_len=2048, kv_cache_memory_gb=0.5)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    outputs = [llm.chat([{"role": "user", "content": p}], params, use_tqdm=False)[0] for p in prompts]
+    llm.close()
+    return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outputs]
+
+
+def oracle_speedup(answers: list[tuple[list[int], list[int]]], cost: float, options: dict) -> float:
+    """Modelled speed-up when each proposal drafts exactly what the target accepts of it."""
+    config = SpeculativeConfig(speculative_method="ngram")
+    proposer = NgramProposer(options.get("ngram_min", config.ngram_min), options.get("ngram_max", config.ngram_max))
+    limit = options.get("num_tokens", config.num_speculative_tokens)
+    decoded, steps = 0, 0.0
+    for prompt, output in answers:
+        tokens, i = prompt + output[:1], 1  # the first output token comes from the prefill
+        while i < len(output):
+            _, continuation = proposer.lookup(tokens, limit)
+            accepted = 0
+            while (accepted < min(len(continuation), len(output) - i - 1)
+                   and continuation[accepted] == output[i + accepted]):
+                accepted += 1
+            steps += 1 + cost * accepted
+            tokens += output[i:i + accepted + 1]
+            i += accepted + 1
+        decoded += len(output) - 1
+    return decoded / steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--costs", type=float, nargs="+", default=[0.05, 0.1, 0.15, 0.2, 0.3])
@@ -49,15 +86,20 @@ def main() -> None:
     options = json.loads(args.options)
     print(header())
     print(f"n-gram speculation {options or '(defaults)'}, greedy, up to {args.max_tokens} tokens, stopping at EOS")
-    print("| verify cost | input-grounded | tokens a verify step | open chat | tokens a verify step |")
-    print("|---|---|---|---|---|")
+    answers = {name: greedy_answers(prompts, args.max_tokens) for name, prompts in (("grounded", GROUNDED),
+                                                                                     ("chat", CHAT))}
+    print("| verify cost | input-grounded | tokens a verify step | oracle k | open chat | tokens a verify step "
+          "| oracle k |")
+    print("|---|---|---|---|---|---|---|")
     for cost in args.costs:
         llm = LLM(max_model_len=2048, kv_cache_memory_gb=0.5,
                   speculative={"method": "ngram", "verify_cost": cost, **options})
         grounded = modelled_speedup(llm, GROUNDED, args.max_tokens, cost)
         chat = modelled_speedup(llm, CHAT, args.max_tokens, cost)
         llm.close()
-        print(f"| {cost:.2f} | {grounded[0]:.2f}x | {grounded[1]:.2f} | {chat[0]:.2f}x | {chat[1]:.2f} |", flush=True)
+        oracle = {name: oracle_speedup(answers[name], cost, options) for name in answers}
+        print(f"| {cost:.2f} | {grounded[0]:.2f}x | {grounded[1]:.2f} | {oracle['grounded']:.2f}x "
+              f"| {chat[0]:.2f}x | {chat[1]:.2f} | {oracle['chat']:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
