@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hyperserve.layers import HAS_TRITON
+from hyperserve.layers import HAS_TRITON, huge_pages
 
 # kv_cache_dtype -> (storage dtype, largest stored magnitude): quantized K/V keep one scale per
 # token and head, so an outlier token costs precision only in its own row
@@ -28,11 +28,15 @@ KV_QUANTIZED = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Zeros that take no memory until written, on the CPU: calloc maps large buffers as zero
-    pages, which the OS backs only when first touched (torch.zeros writes every page at once)."""
+    """Zeros that take no memory until written, on the CPU: pages the OS backs only when first
+    touched (torch.zeros writes every page at once). 2 MiB pages where the kernel offers them: a
+    step reads every block of a long context, scattered over the pool, and in 4 KiB pages each
+    block cost TLB misses (SmolLM2 after 4,000 tokens: 71 -> 85 tokens/s, BENCHMARKS.md)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
+    if huge_pages.available():
+        return huge_pages.huge_page_memory(nbytes).view(dtype).view(shape)
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 

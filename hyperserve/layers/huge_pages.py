@@ -1,4 +1,5 @@
-"""A CPU model's weights moved into one block of memory backed by 2 MiB pages.
+"""A CPU model's weights moved into one block of memory backed by 2 MiB pages (and the KV pool
+allocated in such memory, by layers/attention.py).
 
 Decode reads every weight once per token, and on a CPU that is a stream of ~100 MB (SmolLM2's int4
 layers and Q8_0 head) through 4 KiB pages: a TLB miss every 4 KiB, each a two-level page walk under
@@ -30,6 +31,16 @@ def available() -> bool:
     """Whether the kernel can back madvised memory with transparent huge pages."""
     setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     return hasattr(mmap, "MADV_HUGEPAGE") and setting.exists() and "[never]" not in setting.read_text()
+
+
+def huge_page_memory(nbytes: int) -> torch.Tensor:
+    """nbytes (uint8) starting on a 2 MiB boundary, zero until written, madvised before the first
+    touch so that the kernel faults it in 2 MiB at a time: memory never touched is never taken."""
+    block = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    block.madvise(mmap.MADV_HUGEPAGE)
+    memory = torch.frombuffer(block, dtype=torch.uint8)  # its storage keeps `block` mapped
+    start = -memory.data_ptr() % HUGE_PAGE
+    return memory[start:start + nbytes]
 
 
 def _tensor_slots(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
@@ -75,11 +86,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
             size += -(-storage.nbytes() // ALIGNMENT) * ALIGNMENT
     if size == 0:
         return 0
-    block = mmap.mmap(-1, size + 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    block.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, so the pages fault in 2 MiB at a time
-    memory = torch.frombuffer(block, dtype=torch.uint8)  # its storage keeps `block` mapped
-    start = -memory.data_ptr() % HUGE_PAGE
-    memory = memory[start:start + size]
+    memory = huge_page_memory(size)
     for at, storage in storages.values():
         memory[at:at + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
     moved: dict[int, torch.Tensor] = {}  # id of a tensor -> its copy, so a tensor held twice stays one object

@@ -7,7 +7,7 @@ import torch
 
 from hyperserve import kernels
 from hyperserve.layers import huge_pages
-from hyperserve.layers.attention import TorchPagedAttention
+from hyperserve.layers.attention import KVCache, TorchPagedAttention
 from hyperserve.models.loader import build_model
 from tests.conftest import tiny_config
 
@@ -56,3 +56,27 @@ def test_views_of_one_storage_stay_views_of_one_copy():
     assert module.whole.data_ptr() == module.first.data_ptr() == module.second.data_ptr() - 16 * 4
     module.whole[20] = -1.0  # one memory, as before
     assert module.second[0, 4] == -1.0 and module.first[20] == -1.0
+
+
+def _anon_huge_kb(address: int) -> int:
+    """AnonHugePages (kB) of the mapping of this process that holds `address`."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            if "-" in line.split()[0] and not line.split()[0].endswith(":"):
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    raise AssertionError("no mapping holds the address")
+
+
+def test_the_cpu_kv_pool_is_zero_until_written_and_faults_in_huge_pages():
+    """Zeros as before, taking memory only where written (tests/engine/test_memory.py), now in 2 MiB
+    pages (the kernel compacts memory for madvised faults, as the `madvise` defrag setting says)."""
+    cache = KVCache.allocate(4096, 16, 3, 64, torch.bfloat16, "auto", "cpu")  # 12 MiB a tensor
+    assert cache.key.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert not cache.key.any() and not cache.value.any()
+    assert _anon_huge_kb(cache.key.data_ptr()) == 0  # reading zeros takes no memory
+    cache.key[: (4 << 20) // (3 * 64 * 2)] = 1.0  # the tokens of the first 4 MiB: two huge pages
+    assert _anon_huge_kb(cache.key.data_ptr()) == 4096
