@@ -40,20 +40,33 @@ AVX2 void silu_mul_avx2(const float* gate, const float* up, float* out, int64_t 
 }
 #endif
 
+// A sequence's cache slots in token order, from token t on: no division per token, whose latency
+// once made up most of the attention's time.
+struct SlotCursor {
+  const int64_t* block_table;
+  int64_t block_size, block, offset;
+
+  SlotCursor(const int64_t* table, int64_t size, int64_t t)
+      : block_table(table), block_size(size), block(t / size), offset(t % size) {}
+
+  int64_t next() {
+    const int64_t slot = block_table[block] * block_size + offset;
+    if (++offset == block_size) offset = 0, ++block;
+    return slot;
+  }
+};
+
 struct PagedKV {  // one layer's cache, [slots, kv_heads, head_dim], and one sequence's block table
   int64_t block_size, num_kv_heads, head_dim;
   const int64_t* block_table;
 
-  // fn(t, offset of token t's vector) for t in 0..length-1, a block at a time: no division per
-  // token, whose latency once made up most of the attention's time.
+  SlotCursor slots_from(int64_t t) const { return SlotCursor(block_table, block_size, t); }
+
+  // fn(t, offset of token t's vector) for t in 0..length-1.
   template <typename Fn>
   void for_each_token(int64_t length, int64_t kv_head, Fn fn) const {
-    const int64_t stride = num_kv_heads * head_dim;
-    for (int64_t b = 0, start = 0; start < length; ++b, start += block_size) {
-      int64_t offset = block_table[b] * block_size * stride + kv_head * head_dim;
-      const int64_t end = std::min(start + block_size, length);
-      for (int64_t t = start; t < end; ++t, offset += stride) fn(t, offset);
-    }
+    SlotCursor slots = slots_from(0);
+    for (int64_t t = 0; t < length; ++t) fn(t, (slots.next() * num_kv_heads + kv_head) * head_dim);
   }
 };
 
@@ -90,22 +103,6 @@ constexpr int64_t kMaxHeadsPerTask = 3;  // query heads sharing a K/V head that 
 
 inline int64_t spans_of(int64_t length) { return (length + kAttentionSpan - 1) / kAttentionSpan; }
 
-// A sequence's cache slots in token order, a block at a time: no division per token, whose latency
-// once made up most of the attention's time.
-struct SlotCursor {
-  const int64_t* block_table;
-  int64_t block_size, block, offset;
-
-  SlotCursor(const PagedKV& kv, int64_t t)
-      : block_table(kv.block_table), block_size(kv.block_size), block(t / kv.block_size), offset(t % kv.block_size) {}
-
-  int64_t next() {
-    const int64_t slot = block_table[block] * block_size + offset;
-    if (++offset == block_size) offset = 0, ++block;
-    return slot;
-  }
-};
-
 constexpr int kScoredTogether = 3;  // tokens scored together: 3 x G sums, G queries and a key in registers
 constexpr int64_t kScorePitch = kAttentionSpan + 4;  // a head's scores in the span buffer (4-float stores)
 constexpr int64_t kKeysAhead = 32;  // tokens between a key's prefetch and its use: ~2 blocks ahead
@@ -137,7 +134,7 @@ AVX2 void attend_span_avx2(const float* q, const T* keys, const T* values, const
   const int64_t d = kv.head_dim, stride = kv.num_kv_heads * d, span = end - begin, bytes = d * sizeof(T);
   const T* key_base = keys + kv_head * d;
   const T* value_base = values + kv_head * d;
-  SlotCursor cursor(kv, begin), ahead(kv, begin);
+  SlotCursor cursor = kv.slots_from(begin), ahead = kv.slots_from(begin);
   for (int64_t t = begin; t < std::min(end, begin + kKeysAhead); ++t) {
     prefetch_vector(key_base + ahead.next() * stride, bytes);
   }
@@ -188,7 +185,7 @@ AVX2 void attend_span_avx2(const float* q, const T* keys, const T* values, const
     __m256 acc[G][kVectors];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < kVectors; ++j) acc[g][j] = _mm256_setzero_ps();
-    SlotCursor slots(kv, begin);
+    SlotCursor slots = kv.slots_from(begin);
     for (int64_t t = begin; t < end; ++t) {
       const T* v = value_base + slots.next() * stride + c;
       __m256 weight[G];
