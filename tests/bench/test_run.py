@@ -116,3 +116,15 @@ def test_a_connection_dropped_before_any_answer_is_tried_again():
         assert summary["num_failed"] == 1 and "Disconnected" in summary["errors"][0]
     finally:
         server.close()
+
+
+def test_an_event_split_between_reads_is_timed_by_the_read_that_completes_it():
+    from hyperserve.bench.run import RequestResult, _count
+
+    result = RequestResult(ok=False)
+    _count([(1.0, b'data: {"choices": [{"text": "a"}]}\r\n\r\ndata: {"choi'),
+            (1.5, b'ces": [{"text": "b"}]}\n'),
+            (2.5, b'\ndata: {"choices": [{"text": ""}]}\n\ndata: {"choices": [], "usage": '
+                  b'{"prompt_tokens": 3, "completion_tokens": 2}}\n\ndata: [DONE]\n\n')], 0.5, result)
+    assert result.chunks == 2 and result.ttft == 0.5 and result.itls == [0.5]
+    assert (result.prompt_tokens, result.output_tokens) == (3, 2)
