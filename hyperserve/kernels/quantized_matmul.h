@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "isa.h"
@@ -337,16 +338,27 @@ AVX2 void rows_avx2(const QuantizedWeight& w, int64_t n, const float* ds, const 
 
 using RowsKernel = decltype(&rows_avx2<Format::kQ4_1, 1, 1>);
 
-template <Format F>
-RowsKernel rows_avx2_for(int64_t R, int64_t C) {  // C > 1 only as channel_tile gives it: C * R == 4
+// The instance `Kernels::of<R, C>` for a tile of R input rows by C channels: R up to kRowTile with one
+// channel, C > 1 only as channel_tile gives it (C * R == 4).
+template <typename Kernels, int... Rows>
+auto tile_kernel(int64_t R, int64_t C, std::integer_sequence<int, Rows...>) {
   TORCH_CHECK(C == 1 || C * R == 4, "quantized kernel: no tile of ", C, " channels by ", R, " rows");
-  if (C == 4) return rows_avx2<F, 1, 4>;
-  if (C == 2) return rows_avx2<F, 2, 2>;
-  static constexpr RowsKernel kernels[kRowTile] = {
-      rows_avx2<F, 1, 1>, rows_avx2<F, 2, 1>, rows_avx2<F, 3, 1>, rows_avx2<F, 4, 1>,
-      rows_avx2<F, 5, 1>, rows_avx2<F, 6, 1>, rows_avx2<F, 7, 1>, rows_avx2<F, 8, 1>};
-  return kernels[R - 1];
+  if (C == 4) return Kernels::template of<1, 4>;
+  if (C == 2) return Kernels::template of<2, 2>;
+  static constexpr decltype(Kernels::template of<1, 1>) one_channel[] = {Kernels::template of<Rows + 1, 1>...};
+  return one_channel[R - 1];
 }
+
+template <typename Kernels>
+auto tile_kernel(int64_t R, int64_t C) {
+  return tile_kernel<Kernels>(R, C, std::make_integer_sequence<int, kRowTile>());
+}
+
+template <Format F>
+struct RowsAvx2 {
+  template <int R, int C>
+  static constexpr RowsKernel of = rows_avx2<F, R, C>;
+};
 
 // ---- the same on AVX-512 with VNNI: a group of 32 in one 512-bit register ----
 
@@ -428,15 +440,10 @@ AVX512 void rows_avx512(const QuantizedWeight& w, int64_t n, const QuantizedRows
 using Avx512Kernel = decltype(&rows_avx512<Format::kQ4_1, 1, 1>);
 
 template <Format F>
-Avx512Kernel rows_avx512_for(int64_t R, int64_t C) {
-  TORCH_CHECK(C == 1 || C * R == 4, "quantized kernel: no tile of ", C, " channels by ", R, " rows");
-  if (C == 4) return rows_avx512<F, 1, 4>;
-  if (C == 2) return rows_avx512<F, 2, 2>;
-  static constexpr Avx512Kernel kernels[kRowTile] = {
-      rows_avx512<F, 1, 1>, rows_avx512<F, 2, 1>, rows_avx512<F, 3, 1>, rows_avx512<F, 4, 1>,
-      rows_avx512<F, 5, 1>, rows_avx512<F, 6, 1>, rows_avx512<F, 7, 1>, rows_avx512<F, 8, 1>};
-  return kernels[R - 1];
-}
+struct RowsAvx512 {
+  template <int R, int C>
+  static constexpr Avx512Kernel of = rows_avx512<F, R, C>;
+};
 #endif
 
 // ---- interleaved Q4_1 against 8-bit rows: a block of 8 channels at a time ----
@@ -733,14 +740,14 @@ void channels(const QuantizedWeight& w, int64_t n, int64_t C, const QuantizedRow
 #ifdef HYPERSERVE_X86
     const bool q41 = w.format == Format::kQ4_1;
     if (isa == Isa::kAvx512) {
-      (q41 ? rows_avx512_for<Format::kQ4_1>(R, C) : rows_avx512_for<Format::kQ8_0>(R, C))(w, n, x, row0, dst,
-                                                                                          out_stride);
+      (q41 ? tile_kernel<RowsAvx512<Format::kQ4_1>>(R, C) : tile_kernel<RowsAvx512<Format::kQ8_0>>(R, C))(
+          w, n, x, row0, dst, out_stride);
       continue;
     }
     if (isa == Isa::kAvx2) {
       for (int64_t c = 0; c < C; ++c) scales_avx2(w, n + c, x, row0, R, ds + c * R * w.groups, tail + c * R);
-      (q41 ? rows_avx2_for<Format::kQ4_1>(R, C) : rows_avx2_for<Format::kQ8_0>(R, C))(w, n, ds, tail, x, row0, dst,
-                                                                                    out_stride);
+      (q41 ? tile_kernel<RowsAvx2<Format::kQ4_1>>(R, C) : tile_kernel<RowsAvx2<Format::kQ8_0>>(R, C))(
+          w, n, ds, tail, x, row0, dst, out_stride);
       continue;
     }
 #endif
