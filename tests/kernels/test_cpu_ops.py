@@ -42,7 +42,7 @@ def runnable(isa: str) -> None:
 @pytest.mark.parametrize("isa", ISAS)
 # 2 groups (one pair); 11 (eight at a time, then three: an odd count AVX-512 leaves to AVX2); 36 (16 and 2 pairs)
 @pytest.mark.parametrize("in_features", [64, 352, 1152])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 16])  # 4 and 2 channels a tile (1, 2 rows), row tiles of 8, what is left
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 16])  # tiles of 4 and 2 channels, of 8 rows, the rest
 def test_quantized_linear_equals_the_dequantized_weight_within_16_bit_activations(rows, in_features, isa, format):
     runnable(isa)
     packed, weight = quantized(80, in_features, format)
