@@ -73,7 +73,8 @@ AVX2 inline __m256 load8_half(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-AVX2 inline float half_to_float(const at::Half h) { return _cvtsh_ss(h.x); }  // one instruction, not c10's bit twiddling
+// One instruction, not c10's bit twiddling.
+AVX2 inline float half_to_float(const at::Half h) { return _cvtsh_ss(h.x); }
 #endif
 
 // ---- vector helpers of the attention and LoRA kernels ----

@@ -219,26 +219,25 @@ void combine_spans(const float* spans, int64_t count, int64_t pitch, int64_t d, 
 
 // q [D] (rotated, scaled) of one head against positions 0..length-1 -> out [D]: scores, softmax,
 // weighted sum of values. `scores` has room for `length` floats.
-template <typename T>
-void attend(const float* q, const T* keys, const T* values, const PagedKV& kv, int64_t length, int64_t kv_head,
-            float* scores, float* out, bool avx2) {
+template <typename T, typename Dot, typename Axpy>
+void attend_with(Dot dot, Axpy axpy, const float* q, const T* keys, const T* values, const PagedKV& kv,
+                 int64_t length, int64_t kv_head, float* scores, float* out, bool avx2) {
   const int64_t d = kv.head_dim;
-#ifdef HYPERSERVE_X86
-  if (avx2) {
-    kv.for_each_token(length, kv_head, [&](int64_t t, int64_t offset) { scores[t] = dot_avx2(q, keys + offset, d); });
-  } else
-#endif
-    kv.for_each_token(length, kv_head, [&](int64_t t, int64_t offset) { scores[t] = dot_portable(q, keys + offset, d); });
+  kv.for_each_token(length, kv_head, [&](int64_t t, int64_t offset) { scores[t] = dot(q, keys + offset, d); });
   const float best = *std::max_element(scores, scores + length);
   const float total = exp_shifted(scores, length, best, avx2);
   std::fill(out, out + d, 0.f);
+  kv.for_each_token(length, kv_head,
+                    [&](int64_t t, int64_t offset) { axpy(scores[t] / total, values + offset, out, d); });
+}
+
+template <typename T>
+void attend(const float* q, const T* keys, const T* values, const PagedKV& kv, int64_t length, int64_t kv_head,
+            float* scores, float* out, bool avx2) {
 #ifdef HYPERSERVE_X86
-  if (avx2) {
-    kv.for_each_token(length, kv_head, [&](int64_t t, int64_t offset) { axpy_avx2(scores[t] / total, values + offset, out, d); });
-    return;
-  }
+  if (avx2) return attend_with(dot_avx2<T>, axpy_avx2<T>, q, keys, values, kv, length, kv_head, scores, out, avx2);
 #endif
-  kv.for_each_token(length, kv_head, [&](int64_t t, int64_t offset) { axpy_portable(scores[t] / total, values + offset, out, d); });
+  attend_with(dot_portable<T>, axpy_portable<T>, q, keys, values, kv, length, kv_head, scores, out, avx2);
 }
 
 // x [heads, D] rotated in place: x * cos + roll(x, D / 2) * signed_sin (signed_sin = [-s, s]).
@@ -296,7 +295,8 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
       const int64_t spans = spans_of(batch.lengths[r]);
       for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
         for (int64_t k = 0; k < tasks_per_kv_head; ++k) {
-          const int64_t first = kv_head * group + k * per_task, heads = std::min(per_task, kv_head * group + group - first);
+          const int64_t first = kv_head * group + k * per_task;
+          const int64_t heads = std::min(per_task, kv_head * group + group - first);
           for (int64_t h = 0; h < heads; ++h) first_slot[r * num_heads + first + h] = slots + h * spans;
           for (int64_t sp = 0; sp < spans; ++sp) tasks.push_back({r, kv_head, first, heads, sp, slots + sp});
           slots += heads * spans;
@@ -319,11 +319,9 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
         const PagedKV kv{batch.block_size, num_kv_heads, head_dim, batch.block_tables + task.row * batch.max_blocks};
         const float* q = qkv + task.row * width + task.first_head * head_dim;
         static_assert(kMaxHeadsPerTask == 3, "one case per head count");
-        switch (task.heads) {
-          case 3: attend_span_avx2<T, 3>(q, keys, values, kv, from, to, task.kv_head, scores, out_g, best, total); break;
-          case 2: attend_span_avx2<T, 2>(q, keys, values, kv, from, to, task.kv_head, scores, out_g, best, total); break;
-          default: attend_span_avx2<T, 1>(q, keys, values, kv, from, to, task.kv_head, scores, out_g, best, total);
-        }
+        const auto span = task.heads == 3 ? attend_span_avx2<T, 3>
+                          : task.heads == 2 ? attend_span_avx2<T, 2> : attend_span_avx2<T, 1>;
+        span(q, keys, values, kv, from, to, task.kv_head, scores, out_g, best, total);
         const int64_t spans = spans_of(length);
         for (int64_t g = 0; g < task.heads; ++g) {  // head g's spans are consecutive slots
           float* part = parts + (task.slot + g * spans) * pitch;

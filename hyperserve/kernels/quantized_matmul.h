@@ -87,7 +87,8 @@ QuantizedWeight quantized_weight(const at::Tensor& packed, int64_t in_features, 
               "quantized weights: in_features must be a multiple of 32, at most 8192");
   const int64_t groups = in_features / kGroup;
   const int64_t row_bytes = format == Format::kQ4_1 ? in_features / 2 + 4 * groups : in_features + 2 * groups;
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "quantized weights: expected contiguous uint8");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "quantized weights: expected contiguous uint8");
   if (packed.dim() == 3) {
     const bool q41 = format == Format::kQ4_1;
     const int64_t block = q41 ? kBlock : kHeadBlock, bytes = q41 ? kBlockGroupBytes : kHeadBlockGroupBytes;
@@ -96,8 +97,9 @@ QuantizedWeight quantized_weight(const at::Tensor& packed, int64_t in_features, 
                 " interleaved) for in_features ", in_features);
     return {packed.data_ptr<uint8_t>(), format, true, packed.size(0) * block, in_features, groups, row_bytes};
   }
-  TORCH_CHECK(packed.dim() == 2 && packed.size(1) == row_bytes, "quantized weights: expected contiguous uint8 [out_features, ",
-              row_bytes, "] for in_features ", in_features);
+  TORCH_CHECK(packed.dim() == 2 && packed.size(1) == row_bytes,
+              "quantized weights: expected contiguous uint8 [out_features, ", row_bytes, "] for in_features ",
+              in_features);
   return {packed.data_ptr<uint8_t>(), format, false, packed.size(0), in_features, groups, row_bytes};
 }
 
