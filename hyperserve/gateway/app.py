@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -65,191 +65,191 @@ def build_cache(config: GatewayConfig) -> ResponseCache | None:
     return ResponseCache(store, c.ttl_s, embedder, c.semantic.threshold, index_dir, c.timeout_s)
 
 
-@dataclass
-class _State:
-    router: Router | None = None
-    cache: ResponseCache | None = None
-    backends: dict[str, Backend] = field(default_factory=dict)
-    ready: bool = False
-    start_error: str | None = None
-    pending: set[asyncio.Task] = field(default_factory=set)  # cache inserts after the answer went out
-
-
-def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = None,
-                      max_body_bytes: int = 4 * 2**20, governor: Governor | None = None) -> FastAPI:
-    """`embedded`: backend name -> ASGI app served in this process on a private Unix socket (how
+class Gateway:
+    """The gateway's state (backends, router, response cache, metrics, request log) and what it
+    does with a request; build_gateway_app puts the HTTP routes in front of it.
+    `embedded`: backend name -> ASGI app served in this process on a private Unix socket (how
     `hyperserve serve --semantic-cache` puts the cache in front of its own engine)."""
-    state = _State()
-    metrics = GatewayMetrics()
-    log = RequestLog(config.log.path)
-    embedded = embedded or {}
-    socket_dir = tempfile.mkdtemp(prefix="hyperserve-") if embedded else None
-    sockets = {name: os.path.join(socket_dir, f"{name}.sock") for name in embedded}
 
-    async def start() -> list[Any]:
-        servers = []
-        for name, app in embedded.items():
-            server = _EmbeddedServer(uvicorn.Config(app, uds=sockets[name], log_level="warning"))
-            servers.append((server, asyncio.create_task(server.serve())))
-        for b in config.backends:
-            state.backends[b.name] = build_backend(b, config.breaker, uds=sockets.get(b.name))
-        routes = {r.model: Route(r, [(state.backends[ref.name], ref.weight or state.backends[ref.name].weight)
-                                     for ref in r.backend_refs()]) for r in config.routes}
-        state.router = Router(routes, metrics)
-        state.cache = await asyncio.to_thread(build_cache, config)
-        if state.cache is not None:
-            if state.cache.embedder is not None:
-                await state.cache.embedder.embed_async(["warm up"])  # the first call is ~30x slower
-            count = await asyncio.to_thread(state.cache.sync_index)
+    def __init__(self, config: GatewayConfig, embedded: dict[str, Any] | None = None) -> None:
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.log = RequestLog(config.log.path)
+        self.embedded = embedded or {}
+        socket_dir = tempfile.mkdtemp(prefix="hyperserve-") if self.embedded else None
+        self.sockets = {name: os.path.join(socket_dir, f"{name}.sock") for name in self.embedded}
+        self.router: Router | None = None
+        self.cache: ResponseCache | None = None
+        self.backends: dict[str, Backend] = {}
+        self.ready = False
+        self.start_error: str | None = None
+        self.pending: set[asyncio.Task] = set()  # cache inserts after the answer went out
+        self._servers: list[tuple[_EmbeddedServer, asyncio.Task]] = []
+        self._waiter: asyncio.Task | None = None
+
+    # ---- lifetime ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Embedded engines, backends, routes and the cache now; ready once every backend answers."""
+        for name, app in self.embedded.items():
+            server = _EmbeddedServer(uvicorn.Config(app, uds=self.sockets[name], log_level="warning"))
+            self._servers.append((server, asyncio.create_task(server.serve())))
+        for b in self.config.backends:
+            self.backends[b.name] = build_backend(b, self.config.breaker, uds=self.sockets.get(b.name))
+        routes = {r.model: Route(r, [(self.backends[ref.name], ref.weight or self.backends[ref.name].weight)
+                                     for ref in r.backend_refs()]) for r in self.config.routes}
+        self.router = Router(routes, self.metrics)
+        self.cache = await asyncio.to_thread(build_cache, self.config)
+        if self.cache is not None:
+            if self.cache.embedder is not None:
+                await self.cache.embedder.embed_async(["warm up"])  # the first call is ~30x slower
+            count = await asyncio.to_thread(self.cache.sync_index)
             logger.info("response cache ready: %d entries indexed", count)
-        return servers
+        self._waiter = asyncio.create_task(self._wait_for_backends())
 
-    async def wait_for_backends() -> None:
+    async def _wait_for_backends(self) -> None:
         try:
-            await asyncio.gather(*(wait_ready(b) for b in state.backends.values()))
-            state.ready = True
-            logger.info("gateway ready: routes %s", sorted(state.router.routes))
+            await asyncio.gather(*(wait_ready(b) for b in self.backends.values()))
+            self.ready = True
+            logger.info("gateway ready: routes %s", sorted(self.router.routes))
         except Exception as error:
-            state.start_error = str(error)
+            self.start_error = str(error)
             logger.error("gateway start failed: %s", error)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        servers = await start()
-        waiter = asyncio.create_task(wait_for_backends())
-        yield
-        waiter.cancel()
-        if state.pending:
-            await asyncio.gather(*state.pending, return_exceptions=True)
-        for backend in state.backends.values():
+    async def close(self) -> None:
+        if self._waiter is not None:
+            self._waiter.cancel()
+        if self.pending:
+            await asyncio.gather(*self.pending, return_exceptions=True)
+        for backend in self.backends.values():
             await backend.close()
-        for server, task in servers:
+        for server, task in self._servers:
             server.should_exit = True
             await task
-        if state.cache is not None:
-            state.cache.close()
-        log.close()
+        if self.cache is not None:
+            self.cache.close()
+        self.log.close()
 
-    app = FastAPI(title="HyperServe gateway", lifespan=lifespan)
-    add_security(app, governor)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    install_error_handlers(app)
+    # ---- status --------------------------------------------------------------------------------
 
-    @app.get("/health")
-    async def health() -> Response:
-        backends = {name: "up" if b.breaker.is_closed else "down" for name, b in state.backends.items()}
-        status = "ok" if state.ready else state.start_error or "starting"
-        return JSONResponse({"status": status, "backends": backends}, status_code=200 if state.ready else 503)
+    def health(self) -> Response:
+        backends = {name: "up" if b.breaker.is_closed else "down" for name, b in self.backends.items()}
+        status = "ok" if self.ready else self.start_error or "starting"
+        return JSONResponse({"status": status, "backends": backends}, status_code=200 if self.ready else 503)
 
-    def refresh_backend_health() -> None:
-        for name, backend in state.backends.items():
-            metrics.backend_up.labels(name).set(1 if backend.breaker.is_closed else 0)
+    def refresh_backend_health(self) -> None:
+        for name, backend in self.backends.items():
+            self.metrics.backend_up.labels(name).set(1 if backend.breaker.is_closed else 0)
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        refresh_backend_health()
-        text = generate_latest(metrics.registry).decode()
-        for name in embedded:  # the in-process engine's own metrics, so one scrape sees everything
+    async def metrics_text(self) -> str:
+        """The gateway's metrics, and the in-process engine's, so one scrape sees everything."""
+        self.refresh_backend_health()
+        text = generate_latest(self.metrics.registry).decode()
+        for name in self.embedded:
             with contextlib.suppress(aiohttp.ClientError):
-                async with state.backends[name].session.get("/metrics") as upstream:
+                async with self.backends[name].session.get("/metrics") as upstream:
                     text += await upstream.text()
-        return Response(text, media_type=CONTENT_TYPE_LATEST)
+        return text
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "hyperserve"}
-                                           for name in sorted(state.router.routes if state.router else [])]}
+    async def embedded_samples(self) -> dict[str, list]:
+        """The in-process engine's /stats samples, so its dashboard sits beside the gateway's."""
+        merged: dict[str, list] = {}
+        for name in self.embedded:
+            with contextlib.suppress(aiohttp.ClientError, ValueError, KeyError):
+                async with self.backends[name].session.get("/stats") as upstream:
+                    for sample_name, samples in (await upstream.json())["samples"].items():
+                        merged.setdefault(sample_name, []).extend(samples)
+        return merged
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await handle(request, chat=True)
+    def model_names(self) -> list[str]:
+        return sorted(self.router.routes if self.router else [])
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await handle(request, chat=False)
+    # ---- requests ------------------------------------------------------------------------------
 
-    @app.api_route("/v1/{path:path}", methods=["GET", "POST", "DELETE"])
-    async def engine_endpoints(path: str, request: Request) -> Response:
+    async def pass_through(self, path: str, request: Request) -> Response:
         """With one in-process engine, its other endpoints (/v1/cache pins) pass straight through."""
-        if len(embedded) != 1:
+        if len(self.embedded) != 1:
             raise APIError(404, f"no endpoint /v1/{path}", code="not_found")
-        backend = state.backends[next(iter(embedded))]
+        backend = self.backends[next(iter(self.embedded))]
         async with backend.session.request(request.method, f"/v1/{path}", data=await request.body(),
                                            headers={"content-type": "application/json"}) as upstream:
             return Response(await upstream.read(), status_code=upstream.status,
                             media_type=upstream.headers.get("content-type"))
 
-    async def handle(request: Request, chat: bool) -> Response:
+    async def handle(self, request: Request, chat: bool) -> Response:
+        """A completion: from the response cache where it may be, else from a backend by its route."""
         started = time.perf_counter()
-        if not state.ready:
-            raise APIError(503, f"the gateway is {state.start_error or 'starting'}", type_="service_unavailable",
+        if not self.ready:
+            raise APIError(503, f"the gateway is {self.start_error or 'starting'}", type_="service_unavailable",
                            headers={"Retry-After": "5"})
         body = await _json_body(request, chat)
-        name = body.get("model") or _default_route(state.router)
-        route = state.router.route(name)
+        name = body.get("model") or _default_route(self.router)
+        route = self.router.route(name)
         kind = "chat" if chat else "completion"
-        path = "/v1/chat/completions" if chat else "/v1/completions"
         stream = body.get("stream") is True
-        include_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
-        record: dict[str, Any] = {"id": uuid.uuid4().hex[:16], "route": name, "kind": kind, "stream": stream}
-        timings: dict[str, float] = {}
+        call = _Call(chat, stream, stream and bool((body.get("stream_options") or {}).get("include_usage")), started,
+                     {"id": uuid.uuid4().hex[:16], "route": name, "kind": kind, "stream": stream})
 
-        key: CacheKey | None = None
-        vector = None
         mode = request.headers.get("x-hyperserve-cache", "").lower()
-        if state.cache is not None and mode != "off" and (mode == "on" or is_deterministic(body)):
-            key = cache_key(kind, name, body, getattr(request.state, "cache_scope", None))  # set by security
-            t = time.perf_counter()
-            try:
-                hit, vector = await state.cache.lookup(key)
-            except Exception as error:  # an unreachable or slow store degrades to a miss, never to an error
-                logger.warning("response cache: lookup failed, serving a miss: %s: %s", type(error).__name__, error)
-                hit, vector = None, None
-            timings["cache_lookup"] = time.perf_counter() - t
-            metrics.cache_lookup.labels(f"hit-{hit.kind}" if hit else "miss").observe(timings["cache_lookup"])
-            if hit is not None:
-                answer = {**hit.entry.response, "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                          "created": int(time.time())}
-                headers = {"x-hyperserve-cache": f"hit-{hit.kind}", "x-hyperserve-similarity": f"{hit.similarity:.4f}"}
-                finish(record, timings, started, f"hit-{hit.kind}", 200, answer.get("usage"),
-                       similarity=round(hit.similarity, 4))
-                if stream:
-                    return StreamingResponse(replay(answer, chat, include_usage), media_type="text/event-stream",
-                                             headers=headers)
-                return JSONResponse(answer, headers=headers)
-        cache_state = "miss" if key is not None else "bypass"
+        if self.cache is not None and mode != "off" and (mode == "on" or is_deterministic(body)):
+            call.key = cache_key(kind, name, body, getattr(request.state, "cache_scope", None))  # set by security
+            answer = await self._from_cache(call)
+            if answer is not None:
+                return answer
+        call.cache_state = "miss" if call.key is not None else "bypass"
         affinity = affinity_text(body, chat)[: route.config.affinity_prefix_chars]
+        path = "/v1/chat/completions" if chat else "/v1/completions"
 
         if stream and route.config.cascade is None:
             upstream = {**body, "stream_options": {"include_usage": True}}  # token counts for the log
-            lines, backend = await state.router.stream(name, path, upstream, affinity)
-            record["backend"] = backend
-            relay = _relay(lines, chat, include_usage, key, vector, record, timings, started, cache_state)
-            return StreamingResponse(relay, media_type="text/event-stream",
-                                     headers={"x-hyperserve-cache": cache_state, "x-hyperserve-backend": backend,
+            lines, backend = await self.router.stream(name, path, upstream, affinity)
+            call.record["backend"] = backend
+            return StreamingResponse(self._relay(lines, call), media_type="text/event-stream",
+                                     headers={"x-hyperserve-cache": call.cache_state, "x-hyperserve-backend": backend,
                                               "Cache-Control": "no-cache"})
 
-        reply = await state.router.complete(name, path, {**body, "stream": False}, affinity)
-        timings["backend"] = reply.backend_s
-        record["backend"] = reply.backend
-        headers = {"x-hyperserve-cache": cache_state, "x-hyperserve-backend": reply.backend}
+        reply = await self.router.complete(name, path, {**body, "stream": False}, affinity)
+        call.timings["backend"] = reply.backend_s
+        call.record["backend"] = reply.backend
+        headers = {"x-hyperserve-cache": call.cache_state, "x-hyperserve-backend": reply.backend}
         if reply.cascade:
             headers["x-hyperserve-cascade"] = ",".join(reply.cascade)
-            record["cascade"] = reply.cascade
-        if key is not None and reply.status == 200 and _finished(reply.body):
-            remember(key, reply.body, vector)
+            call.record["cascade"] = reply.cascade
+        if call.key is not None and reply.status == 200 and _finished(reply.body):
+            self._remember(call, reply.body)
         if route.config.cascade is None and not stream:
-            metrics.overhead.observe(max(0.0, time.perf_counter() - started - reply.backend_s))
-        finish(record, timings, started, cache_state, reply.status, reply.body.get("usage"))
+            self.metrics.overhead.observe(max(0.0, time.perf_counter() - started - reply.backend_s))
+        self._finish(call, call.cache_state, reply.status, reply.body.get("usage"))
         if stream:
-            return StreamingResponse(replay(reply.body, chat, include_usage), media_type="text/event-stream",
+            return StreamingResponse(replay(reply.body, chat, call.include_usage), media_type="text/event-stream",
                                      headers=headers)
         return JSONResponse(reply.body, status_code=reply.status, headers=headers)
 
-    async def _relay(lines: AsyncIterator[str], chat: bool, include_usage: bool, key: CacheKey | None, vector: Any,
-                     record: dict[str, Any], timings: dict[str, float], started: float,
-                     cache_state: str) -> AsyncIterator[str]:
-        folded = StreamAccumulator(chat)
+    async def _from_cache(self, call: _Call) -> Response | None:
+        """The cached answer to `call` (exact, then semantic), or None; a miss keeps the prompt's
+        vector on `call` for the insert."""
+        t = time.perf_counter()
+        try:
+            hit, call.vector = await self.cache.lookup(call.key)
+        except Exception as error:  # an unreachable or slow store degrades to a miss, never to an error
+            logger.warning("response cache: lookup failed, serving a miss: %s: %s", type(error).__name__, error)
+            hit, call.vector = None, None
+        call.timings["cache_lookup"] = time.perf_counter() - t
+        self.metrics.cache_lookup.labels(f"hit-{hit.kind}" if hit else "miss").observe(call.timings["cache_lookup"])
+        if hit is None:
+            return None
+        answer = {**hit.entry.response, "id": f"{'chatcmpl' if call.chat else 'cmpl'}-{uuid.uuid4().hex}",
+                  "created": int(time.time())}
+        headers = {"x-hyperserve-cache": f"hit-{hit.kind}", "x-hyperserve-similarity": f"{hit.similarity:.4f}"}
+        self._finish(call, f"hit-{hit.kind}", 200, answer.get("usage"), similarity=round(hit.similarity, 4))
+        if call.stream:
+            return StreamingResponse(replay(answer, call.chat, call.include_usage), media_type="text/event-stream",
+                                     headers=headers)
+        return JSONResponse(answer, headers=headers)
+
+    async def _relay(self, lines: AsyncIterator[str], call: _Call) -> AsyncIterator[str]:
+        """A backend's stream to the client as it comes, folded into a whole answer for the cache."""
+        folded = StreamAccumulator(call.chat)
         status = 200
         try:
             async for line in lines:
@@ -265,9 +265,9 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
                     status = 502
                 else:
                     folded.add(chunk)
-                    if "ttft" not in timings:
-                        timings["ttft"] = time.perf_counter() - started
-                if chunk.get("usage") and not chunk.get("choices") and not include_usage:
+                    if "ttft" not in call.timings:
+                        call.timings["ttft"] = time.perf_counter() - call.started
+                if chunk.get("usage") and not chunk.get("choices") and not call.include_usage:
                     continue  # we asked for usage; the client did not
                 yield sse_event(data)
         except (TimeoutError, aiohttp.ClientError, ValueError) as error:
@@ -277,42 +277,104 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
             await lines.aclose()  # releases the connection (and the backend's outstanding count) now
         yield sse_event(DONE)
         answer = folded.response()
-        if key is not None and status == 200 and answer is not None:
-            remember(key, answer, vector)
-        finish(record, timings, started, cache_state, status, folded.usage)
+        if call.key is not None and status == 200 and answer is not None:
+            self._remember(call, answer)
+        self._finish(call, call.cache_state, status, folded.usage)
 
-    async def insert(key: CacheKey, body: dict[str, Any], vector: Any) -> None:
-        try:
-            await state.cache.insert(key, body, vector)
-        except Exception as error:  # a cache that cannot store (Redis down, disk full) must not fail requests
-            logger.warning("response cache: insert failed: %s: %s", type(error).__name__, error)
+    def _remember(self, call: _Call, body: dict[str, Any]) -> None:
+        """Insert the answer in the cache after it went out, never failing the request."""
+        async def insert() -> None:
+            try:
+                await self.cache.insert(call.key, body, call.vector)
+            except Exception as error:  # a cache that cannot store (Redis down, disk full) must not fail requests
+                logger.warning("response cache: insert failed: %s: %s", type(error).__name__, error)
 
-    def remember(key: CacheKey, body: dict[str, Any], vector: Any) -> None:
-        task = asyncio.create_task(insert(key, body, vector))
-        state.pending.add(task)
-        task.add_done_callback(state.pending.discard)
+        task = asyncio.create_task(insert())
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
 
-    def finish(record: dict[str, Any], timings: dict[str, float], started: float, cache: str, status: int,
-               usage: dict[str, Any] | None, **extra: Any) -> None:
-        metrics.requests.labels(record["route"], cache, str(status)).inc()
-        timings["total"] = time.perf_counter() - started
-        log.write({**record, **extra, "cache": cache, "status": status,
-                   "latency_ms": {k: round(v * 1000, 2) for k, v in timings.items()},
-                   "tokens": {"prompt": (usage or {}).get("prompt_tokens"),
-                              "completion": (usage or {}).get("completion_tokens")}})
+    def _finish(self, call: _Call, cache: str, status: int, usage: dict[str, Any] | None, **extra: Any) -> None:
+        self.metrics.requests.labels(call.record["route"], cache, str(status)).inc()
+        call.timings["total"] = time.perf_counter() - call.started
+        self.log.write({**call.record, **extra, "cache": cache, "status": status,
+                        "latency_ms": {k: round(v * 1000, 2) for k, v in call.timings.items()},
+                        "tokens": {"prompt": (usage or {}).get("prompt_tokens"),
+                                   "completion": (usage or {}).get("completion_tokens")}})
 
-    async def embedded_samples() -> dict[str, list]:
-        """The in-process engine's /stats samples, so its dashboard sits beside the gateway's."""
-        merged: dict[str, list] = {}
-        for name in embedded:
-            with contextlib.suppress(aiohttp.ClientError, ValueError, KeyError):
-                async with state.backends[name].session.get("/stats") as upstream:
-                    for sample_name, samples in (await upstream.json())["samples"].items():
-                        merged.setdefault(sample_name, []).extend(samples)
-        return merged
 
-    install_web_ui(app, metrics.registry, "gateway", refresh_backend_health, embedded_samples)
+@dataclass
+class _Call:
+    """One completion request as the gateway handles it: what the log records and the cache needs."""
+
+    chat: bool
+    stream: bool
+    include_usage: bool
+    started: float
+    record: dict[str, Any]  # the request log's fields
+    timings: dict[str, float] = field(default_factory=dict)
+    key: CacheKey | None = None  # None: not cached
+    vector: Any = None  # the prompt's embedding, from a semantic lookup that missed
+    cache_state: str = "bypass"
+
+
+def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = None,
+                      max_body_bytes: int = 4 * 2**20, governor: Governor | None = None) -> FastAPI:
+    """A FastAPI app for a Gateway (see Gateway for `embedded`)."""
+    gateway = Gateway(config, embedded)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await gateway.start()
+        yield
+        await gateway.close()
+
+    app = FastAPI(title="HyperServe gateway", lifespan=lifespan)
+    app.state.gateway = gateway
+    add_security(app, governor)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    install_error_handlers(app)
+    app.include_router(routes)
+    install_web_ui(app, gateway.metrics.registry, "gateway", gateway.refresh_backend_health,
+                   gateway.embedded_samples)
     return app
+
+
+routes = APIRouter()
+
+
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+@routes.get("/health")
+async def health(request: Request) -> Response:
+    return _gateway(request).health()
+
+
+@routes.get("/metrics")
+async def prometheus(request: Request) -> Response:
+    return Response(await _gateway(request).metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+
+@routes.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "hyperserve"}
+                                       for name in _gateway(request).model_names()]}
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await _gateway(request).handle(request, chat=True)
+
+
+@routes.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await _gateway(request).handle(request, chat=False)
+
+
+@routes.api_route("/v1/{path:path}", methods=["GET", "POST", "DELETE"])
+async def engine_endpoints(path: str, request: Request) -> Response:
+    return await _gateway(request).pass_through(path, request)
 
 
 class _EmbeddedServer(uvicorn.Server):
