@@ -64,7 +64,7 @@ class RemotePrefill:
         if len(prompt) <= self.min_tokens:  # too short however little is cached: no hashing
             return 0
         llm = engine.engine
-        hashes = llm.prefix_hashes(prompt)
+        hashes = llm.kv_transfer.prefix_hashes(prompt)
         # read from the event loop while the engine thread may change the pool: a stale answer
         # costs at most a transfer of blocks that were here, or a prefill that could have been
         have = llm.kv_cache.num_cached_blocks(hashes)
@@ -78,13 +78,13 @@ class RemotePrefill:
             received, tensors = await asyncio.to_thread(decode_blocks, response.content)  # off the event loop
             if received != hashes[have:]:
                 raise ValueError("the prefill server sent blocks of another prompt or block size")
-            inserted = await engine.call(lambda e: e.import_prefix(received, tensors))
+            inserted = await engine.call(lambda e: e.kv_transfer.import_prefix(received, tensors))
         except Exception as error:  # anything: the prompt is computed here
-            llm.kv_transfers.transfer_failures += 1
+            llm.kv_transfer.stats.transfer_failures += 1
             logger.warning("remote prefill failed, computing the prompt here: %s: %s", type(error).__name__, error)
             return 0
         finally:
-            llm.kv_transfers.transfer_seconds += time.perf_counter() - started
+            llm.kv_transfer.stats.transfer_seconds += time.perf_counter() - started
         return inserted
 
     async def close(self) -> None:

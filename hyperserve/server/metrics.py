@@ -159,7 +159,7 @@ class ModelMetrics:
                       "spec_accepted": spec.num_accepted_tokens,
                       "lora_loads": lora.num_loads if lora else 0,
                       "lora_load_seconds": lora.load_seconds if lora else 0.0,
-                      **{f"kv_{name}": value for name, value in vars(engine.kv_transfers).items()}}
+                      **{f"kv_{name}": value for name, value in vars(engine.kv_transfer.stats).items()}}
             self._lora_loaded.set(lora.num_loaded if lora else 0)
             if lora is not None:
                 hits = dict(lora.hits)

@@ -74,7 +74,7 @@ class OpenAIServing:
         self.tool_open_is_special = tokenizer is not None and tools.OPEN in tokenizer.get_added_vocab()
         self.remote_prefill = None
         if settings.role in ("prefill", "decode"):
-            reason = engine.engine.kv_transfer_unsupported()
+            reason = engine.engine.kv_transfer.unsupported()
             if reason is not None:
                 raise ValueError(f"--role {settings.role}: this engine cannot move KV blocks: {reason}")
         if settings.role == "decode":
@@ -173,9 +173,9 @@ class OpenAIServing:
         def read(engine) -> tuple[list[bytes], dict]:
             try:
                 skip = request.skip_blocks
-                hashes = engine.prefix_hashes(ids)[skip:]
+                hashes = engine.kv_transfer.prefix_hashes(ids)[skip:]
                 blocks = engine.kv_cache.pins[pin_id].block_ids[0][skip : skip + len(hashes)]
-                return hashes, engine.read_blocks(blocks) if blocks else {}
+                return hashes, engine.kv_transfer.read_blocks(blocks) if blocks else {}
             finally:
                 engine.unpin_prefix(pin_id)
 

@@ -27,12 +27,12 @@ def test_imported_blocks_give_the_answer_the_prefill_engine_gives(save_hf_model,
     prefill, decode = engines(path, device)
     prompt = list(range(3, 3 + 5 * BLOCK + 7))  # 5 full blocks and 7 tokens
     expected = answer(prefill, prompt)
-    hashes = prefill.engine.prefix_hashes(prompt)
+    hashes = prefill.engine.kv_transfer.prefix_hashes(prompt)
     assert len(hashes) == 5
     blocks = [prefill.engine.kv_cache.pool.lookup(h) for h in hashes]  # cached once the request finished
-    tensors = prefill.engine.read_blocks(blocks)
-    assert decode.engine.import_prefix(hashes, tensors) == 5
-    assert decode.engine.import_prefix(hashes, tensors) == 0, "blocks it holds are not taken twice"
+    tensors = prefill.engine.kv_transfer.read_blocks(blocks)
+    assert decode.engine.kv_transfer.import_prefix(hashes, tensors) == 5
+    assert decode.engine.kv_transfer.import_prefix(hashes, tensors) == 0, "blocks it holds are not taken twice"
     got = answer(decode, prompt)
     assert got.outputs[0].token_ids == expected.outputs[0].token_ids
     assert got.metrics.num_cached_tokens == 5 * BLOCK  # it computed only the last 7 tokens
@@ -44,9 +44,9 @@ def test_a_full_pool_takes_what_fits_and_blocks_of_another_shape_are_refused(sav
     prefill, decode = engines(path, "cpu", num_blocks=4)
     prompt = list(range(3, 3 + 2 * BLOCK + 1))
     answer(prefill, prompt)
-    hashes = prefill.engine.prefix_hashes(prompt)
-    tensors = prefill.engine.read_blocks([prefill.engine.kv_cache.pool.lookup(h) for h in hashes])
+    hashes = prefill.engine.kv_transfer.prefix_hashes(prompt)
+    tensors = prefill.engine.kv_transfer.read_blocks([prefill.engine.kv_cache.pool.lookup(h) for h in hashes])
     decode.engine.kv_cache.pool.allocate(3)  # one block left
-    assert decode.engine.import_prefix(hashes, tensors) == 1
+    assert decode.engine.kv_transfer.import_prefix(hashes, tensors) == 1
     with pytest.raises(ValueError, match="do not fit"):
-        decode.engine.import_prefix(hashes, {name: t[:, :1] for name, t in tensors.items()})
+        decode.engine.kv_transfer.import_prefix(hashes, {name: t[:, :1] for name, t in tensors.items()})

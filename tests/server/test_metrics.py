@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from hyperserve.engine.engine import KVTransferStats
+from hyperserve.engine.kv_transfer import KVTransferStats
 from hyperserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hyperserve.server.metrics import ServerMetrics
 
@@ -18,7 +18,7 @@ def fake_engine():
     spec = SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, acceptance_rate=0.0,
                            mean_accepted_length=0.0)
     return SimpleNamespace(num_running=0, num_waiting=0, kv_cache=kv, scheduler=SimpleNamespace(spec_stats=spec),
-                           lora=None, kv_transfers=KVTransferStats())
+                           lora=None, kv_transfer=SimpleNamespace(stats=KVTransferStats()))
 
 
 def test_finished_and_aborted_requests_leave_no_per_request_state():
