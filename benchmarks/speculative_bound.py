@@ -12,6 +12,8 @@ The `oracle k` columns bound what any choice of k can reach with the same lookup
 answers are decoded once without speculation, and each proposal then drafts exactly the tokens of
 its continuation that the target would accept (up to num_speculative_tokens), none where it would
 accept none. Where even that stays under 2x at a CPU's verify cost, no k policy reaches 2x there.
+The `any occurrence` columns bound a better choice of match as well: each proposal takes, of every
+earlier occurrence of the last ngram_min tokens, the continuation the target accepts furthest.
 
     python benchmarks/speculative_bound.py [--costs 0.05 0.1 0.2 0.3] [--max-tokens 256]
         [--options '{"num_tokens": 4, "ngram_max": 4}']   # other speculative settings, same costs
@@ -56,8 +58,10 @@ def greedy_answers(prompts: list[str], max_tokens: int) -> list[tuple[list[int],
     return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outputs]
 
 
-def oracle_speedup(answers: list[tuple[list[int], list[int]]], cost: float, options: dict) -> float:
-    """Modelled speed-up when each proposal drafts exactly what the target accepts of it."""
+def oracle_speedup(answers: list[tuple[list[int], list[int]]], cost: float, options: dict,
+                   any_occurrence: bool = False) -> float:
+    """Modelled speed-up when each proposal drafts exactly what the target accepts of it: of the
+    lookup's continuation, or (`any_occurrence`) of the best of all earlier occurrences' ones."""
     config = SpeculativeConfig(speculative_method="ngram")
     proposer = NgramProposer(options.get("ngram_min", config.ngram_min), options.get("ngram_max", config.ngram_max))
     limit = options.get("num_tokens", config.num_speculative_tokens)
@@ -65,16 +69,31 @@ def oracle_speedup(answers: list[tuple[list[int], list[int]]], cost: float, opti
     for prompt, output in answers:
         tokens, i = prompt + output[:1], 1  # the first output token comes from the prefill
         while i < len(output):
-            _, continuation = proposer.lookup(tokens, limit)
-            accepted = 0
-            while (accepted < min(len(continuation), len(output) - i - 1)
-                   and continuation[accepted] == output[i + accepted]):
-                accepted += 1
+            if any_occurrence:
+                continuations = continuations_of(tokens, proposer.ngram_min, limit)
+            else:
+                continuations = [proposer.lookup(tokens, limit)[1]]
+            room = len(output) - i - 1
+            accepted = max((accepted_length(c[:room], output[i:]) for c in continuations), default=0)
             steps += 1 + cost * accepted
             tokens += output[i:i + accepted + 1]
             i += accepted + 1
         decoded += len(output) - 1
     return decoded / steps
+
+
+def continuations_of(tokens: list[int], n: int, k: int) -> list[list[int]]:
+    """The k tokens after every earlier occurrence of the last n tokens."""
+    suffix = tokens[-n:]
+    return [tokens[s + n:s + n + k] for s in range(len(tokens) - n) if tokens[s:s + n] == suffix]
+
+
+def accepted_length(draft: list[int], target: list[int]) -> int:
+    """How many of the draft's first tokens the target's own tokens confirm."""
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == target[accepted]:
+        accepted += 1
+    return accepted
 
 
 def main() -> None:
@@ -88,9 +107,9 @@ def main() -> None:
     print(f"n-gram speculation {options or '(defaults)'}, greedy, up to {args.max_tokens} tokens, stopping at EOS")
     answers = {name: greedy_answers(prompts, args.max_tokens) for name, prompts in (("grounded", GROUNDED),
                                                                                      ("chat", CHAT))}
-    print("| verify cost | input-grounded | tokens a verify step | oracle k | open chat | tokens a verify step "
-          "| oracle k |")
-    print("|---|---|---|---|---|---|---|")
+    print("| verify cost | input-grounded | tokens a verify step | oracle k | any occurrence | open chat "
+          "| tokens a verify step | oracle k | any occurrence |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for cost in args.costs:
         llm = LLM(max_model_len=2048, kv_cache_memory_gb=0.5,
                   speculative={"method": "ngram", "verify_cost": cost, **options})
@@ -98,8 +117,10 @@ def main() -> None:
         chat = modelled_speedup(llm, CHAT, args.max_tokens, cost)
         llm.close()
         oracle = {name: oracle_speedup(answers[name], cost, options) for name in answers}
+        anywhere = {name: oracle_speedup(answers[name], cost, options, any_occurrence=True) for name in answers}
         print(f"| {cost:.2f} | {grounded[0]:.2f}x | {grounded[1]:.2f} | {oracle['grounded']:.2f}x "
-              f"| {chat[0]:.2f}x | {chat[1]:.2f} | {oracle['chat']:.2f}x |", flush=True)
+              f"| {anywhere['grounded']:.2f}x | {chat[0]:.2f}x | {chat[1]:.2f} | {oracle['chat']:.2f}x "
+              f"| {anywhere['chat']:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -201,11 +201,15 @@ def run_load(args: argparse.Namespace, specs: list[RequestSpec]) -> tuple[list[R
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench") as executor:
             start = time.perf_counter()
             futures = []
-            for spec in specs:
-                futures.append(executor.submit(one, spec))
-                if args.request_rate:
-                    time.sleep(rng.expovariate(args.request_rate))
-            results = [future.result() for future in futures]
+            try:
+                for spec in specs:
+                    futures.append(executor.submit(one, spec))
+                    if args.request_rate:
+                        time.sleep(rng.expovariate(args.request_rate))
+                results = [future.result() for future in futures]
+            except KeyboardInterrupt:  # requests not yet sent are not sent; those in flight finish
+                executor.shutdown(wait=False, cancel_futures=True)
+                raise
             duration = time.perf_counter() - start
     finally:
         sys.setswitchinterval(switch_interval)
