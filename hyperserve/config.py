@@ -107,6 +107,10 @@ SCHEDULER_DEFAULTS = {"cpu": (64, 512), "cuda": (256, 8192)}  # device -> (max_n
 class SchedulerConfig:
     max_num_seqs: int | None = None  # running sequences at most; None: 64 on CPU, 256 on CUDA
     max_num_batched_tokens: int | None = None  # tokens per step, decodes and prefill chunks; None: 512 / 8,192
+    # prompt tokens a step takes while other requests decode: every decoding request waits for the
+    # whole step, so this bounds the stall a new prompt causes them, for more steps per prompt (on
+    # 2 CPU cores at 16 streams, 128: ITL p99 244 -> 95 ms, output -6%); None: the step's budget
+    max_prefill_tokens_while_decoding: int | None = None
     # decode steps run back to back per schedule when every scheduled request only decodes (vLLM's
     # multi-step scheduling): scheduling and output handling are paid once per this many tokens,
     # and CUDA graph replays queue without the host waiting between them. Tokens stream this many
@@ -118,10 +122,9 @@ class SchedulerConfig:
             raise ValueError(f"num_scheduler_steps must be at least 1, got {self.num_scheduler_steps}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
-            )
+        for name in ("max_num_batched_tokens", "max_prefill_tokens_while_decoding"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft", "self")

@@ -2,9 +2,11 @@
 
 Each step shares `max_num_batched_tokens` between running requests (usually one decode token
 each) and prefill chunks, running requests first, so a long prompt is prefilled a chunk per step
-beside ongoing decodes. When the KV pool runs short, the least important running request (highest
-priority value, latest admitted) is preempted: its blocks are freed and it goes back to waiting to
-be recomputed. Plain Python over ids and counts: no tensors here.
+beside ongoing decodes. While any request decodes, prompts take at most
+`max_prefill_tokens_while_decoding` of a step: each decoding request waits for the whole step.
+When the KV pool runs short, the least important running request (highest priority value, latest
+admitted) is preempted: its blocks are freed and it goes back to waiting to be recomputed. Plain
+Python over ids and counts: no tensors here.
 """
 
 from __future__ import annotations
@@ -80,12 +82,21 @@ class Scheduler:
         self.kv_cache.expire_pins(time.time())
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        prefill_budget = budget
+        cap = self.config.max_prefill_tokens_while_decoding
+        if cap is not None and any(_is_decoding(r) for r in self.running):
+            prefill_budget = min(budget, cap)
 
         # Running requests first, most important first; the least important yields its blocks.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
+            if not _is_decoding(request):
+                if prefill_budget <= 0:
+                    i += 1
+                    continue
+                num_new = min(num_new, prefill_budget)
             self.kv_cache.release_behind_window(request.request_id, request.num_computed_tokens)
             while not self.kv_cache.allocate_slots(
                 request.request_id, request.num_computed_tokens + num_new
@@ -99,6 +110,8 @@ class Scheduler:
                 out.requests.append(request)
                 out.num_new_tokens.append(num_new)
                 budget -= num_new
+                if not _is_decoding(request):
+                    prefill_budget -= num_new
                 i += 1
 
         # Then admit waiting requests while blocks, budget and sequence slots allow. A cached
@@ -108,7 +121,7 @@ class Scheduler:
         adapters = {r.lora_request.lora_name for r in self.running if r.lora_request is not None}
         adapter_waiting = False
         for request in list(self.waiting):
-            if out.preempted or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if out.preempted or min(budget, prefill_budget) <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if _waits_for_sibling(request):
                 continue
@@ -123,7 +136,7 @@ class Scheduler:
                 continue
             prefix = self.kv_cache.cached_prefix(request)
             num_cached = prefix.num_blocks * self.kv_cache.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = min(request.num_tokens - num_cached, budget, prefill_budget)
             if not self.kv_cache.allocate_slots(request.request_id, num_cached + num_new, prefix):
                 break
             self.kv_cache.record_lookup(request.num_tokens, num_cached)
@@ -139,6 +152,7 @@ class Scheduler:
             out.requests.append(request)
             out.num_new_tokens.append(num_new)
             budget -= num_new
+            prefill_budget -= num_new
         if self.config.num_scheduler_steps > 1 and out.requests and not out.preempted:
             self._run_steps_together(out)
         return out
@@ -251,3 +265,8 @@ def _waits_for_sibling(request: Request) -> bool:
     they take its blocks from the prefix cache instead of computing the prompt n times."""
     first = request.wait_for
     return first is not None and not first.is_finished and first.num_computed_tokens < first.num_prompt_tokens
+
+
+def _is_decoding(request: Request) -> bool:
+    """Whether a running request has only its latest token left to compute (its drafts aside)."""
+    return request.num_tokens - request.num_computed_tokens <= 1

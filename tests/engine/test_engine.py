@@ -14,9 +14,10 @@ NUM_BLOCKS = 30
 
 @pytest.fixture(scope="module")
 def llm():
-    # 30 blocks of 16 tokens: a few requests at once overflow it, so preemption happens.
+    # 30 blocks of 16 tokens: a few requests at once overflow it, so preemption happens. Prompts
+    # take 48 tokens a step, or 20 while others decode.
     return LLM(num_kv_blocks=NUM_BLOCKS, block_size=16, max_model_len=480, max_num_batched_tokens=48,
-               **EXACT)
+               max_prefill_tokens_while_decoding=20, **EXACT)
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,21 @@ def test_long_prompt_is_prefilled_in_chunks_beside_decodes():
     assert s.requests["long"].num_output_tokens == 1  # sampled once, after the last chunk
 
 
+def test_prompts_take_at_most_their_cap_of_a_step_while_others_decode():
+    s = make_scheduler(budget=32)
+    s.config.max_prefill_tokens_while_decoding = 6
+    s.add_request(make_request("first", 20))
+    assert run_step(s).num_new_tokens == [20], "nobody decodes yet: the whole budget"
+    for request_id, first_token in (("second", 100), ("third", 200)):  # nothing in common to cache
+        s.add_request(Request(request_id, list(range(first_token, first_token + 8)), SamplingParams(), 0.0))
+    counts = []
+    for _ in range(3):
+        out = run_step(s)
+        counts.append(dict(zip([r.request_id for r in out.requests], out.num_new_tokens)))
+    assert counts == [{"first": 1, "second": 6}, {"first": 1, "second": 2, "third": 4},
+                      {"first": 1, "second": 1, "third": 4}]
+
+
 def test_max_num_seqs_bounds_the_running_set():
     s = make_scheduler(max_num_seqs=2)
     for i in range(3):
