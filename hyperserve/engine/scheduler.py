@@ -17,11 +17,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from hyperserve.config import SchedulerConfig
 from hyperserve.engine.kv_cache_manager import KVCacheManager
 from hyperserve.engine.request import Request, RequestStatus, SpecDecodeStats
-from hyperserve.layers.lora import LoRARequest
+
+if TYPE_CHECKING:  # both modules load PyTorch, which the scheduler never touches
+    from hyperserve.config import SchedulerConfig
+    from hyperserve.layers.lora import LoRARequest
 
 logger = logging.getLogger("hyperserve.scheduler")
 

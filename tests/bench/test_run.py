@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -128,3 +130,9 @@ def test_an_event_split_between_reads_is_timed_by_the_read_that_completes_it():
                   b'{"prompt_tokens": 3, "completion_tokens": 2}}\n\ndata: [DONE]\n\n')], 0.5, result)
     assert result.chunks == 2 and result.ttft == 0.5 and result.itls == [0.5]
     assert (result.prompt_tokens, result.output_tokens) == (3, 2)
+
+
+def test_the_client_starts_without_pytorch():
+    """`hyperserve bench` runs beside the server it measures: it loads what it needs, not a model stack."""
+    code = "import sys, hyperserve.bench.run; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from hyperserve.config import SchedulerConfig
 from hyperserve.engine.kv_cache_manager import KVCacheManager
 from hyperserve.engine.request import Request, RequestStatus
@@ -228,3 +231,9 @@ def test_scheduler_limits_default_by_device_and_keep_given_values():
     assert limits(device="cpu") == (64, 512)
     assert limits(device="cuda") == (256, 8192)  # only configured: nothing here needs a GPU
     assert limits(device="cuda", max_num_seqs=32, max_num_batched_tokens=1024) == (32, 1024)
+
+
+def test_the_scheduler_and_the_kv_cache_manager_load_without_pytorch():
+    code = ("import sys, hyperserve.engine.scheduler, hyperserve.engine.kv_cache_manager; "
+            "assert 'torch' not in sys.modules, 'plain Python over ids and counts'")
+    subprocess.run([sys.executable, "-c", code], check=True)
