@@ -95,7 +95,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
-            if not _is_decoding(request):
+            prefilling = not _is_decoding(request)
+            if prefilling:
                 if prefill_budget <= 0:
                     i += 1
                     continue
@@ -113,7 +114,7 @@ class Scheduler:
                 out.requests.append(request)
                 out.num_new_tokens.append(num_new)
                 budget -= num_new
-                if not _is_decoding(request):
+                if prefilling:
                     prefill_budget -= num_new
                 i += 1
 

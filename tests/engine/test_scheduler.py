@@ -12,9 +12,11 @@ from hyperserve.engine.scheduler import Scheduler
 from hyperserve.sampling_params import SamplingParams
 
 
-def make_scheduler(num_blocks=100, block_size=4, max_num_seqs=8, budget=32, max_model_len=1000):
+def make_scheduler(num_blocks=100, block_size=4, max_num_seqs=8, budget=32, max_model_len=1000, prefill_cap=None):
     kv = KVCacheManager(num_blocks, block_size)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), kv, max_model_len)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                             max_prefill_tokens_while_decoding=prefill_cap)
+    return Scheduler(config, kv, max_model_len)
 
 
 def make_request(request_id: str, num_prompt: int, priority: int = 0, max_tokens: int = 100) -> Request:
@@ -50,8 +52,7 @@ def test_long_prompt_is_prefilled_in_chunks_beside_decodes():
 
 
 def test_prompts_take_at_most_their_cap_of_a_step_while_others_decode():
-    s = make_scheduler(budget=32)
-    s.config.max_prefill_tokens_while_decoding = 6
+    s = make_scheduler(budget=32, prefill_cap=6)
     s.add_request(make_request("first", 20))
     assert run_step(s).num_new_tokens == [20], "nobody decodes yet: the whole budget"
     for request_id, first_token in (("second", 100), ("third", 200)):  # nothing in common to cache
