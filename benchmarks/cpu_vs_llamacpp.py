@@ -24,6 +24,8 @@ Decode is compared in turns (`--rounds`, medians; the decode ratio is against th
 taken between ours), since this kind of VM drifts by 20% over minutes. `--depths 1000 4000 8000`
 adds decode after that many tokens of context (llama-bench's `tg32 @ dN` against 32 of our tokens
 after an N-token prompt), also in turns: what a long conversation or document costs per token.
+`--prompt-lengths 2048 4096` adds prefill of prompts that long (llama-bench's ppN), also in turns:
+where attention over the prompt, more than the weights, sets the time to first token.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import argparse
 import datetime
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -173,7 +176,7 @@ def decode_at_depths(llm: LLM, bin_dir: Path, gguf: Path, threads: int, depths: 
 
 
 def hyperserve_offline(config: str, bin_dir: Path, gguf: Path, threads: int, rounds: int,
-                       depths: list[int]) -> dict:
+                       depths: list[int], prompt_lengths: list[int]) -> dict:
     """Our engine offline: decode (in turns with llama-bench) and prefill, and decode at depth."""
     options = {} if config == "default" else engine_options(config.removeprefix("default+"))
     llm = LLM(**options)
@@ -183,7 +186,44 @@ def hyperserve_offline(config: str, bin_dir: Path, gguf: Path, threads: int, rou
                                                                                     rounds)
     if depths:
         result["decode_at_depth"] = decode_at_depths(llm, bin_dir, gguf, threads, depths, rounds)
+    if prompt_lengths:
+        result["prefill_at_length"] = prefill_at_lengths(llm, bin_dir, gguf, threads, prompt_lengths, rounds)
     return result
+
+
+def prefill_at_lengths(llm: LLM, bin_dir: Path, gguf: Path, threads: int, lengths: list[int],
+                       rounds: int) -> dict[str, dict[str, float]]:
+    """Median prefill tok/s of an N-token prompt, ours and llama-bench's ppN, in turns: where
+    attention over the prompt itself, not the weights, takes most of the time. Each of our turns has
+    its own prompt, so none is found in the prefix cache."""
+    rng = random.Random(1)
+    results = {}
+    for length in lengths:
+        ours, theirs = [], []
+        for _ in range(max(rounds, 1)):
+            rows = run_llama_bench(bin_dir, gguf, threads, "-p", str(length), "-n", "0", "-r", "1")
+            theirs.append(rows[0]["avg_ts"])
+            prompt = [rng.randrange(100, 20000) for _ in range(length)]
+            metrics = llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)[0].metrics
+            ours.append(length / (metrics.first_token_time - metrics.first_scheduled_time))
+        results[str(length)] = {"prefill_tok_s": statistics.median(ours),
+                                "llama_prefill_tok_s": statistics.median(theirs)}
+        print(f"prefill of {length} tokens: ours {results[str(length)]['prefill_tok_s']:.1f}, "
+              f"llama.cpp {results[str(length)]['llama_prefill_tok_s']:.1f} tok/s", flush=True)
+    return results
+
+
+def print_in_turns(results: dict, key: str, sizes: list[int], label: str) -> None:
+    """The table of one measure taken in turns at several sizes (decode at depth, prefill at length)."""
+    print("\n| system | " + " | ".join(label.format(size) for size in sizes) + " |")
+    print("|---" * (len(sizes) + 1) + "|")
+    for name, r in results.items():
+        if key not in r:
+            continue
+        ours = key.removesuffix("_at_depth").removesuffix("_at_length") + "_tok_s"
+        pairs = [(r[key][str(size)][ours], r[key][str(size)]["llama_" + ours]) for size in sizes]
+        print(f"| llama.cpp (turns beside {name}) | " + " | ".join(f"{theirs:.1f}" for _, theirs in pairs) + " |")
+        print(f"| {name} | " + " | ".join(f"{mine:.1f} ({mine / theirs:.2f}x)" for mine, theirs in pairs) + " |")
 
 
 def server_command(config: str, port: int) -> list[str]:
@@ -199,6 +239,8 @@ def main() -> None:
                         help="medians of this many turns: decode (llama-bench tg128 and ours) and the servers' loads")
     parser.add_argument("--depths", nargs="*", type=int, default=[],
                         help="also decode after this many tokens of context (e.g. 1000 4000 8000)")
+    parser.add_argument("--prompt-lengths", nargs="*", type=int, default=[],
+                        help="also prefill prompts of this many tokens (e.g. 2048 4096), against llama-bench ppN")
     parser.add_argument("--isa", choices=["native", "avx2"], default="native",
                         help="avx2: both systems' AVX2 code paths, on a CPU that has more")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/cpu_vs_llamacpp[-ISA].json")
@@ -214,7 +256,7 @@ def main() -> None:
     for config in args.configs:
         print(f"offline: {config} ...", flush=True)
         results[f"hyperserve {config}"] = hyperserve_offline(config, bin_dir, source.path, args.threads, args.rounds,
-                                                             args.depths)
+                                                             args.depths, args.prompt_lengths)
     servers = {}
     try:
         for name in results:
@@ -258,17 +300,9 @@ def main() -> None:
             cells.append(cell)
         print(f"| {name} | " + " | ".join(cells) + " |")
     if args.depths:
-        print("\n| system | " + " | ".join(f"decode tok/s at {d} of context" for d in args.depths) + " |")
-        print("|---" * (len(args.depths) + 1) + "|")
-        for name, r in results.items():
-            if "decode_at_depth" not in r:
-                continue
-            at = r["decode_at_depth"]
-            print(f"| llama.cpp (turns beside {name}) | "
-                  + " | ".join(f"{at[str(d)]['llama_decode_tok_s']:.1f}" for d in args.depths) + " |")
-            print(f"| {name} | " + " | ".join(f"{at[str(d)]['decode_tok_s']:.1f} "
-                                             f"({at[str(d)]['decode_tok_s'] / at[str(d)]['llama_decode_tok_s']:.2f}x)"
-                                             for d in args.depths) + " |")
+        print_in_turns(results, "decode_at_depth", args.depths, "decode tok/s at {} of context")
+    if args.prompt_lengths:
+        print_in_turns(results, "prefill_at_length", args.prompt_lengths, "prefill tok/s, {}-token prompt")
 
 
 if __name__ == "__main__":

@@ -185,14 +185,13 @@ class Gateway:
         body = await _json_body(request, chat)
         name = body.get("model") or _default_route(self.router)
         route = self.router.route(name)
-        kind = "chat" if chat else "completion"
         stream = body.get("stream") is True
         call = _Call(chat, stream, stream and bool((body.get("stream_options") or {}).get("include_usage")), started,
-                     {"id": uuid.uuid4().hex[:16], "route": name, "kind": kind, "stream": stream})
+                     {"id": uuid.uuid4().hex[:16], "route": name})
 
         mode = request.headers.get("x-hyperserve-cache", "").lower()
         if self.cache is not None and mode != "off" and (mode == "on" or is_deterministic(body)):
-            call.key = cache_key(kind, name, body, getattr(request.state, "cache_scope", None))  # set by security
+            call.key = cache_key(call.kind, name, body, getattr(request.state, "cache_scope", None))  # set by security
             answer = await self._from_cache(call)
             if answer is not None:
                 return answer
@@ -296,8 +295,8 @@ class Gateway:
     def _finish(self, call: _Call, cache: str, status: int, usage: dict[str, Any] | None, **extra: Any) -> None:
         self.metrics.requests.labels(call.record["route"], cache, str(status)).inc()
         call.timings["total"] = time.perf_counter() - call.started
-        self.log.write({**call.record, **extra, "cache": cache, "status": status,
-                        "latency_ms": {k: round(v * 1000, 2) for k, v in call.timings.items()},
+        self.log.write({**call.record, "kind": call.kind, "stream": call.stream, **extra, "cache": cache,
+                        "status": status, "latency_ms": {k: round(v * 1000, 2) for k, v in call.timings.items()},
                         "tokens": {"prompt": (usage or {}).get("prompt_tokens"),
                                    "completion": (usage or {}).get("completion_tokens")}})
 
@@ -310,11 +309,15 @@ class _Call:
     stream: bool
     include_usage: bool
     started: float
-    record: dict[str, Any]  # the request log's fields
+    record: dict[str, Any]  # the request log's fields besides the ones above: id, route, backend, cascade
     timings: dict[str, float] = field(default_factory=dict)
     key: CacheKey | None = None  # None: not cached
     vector: Any = None  # the prompt's embedding, from a semantic lookup that missed
     cache_state: str = "bypass"
+
+    @property
+    def kind(self) -> str:
+        return "chat" if self.chat else "completion"
 
 
 def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = None,
