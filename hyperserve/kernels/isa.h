@@ -69,11 +69,12 @@ AVX2 inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-AVX2 inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+AVX2 inline float hmax(__m128 m) {
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
+
+AVX2 inline float hmax(__m256 v) { return hmax(_mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))); }
 
 AVX2 inline __m256 load8_half(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

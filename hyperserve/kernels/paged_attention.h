@@ -182,8 +182,7 @@ AVX2 void attend_span_avx2(const float* q, const T* keys, const T* values, const
   }
   for (int g = 0; g < G; ++g) {
     float* own = scores + g * kScorePitch;
-    __m128 m = _mm_max_ps(largest[g], _mm_movehl_ps(largest[g], largest[g]));
-    best[g] = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    best[g] = hmax(largest[g]);
     total[g] = exp_scores(own, span, best[g]);
   }
   // 8 x kVectors output values per head at a time: G x kVectors sums, G weights and one value

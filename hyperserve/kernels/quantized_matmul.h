@@ -142,11 +142,8 @@ AVX2 float group_amax_avx2(const float* src, __m256 (&v)[4], float& sum) {
     v[k] = _mm256_loadu_ps(src + 8 * k);
     amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
   }
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
   sum = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-  return _mm_cvtss_f32(m);
+  return hmax(amax);
 }
 
 // quantize_group in four vectors.
