@@ -50,6 +50,7 @@ class Job:
     include_usage: bool
     chat_logprobs: bool = False
     tool_names: set[str] | None = None  # chat with tools: answers are parsed for calls to these
+    calls_only: bool = False  # the tool choice allows nothing but calls (see tools.parse_tool_calls)
     lora: LoRARequest | None = None  # the adapter `model` named
     finals: list[RequestOutput | None] = field(default_factory=list)
     streams: list[RequestStream] = field(default_factory=list)
@@ -120,7 +121,8 @@ class OpenAIServing:
         return Job("chat", new_id("chatcmpl"), request.model or self.model_name, prompts, params, request.priority,
                    bool(request.stream_options and request.stream_options.include_usage),
                    chat_logprobs=request.logprobs,
-                   tool_names={tool.function.name for tool in offered} if offered else None, lora=lora)
+                   tool_names={tool.function.name for tool in offered} if offered else None,
+                   calls_only=request.calls_only, lora=lora)
 
     async def pin(self, request: CacheRequest) -> dict[str, Any]:
         """Compute and pin a prefix's KV; the answer says how many tokens later requests skip.
@@ -353,13 +355,15 @@ class OpenAIServing:
                     continue
                 new_logprobs = (c.logprobs or [])[token_from:]
                 text, calls, called = c.text[text_from:], [], False
+                sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
                 if job.tool_names is not None:
-                    stream = tool_streams.setdefault(index, tools.ToolCallStream(job.tool_names))
+                    stream = tool_streams.setdefault(index, tools.ToolCallStream(job.tool_names, job.calls_only))
                     text, calls = stream.feed(text, final=c.finished)
                     called = bool(stream.calls)
+                    if not (text or calls or c.finished or job.chat_logprobs):
+                        continue  # all held back (a call in the making): nothing to send yet
                 choices.append(self._choice(job, index, c, text, new_logprobs, final=False, calls=calls,
                                             called=called))
-                sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
             if choices:
                 yield {**base, "choices": choices}
         if job.include_usage:
@@ -387,7 +391,7 @@ class OpenAIServing:
             lp = self._chat_logprobs(token_ids, logprobs, job.params.logprobs) if job.chat_logprobs else None
             content: str | None = text
             if final and job.tool_names is not None:
-                content, calls = tools.parse_tool_calls(text, job.tool_names)
+                content, calls = tools.parse_tool_calls(text, job.tool_names, job.calls_only)
                 called = bool(calls)
             if called and finish_reason == "stop":
                 finish_reason = "tool_calls"

@@ -148,6 +148,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=SamplingParams.MAX_LOGPROBS)
     echo: bool = False
+    suffix: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
@@ -155,6 +156,8 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("prompt must not be empty")
         if self.echo:
             raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported: this server completes prompts, it does not insert text")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -269,6 +272,11 @@ class ChatCompletionRequest(_SamplingRequest):
     def calls_tools(self) -> bool:
         """Whether the answer may hold tool calls."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def calls_only(self) -> bool:
+        """Whether the answer must be tool calls and nothing else ("required", or a named function)."""
+        return self.calls_tools and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
 
 
 class CacheRequest(BaseModel):

@@ -106,9 +106,11 @@ def _call_schema(tools: list[Tool]) -> dict[str, Any]:
     return {**schema, "x-guidance": JSON_LAYOUT}
 
 
-def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_tool_calls(text: str, tool_names: set[str], calls_only: bool = False
+                     ) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool calls) of an answer: the calls are the well-formed blocks naming known tools,
-    the content what is left outside them (None when nothing is)."""
+    the content what is left outside them (None when nothing is). `calls_only`: the grammar allowed
+    nothing but calls, so what is left is a call cut short by max_tokens, not content."""
     calls, kept, last = [], [], 0
     for match in _CALL.finditer(text):
         call = _call(match.group(1), tool_names)
@@ -118,9 +120,9 @@ def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str | None, list[
         last = match.end()
         calls.append(call)
     if not calls:
-        return text, []
+        return None if calls_only else text, []
     content = ("".join(kept) + text[last:]).strip()
-    return content or None, calls
+    return None if calls_only else content or None, calls
 
 
 def _call(body: str, tool_names: set[str]) -> dict[str, Any] | None:
@@ -141,9 +143,10 @@ class ToolCallStream:
 
     Text that may be the start of a `<tool_call>` block is held back until it is known not to
     be; a call is sent as one delta once its block closes (OpenAI clients accumulate deltas, so
-    a whole call is a valid stream)."""
+    a whole call is a valid stream). `calls_only`: as in parse_tool_calls, no text is content."""
 
     tool_names: set[str]
+    calls_only: bool = False
     pending: str = ""
     calls: list[dict[str, Any]] = field(default_factory=list)
 
@@ -176,8 +179,8 @@ class ToolCallStream:
             calls.append({"index": len(self.calls) + len(calls), **call})
         self.calls.extend(calls)
         text_out = "".join(content)
-        if self.calls and not text_out.strip():
-            text_out = ""  # whitespace between calls is not content
+        if self.calls_only or (self.calls and not text_out.strip()):
+            text_out = ""  # whitespace between calls, or a call cut short, is not content
         return text_out, calls
 
 

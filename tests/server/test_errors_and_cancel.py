@@ -37,6 +37,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "x", "logprobs": 99}, "logprobs"),
     ({"prompt": "x", "echo": True}, None),
+    ({"prompt": "x", "suffix": "y"}, None),
 ])
 def test_invalid_parameters_get_400(server, body, param):
     assert_error(post(server, "/v1/completions", json=body), 400, param)

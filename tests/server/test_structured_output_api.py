@@ -104,6 +104,18 @@ def test_forced_tool_calls_validate_and_stream_as_they_answer(client, server, to
     server.wait_idle()
 
 
+def test_a_forced_call_cut_short_by_max_tokens_is_not_content(client, server):
+    kwargs = dict(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required", temperature=0,
+                  max_tokens=12)
+    r = client.chat.completions.create(**kwargs)
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.content is None and not r.choices[0].message.tool_calls
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert all(not c.choices[0].delta.content and not c.choices[0].delta.tool_calls for c in chunks)
+    assert len(chunks) == 2 and chunks[-1].choices[0].finish_reason == "length"  # the role, then the end
+    server.wait_idle()
+
+
 def test_a_tool_result_goes_back_in(client):
     r = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required",
                                        temperature=0, max_tokens=60)

@@ -47,6 +47,24 @@ def test_text_without_a_whole_valid_call_stays_content(text):
     assert parse_tool_calls(text, NAMES) == (text, [])
 
 
+@pytest.mark.parametrize("piece", [3, 1000])
+def test_with_calls_only_a_call_cut_short_is_not_content(piece):
+    """tool_choice "required" or a named function: the grammar allows only calls, so an unfinished
+    last block is a call that max_tokens cut, not text for the user."""
+    cut = ANSWER[ANSWER.index("<tool_call>"):-25]
+    assert parse_tool_calls(cut, NAMES)[0] == "<tool_call>" + cut.rsplit("<tool_call>", 1)[1]  # "auto": text
+    content, calls = parse_tool_calls(cut, NAMES, calls_only=True)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather"]
+    stream, content, calls = ToolCallStream(NAMES, calls_only=True), "", []
+    pieces = [cut[i : i + piece] for i in range(0, len(cut), piece)]
+    for i, text in enumerate(pieces):
+        delta, new = stream.feed(text, final=i == len(pieces) - 1)
+        content += delta
+        calls += new
+    assert content == ""
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+
+
 @pytest.mark.parametrize("piece", [1, 2, 3, 7, 1000])
 def test_a_stream_cut_anywhere_gives_the_same_calls_and_content(piece):
     stream = ToolCallStream(NAMES)
