@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -20,14 +21,35 @@ namespace {
 // ---- one Llama decoder layer ----
 
 void rms_norm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps, float* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* src = x + r * dim;
-    float squares = 0.f;
-    for (int64_t j = 0; j < dim; ++j) squares += src[j] * src[j];
-    const float inverse = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
-    for (int64_t j = 0; j < dim; ++j) out[r * dim + j] = src[j] * inverse * weight[j];
-  }
+  parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* src = x + r * dim;
+      float squares = 0.f;
+      for (int64_t j = 0; j < dim; ++j) squares += src[j] * src[j];
+      const float inverse = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
+      for (int64_t j = 0; j < dim; ++j) out[r * dim + j] = src[j] * inverse * weight[j];
+    }
+  });
 }
+
+// h [rows, dim] += delta, row by row on the step's threads.
+void add_rows(float* h, const float* delta, int64_t rows, int64_t dim) {
+  parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * dim; i < end * dim; ++i) h[i] += delta[i];
+  });
+}
+
+// A layer's intermediate results, allocated once for every layer of a step.
+struct LayerBuffers {
+  std::vector<float> x, wide, attended, projected;
+
+  void fit(int64_t rows, int64_t dim, int64_t intermediate, int64_t wide_features, int64_t attended_features) {
+    x.resize(rows * std::max(dim, intermediate));
+    wide.resize(rows * wide_features);
+    attended.resize(rows * attended_features);
+    projected.resize(rows * dim);
+  }
+};
 
 // The step's rows as DecodeBatch, each slot and block inside a cache of num_slots (an index out of
 // range would write outside it). Checked once per step: every layer's cache has num_slots.
@@ -62,7 +84,7 @@ DecodeBatch checked_batch(const at::Tensor& slots, const at::Tensor& block_table
 void run_decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& cos, const at::Tensor& signed_sin,
                       at::Tensor key_cache, at::Tensor value_cache, const DecodeBatch& batch, int64_t num_heads,
                       int64_t num_kv_heads, double eps, double scale, at::TensorList lora,
-                      const at::Tensor& lora_rows) {
+                      const at::Tensor& lora_rows, LayerBuffers& buffers) {
   TORCH_CHECK(weights.size() == 6, "decode_layer: expected 6 weights (norm, qkv, o, norm, gate_up, down)");
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && hidden.dim() == 2,
               "decode_layer: hidden must be contiguous float32 [rows, dim]");
@@ -120,9 +142,8 @@ void run_decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tenso
   const Isa isa = best_isa();
   const bool avx2 = isa != Isa::kPortable;
   float* h = hidden.data_ptr<float>();
-  std::vector<float> x(rows * std::max(dim, intermediate));
-  std::vector<float> wide(rows * std::max(qkv_features, 2 * intermediate));
-  std::vector<float> attended(rows * num_heads * head_dim), projected(rows * dim);
+  buffers.fit(rows, dim, intermediate, std::max(qkv_features, 2 * intermediate), num_heads * head_dim);
+  auto& [x, wide, attended, projected] = buffers;
 
   rms_norm(h, weights[0].data_ptr<float>(), rows, dim, static_cast<float>(eps), x.data());
   quantized_matmul(qkv, x.data(), rows, wide.data(), isa);
@@ -143,19 +164,21 @@ void run_decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tenso
   quantized_matmul(o, attended.data(), rows, projected.data(), isa);
   lora_add(lora_o, lora_dtype, row_adapter, attended.data(), rows, num_heads * head_dim, projected.data(), dim,
            {0, dim}, avx2);
-  for (int64_t i = 0; i < rows * dim; ++i) h[i] += projected[i];
+  add_rows(h, projected.data(), rows, dim);
 
   rms_norm(h, weights[3].data_ptr<float>(), rows, dim, static_cast<float>(eps), x.data());
   quantized_matmul(gate_up, x.data(), rows, wide.data(), isa);
   lora_add(lora_gate_up, lora_dtype, row_adapter, x.data(), rows, dim, wide.data(), 2 * intermediate,
            {0, intermediate, 2 * intermediate}, avx2);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gate = wide.data() + r * 2 * intermediate;
-    silu_mul(gate, gate + intermediate, x.data() + r * intermediate, intermediate, avx2);
-  }
+  parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = wide.data() + r * 2 * intermediate;
+      silu_mul(gate, gate + intermediate, x.data() + r * intermediate, intermediate, avx2);
+    }
+  });
   quantized_matmul(down, x.data(), rows, projected.data(), isa);
   lora_add(lora_down, lora_dtype, row_adapter, x.data(), rows, intermediate, projected.data(), dim, {0, dim}, avx2);
-  for (int64_t i = 0; i < rows * dim; ++i) h[i] += projected[i];
+  add_rows(h, projected.data(), rows, dim);
 }
 
 // decode_layer as an op: checks the batch, then runs the layer.
@@ -165,9 +188,10 @@ void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& c
                   double scale, at::TensorList lora, const at::Tensor& lora_rows) {
   TORCH_CHECK(hidden.dim() == 2, "decode_layer: hidden must be contiguous float32 [rows, dim]");
   const DecodeBatch batch = checked_batch(slots, block_tables, lengths, hidden.size(0), block_size, key_cache.size(0));
+  LayerBuffers buffers;
   run_step([&] {
     run_decode_layer(hidden, weights, cos, signed_sin, key_cache, value_cache, batch, num_heads, num_kv_heads, eps,
-                     scale, lora, lora_rows);
+                     scale, lora, lora_rows, buffers);
   });
 }
 
@@ -186,10 +210,11 @@ void decode_layers(at::Tensor hidden, at::TensorList weights, const at::Tensor& 
   }
   const DecodeBatch batch =
       checked_batch(slots, block_tables, lengths, hidden.size(0), block_size, key_caches[0].size(0));
+  LayerBuffers buffers;
   run_step([&] {
     for (size_t i = 0; i < layers; ++i) {
       run_decode_layer(hidden, weights.slice(6 * i, 6), cos, signed_sin, key_caches[i], value_caches[i], batch,
-                       num_heads, num_kv_heads, eps, scale, {}, at::Tensor());
+                       num_heads, num_kv_heads, eps, scale, {}, at::Tensor(), buffers);
     }
   });
 }

@@ -220,6 +220,7 @@ AVX2 void attend_span_avx2(const float* q, const T* keys, const T* values, const
 // not depend on whether it was computed in a tile or alone (weights past a query's context are 0,
 // and adding 0 leaves a sum's bits as they are).
 constexpr int64_t kTileQueries = 48;  // SmolLM2: 16 rows of its 3 query heads a K/V head
+constexpr int64_t kMinTileRows = 4;   // a run is split among the threads into tiles no smaller
 
 constexpr int64_t kTilePitch = kAttentionSpan + 8;  // a query's scores in a tile (8-float stores)
 constexpr int64_t kChunkFloats = 4096;  // a chunk of widened keys or values: 16 KB, in L1 while it is used
@@ -416,18 +417,19 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
                       const float* cos, const float* signed_sin, float scale, T* keys, T* values,
                       const DecodeBatch& batch, float* out, bool avx2) {
   const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim, kv_width = num_kv_heads * head_dim;
-  int64_t longest = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    float* q = qkv + r * width;
-    rotate(q, num_heads + num_kv_heads, head_dim, cos + r * head_dim, signed_sin + r * head_dim);
-    const float* k = q + num_heads * head_dim;
-    for (int64_t j = 0; j < kv_width; ++j) {
-      keys[batch.slots[r] * kv_width + j] = static_cast<T>(k[j]);
-      values[batch.slots[r] * kv_width + j] = static_cast<T>(k[kv_width + j]);
+  parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {  // each row writes its own slot
+    for (int64_t r = begin; r < end; ++r) {
+      float* q = qkv + r * width;
+      rotate(q, num_heads + num_kv_heads, head_dim, cos + r * head_dim, signed_sin + r * head_dim);
+      const float* k = q + num_heads * head_dim;
+      for (int64_t j = 0; j < kv_width; ++j) {
+        keys[batch.slots[r] * kv_width + j] = static_cast<T>(k[j]);
+        values[batch.slots[r] * kv_width + j] = static_cast<T>(k[kv_width + j]);
+      }
+      for (int64_t j = 0; j < num_heads * head_dim; ++j) q[j] *= scale;
     }
-    for (int64_t j = 0; j < num_heads * head_dim; ++j) q[j] *= scale;
-    longest = std::max(longest, batch.lengths[r]);
-  }
+  });
+  const int64_t longest = *std::max_element(batch.lengths, batch.lengths + rows);
 #ifdef HYPERSERVE_X86
   if (avx2 && head_dim % 64 == 0) {
     // Tasks of one span of a K/V head's context each: for a row alone, up to 3 of the query heads
@@ -453,8 +455,14 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
     };
     for (int64_t r = 0, end = 0; r < rows; r = end) {
       for (end = r + 1; end < rows && continues(end - 1); ++end) {}
-      for (int64_t first = r; first < end; first += tile_rows) {
-        const int64_t count = std::min(tile_rows, end - first), last = first + count - 1;
+      // The run in tiles of even size, at least one per thread once they would hold kMinTileRows:
+      // a verify step's 17 rows as 16 + 1 left one thread with two of 3 K/V heads' tiles, the
+      // other with one.
+      const int64_t run = end - r;
+      const int64_t tiles = std::max((run + tile_rows - 1) / tile_rows,
+                                     std::min<int64_t>(at::get_num_threads(), run / kMinTileRows));
+      for (int64_t first = r, t = 0; first < end; first += (run + t) / tiles, ++t) {
+        const int64_t count = (run + t) / tiles, last = first + count - 1;
         for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
           for (int64_t sp = 0; sp < spans_of(batch.lengths[last]); ++sp) {
             if (count > 1) {

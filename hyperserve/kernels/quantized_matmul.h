@@ -23,6 +23,7 @@ constexpr int64_t kMaxGroups = 256;  // in_features up to 8192
 constexpr int64_t kRowTile = 8;      // input rows that share one unpacked weight group
 constexpr int64_t kPrefetchRows = 16;   // channels fetched ahead of use
 constexpr int64_t kBlockPrefetchBytes = 1024;  // interleaved blocks: bytes fetched ahead of use
+constexpr int64_t kQuantizeGrain = 64;  // input groups per piece of quantizing: a decode row's stay on one thread
 
 // ---- quantized matrix times a few rows ----
 
@@ -167,21 +168,23 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in_features, b
   const int64_t groups = in_features / kGroup, half = kGroup / 2;
   QuantizedRows q{std::vector<int16_t>(rows * in_features), std::vector<float>(rows * groups),
                   std::vector<float>(rows * groups)};
-  for (int64_t g = 0; g < rows * groups; ++g) {
-    int16_t* first = q.codes.data() + g * kGroup;
-    int16_t* second = first + half;
-    if (paired) {  // groups (g, g + 1) share 64 codes; g % 2 says which half of each 32 is g's
-      first = q.codes.data() + (g - g % 2) * kGroup + (g % 2) * half;
-      second = first + kGroup;
-    }
+  parallel_for(0, rows * groups, kQuantizeGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      int16_t* first = q.codes.data() + g * kGroup;
+      int16_t* second = first + half;
+      if (paired) {  // groups (g, g + 1) share 64 codes; g % 2 says which half of each 32 is g's
+        first = q.codes.data() + (g - g % 2) * kGroup + (g % 2) * half;
+        second = first + kGroup;
+      }
 #ifdef HYPERSERVE_X86
-    if (avx2) {
-      quantize_group_avx2(x + g * kGroup, first, second, q.scales[g], q.sums[g]);
-      continue;
-    }
+      if (avx2) {
+        quantize_group_avx2(x + g * kGroup, first, second, q.scales[g], q.sums[g]);
+        continue;
+      }
 #endif
-    quantize_group(x + g * kGroup, first, second, q.scales[g], q.sums[g]);
-  }
+      quantize_group(x + g * kGroup, first, second, q.scales[g], q.sums[g]);
+    }
+  });
   return q;
 }
 
@@ -220,15 +223,17 @@ QuantizedRows8 quantize_rows8(const float* x, int64_t rows, int64_t in_features,
   const int64_t groups = in_features / kGroup;
   QuantizedRows8 q{std::vector<int8_t>(rows * in_features), std::vector<float>(rows * groups),
                    std::vector<float>(rows * groups)};
-  for (int64_t g = 0; g < rows * groups; ++g) {
+  parallel_for(0, rows * groups, kQuantizeGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
 #ifdef HYPERSERVE_X86
-    if (avx2) {
-      quantize_group8_avx2(x + g * kGroup, q.codes.data() + g * kGroup, q.scales[g], q.sums[g]);
-      continue;
-    }
+      if (avx2) {
+        quantize_group8_avx2(x + g * kGroup, q.codes.data() + g * kGroup, q.scales[g], q.sums[g]);
+        continue;
+      }
 #endif
-    quantize_group8(x + g * kGroup, q.codes.data() + g * kGroup, q.scales[g], q.sums[g]);
-  }
+      quantize_group8(x + g * kGroup, q.codes.data() + g * kGroup, q.scales[g], q.sums[g]);
+    }
+  });
   return q;
 }
 

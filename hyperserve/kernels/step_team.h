@@ -148,6 +148,11 @@ class StepTeam {
   std::exception_ptr error_;
 };
 
+// Rows per piece of a step's row-wise work (norms, residual adds, SiLU, rotary): a verify step's
+// k + 1 rows or a prefill chunk's are split over the threads, a decode step's few stay on the
+// calling thread, for which a hand-off would cost more than it saves.
+constexpr int64_t kRowGrain = 4;
+
 // at::parallel_for, or the step's team when the calling thread leads one.
 template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
