@@ -461,8 +461,8 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
       const int64_t run = end - r;
       const int64_t tiles = std::max((run + tile_rows - 1) / tile_rows,
                                      std::min<int64_t>(at::get_num_threads(), run / kMinTileRows));
-      for (int64_t first = r, t = 0; first < end; first += (run + t) / tiles, ++t) {
-        const int64_t count = (run + t) / tiles, last = first + count - 1;
+      for_each_even_part(run, tiles, [&](int64_t offset, int64_t count) {
+        const int64_t first = r + offset, last = first + count - 1;
         for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
           for (int64_t sp = 0; sp < spans_of(batch.lengths[last]); ++sp) {
             if (count > 1) {
@@ -474,7 +474,7 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
             }
           }
         }
-      }
+      });
     }
     TORCH_CHECK(head_dim <= kMaxAttentionHeadDim, "decode_layer: head_dim above ", kMaxAttentionHeadDim);
     // kept between calls (a fresh buffer per layer would be page-faulted in every time); it grows to the

@@ -153,6 +153,12 @@ class StepTeam {
 // calling thread, for which a hand-off would cost more than it saves.
 constexpr int64_t kRowGrain = 4;
 
+// fn(first, count) over [0, size) in `parts` runs whose sizes differ by one at most.
+template <typename F>
+void for_each_even_part(int64_t size, int64_t parts, const F& fn) {
+  for (int64_t p = 0, first = 0; p < parts; first += (size + p) / parts, ++p) fn(first, (size + p) / parts);
+}
+
 // at::parallel_for, or the step's team when the calling thread leads one.
 template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
