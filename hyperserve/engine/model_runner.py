@@ -169,29 +169,30 @@ class ModelRunner:
     @torch.inference_mode()
     def verify_row_cost(self, rows: int = 5, repeats: int = 10) -> float:
         """What one more token in a sequence's step costs, relative to a one-token step, timed here:
-        on a CPU whose matrix kernels do integer work per row it is about 0.3-0.6, on a GPU or a
+        on a CPU whose matrix kernels do integer work per row it is about 0.2-0.6, on a GPU or a
         bandwidth-bound CPU far less, and speculation pays only below the acceptance it implies.
         The steps are timed after VERIFY_TIMING_CONTEXT tokens of context, since each extra row
         attends to it too (timed at the start of a sequence, n-gram speculation slowed open chat on
-        an AVX2-only CPU by 6%). They write the first blocks of the still-empty pool, as the compile
-        warm-up does."""
+        an AVX2-only CPU by 6%)."""
         pool_blocks = min(self.num_blocks, self.num_window_blocks or self.num_blocks)  # the smaller of two pools
         context = max(0, min(VERIFY_TIMING_CONTEXT, (pool_blocks - 1) * self.block_size, self.max_model_len) - rows)
-
-        def fastest(num_tokens: int) -> float:
-            end = context + num_tokens
-            chunk = SeqChunk([0] * num_tokens, context, list(range(-(-end // self.block_size))), num_tokens)
-            times = []
-            for _ in range(repeats + 1):  # the first is a warm-up
-                started = time.perf_counter()
-                self.forward([chunk])
-                times.append(time.perf_counter() - started)
-            return min(times[1:])
-
-        one = fastest(1)
-        cost = max(0.0, (fastest(rows) - one) / (rows - 1) / one)
+        one = self.time_step(1, context, repeats)
+        cost = max(0.0, (self.time_step(rows, context, repeats) - one) / (rows - 1) / one)
         logger.info("speculative decoding: one more token costs a step %.2f of a one-token step", cost)
         return cost
+
+    def time_step(self, num_tokens: int, context: int, repeats: int = 10) -> float:
+        """Seconds of the fastest of `repeats` forward passes (after a warm-up) of one sequence's
+        `num_tokens` tokens after `context` tokens. They write the first blocks of the pool, which
+        must still be empty, as the compile warm-up does."""
+        end = context + num_tokens
+        chunk = SeqChunk([0] * num_tokens, context, list(range(-(-end // self.block_size))), num_tokens)
+        times = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            self.forward([chunk])
+            times.append(time.perf_counter() - started)
+        return min(times[1:])
 
     def allocate_kv_caches(self, hf_config, window_layers: list[bool] | None = None,
                            num_kv_heads: int | None = None) -> list[KVCache]:
