@@ -20,9 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CODE = '''def parse_config(path):
     with open(path) as f:
@@ -53,15 +56,6 @@ CHAT = [
     "Explain how a hash table works.",
     "Give me three tips for learning a new language.",
 ]
-
-
-def header() -> str:
-    from hyperserve.layers.quantization import cpu_flags
-
-    flags = cpu_flags()
-    names = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
-    shown = " ".join(name for name in names if name in flags)
-    return f"CPU flags: {shown or 'none of avx2/avx512/amx'}; {os.cpu_count()} cores"
 
 
 def engine(method: str, num_tokens: int | None):
@@ -126,7 +120,9 @@ def main() -> None:
     args = parser.parse_args()
     workloads = {"(a) input-grounded": GROUNDED, "(b) open chat": CHAT}
     results = run(args.methods, workloads, args.max_tokens, args.num_tokens, args.rounds, args.ignore_eos)
-    print(f"\n{header()}; {args.rounds} alternating rounds, ignore_eos={args.ignore_eos}")
+    from benchmarks.cpu_vs_llamacpp import cpu_header
+
+    print(f"\n{cpu_header(os.cpu_count())}; {args.rounds} alternating rounds, ignore_eos={args.ignore_eos}")
 
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)

@@ -30,7 +30,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.speculative import CHAT, GROUNDED, header  # noqa: E402
+from benchmarks.cpu_vs_llamacpp import cpu_header  # noqa: E402
+from benchmarks.speculative import CHAT, GROUNDED  # noqa: E402
 from hyperserve import LLM, SamplingParams  # noqa: E402
 from hyperserve.config import SpeculativeConfig  # noqa: E402
 from hyperserve.engine.speculative import NgramProposer  # noqa: E402
@@ -103,7 +104,7 @@ def main() -> None:
     parser.add_argument("--options", default="{}", help="speculative settings (JSON) besides method and verify_cost")
     args = parser.parse_args()
     options = json.loads(args.options)
-    print(header())
+    print(cpu_header(os.cpu_count()))
     print(f"n-gram speculation {options or '(defaults)'}, greedy, up to {args.max_tokens} tokens, stopping at EOS")
     answers = {name: greedy_answers(prompts, args.max_tokens) for name, prompts in (("grounded", GROUNDED),
                                                                                      ("chat", CHAT))}
