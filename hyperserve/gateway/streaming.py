@@ -47,6 +47,7 @@ class StreamAccumulator:
         self.texts: dict[int, list[str]] = {}
         self.tool_calls: dict[int, dict[int, dict[str, Any]]] = {}  # choice -> call index -> call so far
         self.finish_reasons: dict[int, str | None] = {}
+        self.logprobs: dict[int, dict[str, Any]] = {}  # choice -> its chunks' logprobs, lists joined
         self.usage: dict[str, Any] | None = None
 
     def add(self, chunk: dict[str, Any]) -> None:
@@ -61,6 +62,8 @@ class StreamAccumulator:
             calls = (choice.get("delta") or {}).get("tool_calls") if self.chat else None
             for call in calls or []:
                 self._add_call(self.tool_calls.setdefault(index, {}), call)
+            if choice.get("logprobs"):
+                self._add_logprobs(self.logprobs.setdefault(index, {}), choice["logprobs"])
             if choice.get("finish_reason") is not None:
                 self.finish_reasons[index] = choice["finish_reason"]
             else:
@@ -76,6 +79,17 @@ class StreamAccumulator:
         call["function"]["name"] += function.get("name") or ""
         call["function"]["arguments"] += function.get("arguments") or ""
 
+    @staticmethod
+    def _add_logprobs(joined: dict[str, Any], chunk: dict[str, Any]) -> None:
+        """Chat's `content` (and `refusal`) lists, a completion's `tokens`, `token_logprobs`,
+        `top_logprobs` and `text_offset` (counted from the completion's start): each chunk's
+        entries follow the last."""
+        for key, value in chunk.items():
+            if isinstance(value, list):
+                joined.setdefault(key, []).extend(value)
+            elif key not in joined:
+                joined[key] = value
+
     def response(self) -> dict[str, Any] | None:
         """None unless every choice finished normally (an interrupted stream is never cached)."""
         finished = ("stop", "length", "tool_calls")
@@ -89,6 +103,7 @@ class StreamAccumulator:
                 calls = self.tool_calls[index]
                 content["message"]["tool_calls"] = [calls[i] for i in sorted(calls)]
                 content["message"]["content"] = text or None
-            choices.append({"index": index, **content, "logprobs": None, "finish_reason": self.finish_reasons[index]})
+            choices.append({"index": index, **content, "logprobs": self.logprobs.get(index),
+                            "finish_reason": self.finish_reasons[index]})
         return {**self.meta, "object": "chat.completion" if self.chat else "text_completion", "choices": choices,
                 "usage": self.usage}

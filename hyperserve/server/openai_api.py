@@ -338,6 +338,7 @@ class OpenAIServing:
     async def stream_chunks(self, job: Job) -> AsyncIterator[dict[str, Any]]:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
+        text_offsets: dict[int, int] = {}  # completions' logprobs: where the next token's text starts
         tool_streams: dict[int, tools.ToolCallStream] = {}
         created = now()
         obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
@@ -362,8 +363,12 @@ class OpenAIServing:
                     called = bool(stream.calls)
                     if not (text or calls or c.finished or job.chat_logprobs):
                         continue  # all held back (a call in the making): nothing to send yet
-                choices.append(self._choice(job, index, c, text, new_logprobs, final=False, calls=calls,
-                                            called=called))
+                choice = self._choice(job, index, c, text, new_logprobs, final=False, calls=calls, called=called,
+                                      text_offset=text_offsets.get(index, 0))
+                if job.kind == "completion" and choice["logprobs"] and choice["logprobs"]["tokens"]:
+                    lp = choice["logprobs"]
+                    text_offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                choices.append(choice)
             if choices:
                 yield {**base, "choices": choices}
         if job.include_usage:
@@ -382,9 +387,12 @@ class OpenAIServing:
     # ---- formatting ----------------------------------------------------------------------------
 
     def _choice(self, job: Job, index: int, c: CompletionOutput, text: str, logprobs: list[TokenLogprobs],
-                final: bool, calls: list[dict[str, Any]] = (), called: bool = False) -> dict[str, Any]:
+                final: bool, calls: list[dict[str, Any]] = (), called: bool = False,
+                text_offset: int = 0) -> dict[str, Any]:
         """One choice of a response (final) or of a chunk. With tools, a final answer is parsed for
-        calls here; a chunk comes with the calls completed in it and whether the answer made any."""
+        calls here; a chunk comes with the calls completed in it and whether the answer made any.
+        `text_offset`: where a chunk's first token starts in the whole completion (its logprobs'
+        text_offset counts from the completion's start, as OpenAI's and vLLM's do)."""
         finish_reason = c.finish_reason if c.finished else None
         token_ids = c.token_ids[len(c.token_ids) - len(logprobs):] if logprobs else []
         if job.kind == "chat":
@@ -401,7 +409,7 @@ class OpenAIServing:
             key = "message" if final else "delta"
             return {"index": index, key: message, "logprobs": lp, "finish_reason": finish_reason}
         num_top = job.params.logprobs
-        lp = self._completion_logprobs(token_ids, logprobs, num_top) if num_top is not None else None
+        lp = self._completion_logprobs(token_ids, logprobs, num_top, text_offset) if num_top is not None else None
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason}
 
@@ -419,9 +427,9 @@ class OpenAIServing:
         return {"content": content}
 
     def _completion_logprobs(
-        self, token_ids: list[int], logprobs: list[TokenLogprobs], num_top: int
+        self, token_ids: list[int], logprobs: list[TokenLogprobs], num_top: int, offset: int = 0
     ) -> dict[str, Any]:
-        tokens, values, tops, offsets, offset = [], [], [], [], 0
+        tokens, values, tops, offsets = [], [], [], []
         for token_id, entries in zip(token_ids, logprobs):
             sampled = entries[token_id]
             tokens.append(sampled.decoded_token)

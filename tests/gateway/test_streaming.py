@@ -59,3 +59,28 @@ def test_tool_call_arguments_streamed_in_pieces_are_joined():
     assert message["tool_calls"] == [{"id": "call_1", "type": "function", "function": {"name": "f",
                                                                                       "arguments": '{"a": 1}'}}]
     assert message["content"] is None
+
+
+def test_logprobs_of_streamed_chunks_fold_into_the_whole_answers():
+    """A streamed miss is cached with its logprobs, so a later hit that asked for them gets them."""
+    entry = {"token": "Par", "logprob": -0.1, "bytes": [80, 97, 114], "top_logprobs": []}
+    folded = StreamAccumulator(chat=True)
+    folded.add({"id": "x", "choices": [{"index": 0, "delta": {"content": "Par"}, "logprobs": {"content": [entry]},
+                                        "finish_reason": None}]})
+    folded.add({"id": "x", "choices": [{"index": 0, "delta": {"content": "is"},
+                                        "logprobs": {"content": [{**entry, "token": "is"}]},
+                                        "finish_reason": "stop"}]})
+    assert folded.response()["choices"][0]["logprobs"] == {"content": [entry, {**entry, "token": "is"}]}
+    completion = StreamAccumulator(chat=False)
+    for i, token in enumerate([" Par", "is"]):
+        logprobs = {"tokens": [token], "token_logprobs": [-0.5], "top_logprobs": [{token: -0.5}],
+                    "text_offset": [4 * i]}
+        completion.add({"id": "x", "choices": [{"index": 0, "text": token, "logprobs": logprobs,
+                                                "finish_reason": "stop" if i else None}]})
+    assert completion.response()["choices"][0]["logprobs"] == {
+        "tokens": [" Par", "is"], "token_logprobs": [-0.5, -0.5], "top_logprobs": [{" Par": -0.5}, {"is": -0.5}],
+        "text_offset": [0, 4]}
+    body = {"id": "x", "created": 1, "model": "m", "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "Paris"},
+                         "logprobs": {"content": [entry]}, "finish_reason": "stop"}], "usage": None}
+    assert _fold(list(replay(body, chat=True, include_usage=False)), chat=True) == body

@@ -98,6 +98,16 @@ def test_completion_logprobs(client):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
     assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(3)]
+
+
+def test_streamed_completion_logprobs_are_the_whole_answers(client):
+    """Each chunk's text_offset counts from the completion's start, as in the whole answer."""
+    kwargs = dict(model=MODEL, prompt="One, two, three,", max_tokens=6, temperature=0, logprobs=2)
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [v for lp in chunks if lp for v in getattr(lp, field)] == getattr(whole, field), field
 
 
 def test_streaming_chat_with_usage(client):
