@@ -278,10 +278,10 @@ def _server_timing(job: Job) -> str:
 
 
 async def _serve_websocket(ws: WebSocket, serving: Callable[[str | None], Awaitable[OpenAIServing]]) -> None:
-    """JSON messages in: {"type": "chat.completions" | "completions", "request_id", "body"} or
-    {"type": "cancel", "request_id"}. Out: {"type": "chunk" | "done" | "cancelled" | "error", ...}.
-    A frame that is not a JSON object, or lacks what its type needs, gets an error event; the
-    socket stays open."""
+    """JSON messages in (text frames, or binary ones holding the JSON as UTF-8):
+    {"type": "chat.completions" | "completions", "request_id", "body"} or {"type": "cancel", "request_id"}.
+    Out: {"type": "chunk" | "done" | "cancelled" | "error", ...}. A frame that is not a JSON object,
+    or lacks what its type needs, gets an error event; the socket stays open."""
     await ws.accept(subprotocol="hyperserve" if "hyperserve" in ws.scope.get("subprotocols", []) else None)
     tasks: dict[str, asyncio.Task] = {}
     jobs: dict[str, Job] = {}
@@ -337,12 +337,14 @@ async def _serve_websocket(ws: WebSocket, serving: Callable[[str | None], Awaita
 
     try:
         while True:
-            text = await ws.receive_text()
+            frame = await ws.receive()
+            if frame["type"] == "websocket.disconnect":
+                break
             request_id = None
             try:
-                try:
-                    message = json.loads(text)
-                except ValueError as bad:
+                try:  # a text frame, or a binary one holding the same JSON as UTF-8
+                    message = json.loads(frame["text"] if frame.get("text") is not None else frame.get("bytes") or b"")
+                except ValueError as bad:  # UnicodeDecodeError included
                     raise APIError(400, f"a message must be a JSON object: {bad}") from None
                 if not isinstance(message, dict):
                     raise APIError(400, f"a message must be a JSON object, not {type(message).__name__}")

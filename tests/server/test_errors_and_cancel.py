@@ -112,6 +112,15 @@ def test_websocket_streams_and_cancels(server):
             error = json.loads(await ws.recv())
             assert error["type"] == "error" and error["error"]["param"] == "top_p"
 
+            await ws.send(b"\xff\x00 not a message")  # a binary frame: an error event, and the socket stays open
+            error = json.loads(await ws.recv())
+            assert error["type"] == "error" and "JSON" in error["error"]["message"]
+            await ws.send(json.dumps({"type": "completions", "request_id": "after",
+                                      "body": {"prompt": "Hi", "max_tokens": 2}}).encode())  # JSON in binary is fine
+            while (event := json.loads(await ws.recv()))["type"] == "chunk":
+                pass
+            assert event == {"type": "done", "request_id": "after"}
+
     asyncio.run(scenario())
     server.wait_idle()
 
