@@ -57,14 +57,14 @@ def stream(engine, prompt: str | list[int], params, out=sys.stdout) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    engine = _engine(args)
-    stream(engine, args.prompt, _sampling_params(args))
+    params = _sampling_params(args)  # a bad setting fails before the model loads
+    stream(_engine(args), args.prompt, params)
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
+    params = _sampling_params(args)  # a bad setting fails before the model loads
     engine = _engine(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    params = _sampling_params(args)
     print("Chatting with", args.model, "- /reset clears the conversation, Ctrl-D quits.", file=sys.stderr)
     while True:
         try:

@@ -1,0 +1,20 @@
+"""The `hyperserve` command's own handling, without a model."""
+
+from __future__ import annotations
+
+import pytest
+
+from hyperserve import cli
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("setting, message", [(["--temperature", "-1"], "temperature must be non-negative"),
+                                              (["--max-tokens", "0"], "max_tokens must be at least 1")])
+def test_a_bad_sampling_setting_fails_before_the_model_loads(monkeypatch, command, setting, message):
+    def no_engine(args):
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    monkeypatch.setattr(cli, "_engine", no_engine)
+    argv = [command, *(["Hi"] if command == "generate" else []), *setting]
+    with pytest.raises(SystemExit, match=message):
+        cli.main(argv)
