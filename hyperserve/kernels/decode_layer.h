@@ -39,6 +39,14 @@ void add_rows(float* h, const float* delta, int64_t rows, int64_t dim) {
   });
 }
 
+// out [rows, n] = silu(gate) * up for each row's [gate | up] of `gates` [rows, 2n], row by row on the
+// step's threads.
+void silu_mul_rows(const float* gates, int64_t rows, int64_t n, float* out, bool avx2) {
+  parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) silu_mul(gates + r * 2 * n, gates + r * 2 * n + n, out + r * n, n, avx2);
+  });
+}
+
 // A layer's intermediate results, allocated once for every layer of a step.
 struct LayerBuffers {
   std::vector<float> x, wide, attended, projected;
@@ -170,12 +178,7 @@ void run_decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tenso
   quantized_matmul(gate_up, x.data(), rows, wide.data(), isa);
   lora_add(lora_gate_up, lora_dtype, row_adapter, x.data(), rows, dim, wide.data(), 2 * intermediate,
            {0, intermediate, 2 * intermediate}, avx2);
-  parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* gate = wide.data() + r * 2 * intermediate;
-      silu_mul(gate, gate + intermediate, x.data() + r * intermediate, intermediate, avx2);
-    }
-  });
+  silu_mul_rows(wide.data(), rows, intermediate, x.data(), avx2);
   quantized_matmul(down, x.data(), rows, projected.data(), isa);
   lora_add(lora_down, lora_dtype, row_adapter, x.data(), rows, intermediate, projected.data(), dim, {0, dim}, avx2);
   add_rows(h, projected.data(), rows, dim);

@@ -429,7 +429,6 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
       for (int64_t j = 0; j < num_heads * head_dim; ++j) q[j] *= scale;
     }
   });
-  const int64_t longest = *std::max_element(batch.lengths, batch.lengths + rows);
 #ifdef HYPERSERVE_X86
   if (avx2 && head_dim % 64 == 0) {
     // Tasks of one span of a K/V head's context each: for a row alone, up to 3 of the query heads
@@ -537,7 +536,7 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
 #endif
   const bool vectorized = avx2 && head_dim % 8 == 0;
   parallel_for(0, rows * num_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(longest);
+    std::vector<float> scores(*std::max_element(batch.lengths, batch.lengths + rows));
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / num_heads, h = i % num_heads;
       const PagedKV kv{batch.block_size, num_kv_heads, head_dim, batch.block_tables + r * batch.max_blocks};
