@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
+from hyperserve.common.asgi import send_json
 from hyperserve.common.errors import APIError
 
 
@@ -36,10 +35,7 @@ class BodyLimit:
             await self._reject(send)
 
     async def _reject(self, send) -> None:
-        body = json.dumps(APIError(413, f"request body exceeds {self.max_bytes} bytes").body()).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, 413, APIError(413, f"request body exceeds {self.max_bytes} bytes").body())
 
 
 class _TooLarge(Exception):

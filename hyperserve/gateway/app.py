@@ -31,6 +31,7 @@ from hyperserve.common.affinity import affinity_text
 from hyperserve.common.body_limit import BodyLimit
 from hyperserve.common.errors import APIError, install_error_handlers
 from hyperserve.common.request_log import RequestLog
+from hyperserve.common.responses_api import ResponsesAPI
 from hyperserve.common.sse import DONE, parse_sse_data, sse_event
 from hyperserve.common.web_ui import install_web_ui
 from hyperserve.gateway.backends import Backend, build_backend, wait_ready
@@ -334,6 +335,7 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
     app = FastAPI(title="HyperServe gateway", lifespan=lifespan)
     app.state.gateway = gateway
     add_security(app, governor)
+    app.add_middleware(ResponsesAPI, governor=governor)  # /v1/responses over the chat route, keys and all
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     install_error_handlers(app)
     app.include_router(routes)

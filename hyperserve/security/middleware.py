@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hyperserve.common.asgi import read_body, replay, send_json
 from hyperserve.common.errors import APIError
 from hyperserve.common.messages import message_text
 from hyperserve.common.request_log import RequestLog
@@ -205,10 +206,10 @@ class SecurityMiddleware:
                 return await self.app(scope, receive, send)
             await self._completion(scope, receive, send, key, started)
         except APIError as error:
-            await _send_json(send, error.status, error.body(), error.headers)
+            await send_json(send, error.status, error.body(), error.headers)
         except RateLimited as limited:
             body = APIError(429, limited.message, type_="rate_limit_error", code="rate_limit_exceeded").body()
-            await _send_json(send, 429, body, limited.headers)
+            await send_json(send, 429, body, limited.headers)
 
     async def _websocket(self, scope, receive, send) -> None:
         """Keys apply; limits and guardrails need HTTP, so with either configured sockets are refused.
@@ -230,13 +231,13 @@ class SecurityMiddleware:
 
     async def _completion(self, scope, receive, send, key: KeyEntry | None, started: float) -> None:
         governor = self.governor
-        raw = await _read_body(receive)
+        raw = await read_body(receive)
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError):
             body = None
         if not isinstance(body, dict):  # malformed: the app gives the proper 400
-            return await self.app(scope, _replay(raw, receive), send)
+            return await self.app(scope, replay(raw, receive), send)
         scope.setdefault("state", {})["cache_scope"] = key.scope if key else None  # request.state for the app
         pin = scope["path"] == "/v1/cache"
         chat = scope["path"] == "/v1/chat/completions" or (pin and "messages" in body)
@@ -261,7 +262,7 @@ class SecurityMiddleware:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         relay = _ResponseRelay(send, guard, grant.headers, chat, stream, client_wants_usage)
         try:
-            await self.app(scope, _replay(json.dumps(body).encode(), receive), relay.send)
+            await self.app(scope, replay(json.dumps(body).encode(), receive), relay.send)
         finally:
             used = relay.usage.get("total_tokens") if relay.usage else None
             await governor.limiter.release(grant, used if isinstance(used, int) else estimate)
@@ -420,36 +421,3 @@ def _untrusted_inputs(body: dict[str, Any], chat: bool) -> list[str]:
     return [message_text(m.get("content"), strict=False, separator=" ") for m in body.get("messages") or []
             if isinstance(m, dict) and m.get("role") in ("user", "tool")]
 
-
-async def _read_body(receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
-
-
-def _replay(body: bytes, receive):
-    """The (possibly rewritten) body once, then the client's own messages (its disconnect)."""
-    sent = False
-
-    async def replayed():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replayed
-
-
-async def _send_json(send, status: int, body: dict[str, Any], headers: dict[str, str]) -> None:
-    data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-                + [(k.lower().encode(), v.encode()) for k, v in headers.items()]})
-    await send({"type": "http.response.body", "body": data})

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from hyperserve.common.body_limit import BodyLimit
 from hyperserve.common.errors import APIError, install_error_handlers, unavailable, validation_body
+from hyperserve.common.responses_api import ResponsesAPI
 from hyperserve.common.sse import DONE, sse_event
 from hyperserve.common.web_ui import install_web_ui
 from hyperserve.engine.engine import LLMEngine
@@ -96,6 +97,7 @@ def build_app(
 
     app = FastAPI(title="HyperServe", lifespan=lifespan)
     add_security(app, governor)
+    app.add_middleware(ResponsesAPI, governor=governor, store_bytes=settings.responses_store_bytes)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)  # added last: outermost
 
     async def serving(model: str | None) -> OpenAIServing:

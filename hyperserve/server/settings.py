@@ -13,6 +13,7 @@ class ServerSettings:
     disconnect_poll_s: float = 0.25
     default_max_tokens: int = 2048  # a chat request that sets no max_tokens gets at most this many
     max_pin_ttl_s: float = 3600.0  # the longest `ttl` a /v1/cache pin may ask for
+    responses_store_bytes: int = 64 * 2**20  # stored /v1/responses answers (as JSON) beyond which the oldest go
     # One request fans out into at most this many sequences (prompts x n), as a multiple of
     # max_num_seqs: a single request may fill the batch twice over, never more.
     max_fanout_factor: int = 2
@@ -27,6 +28,8 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if self.max_queue < 1 or self.default_max_tokens < 1 or self.max_pin_ttl_s <= 0:
             raise ValueError("max_queue, default_max_tokens and max_pin_ttl_s must be positive")
+        if self.responses_store_bytes < 0:
+            raise ValueError("responses_store_bytes must be 0 (store nothing) or more")
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
         if (self.role == "decode") != (self.prefill_url is not None):

@@ -1,0 +1,42 @@
+"""Small ASGI helpers shared by the middleware that reads or rewrites request bodies."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+async def read_body(receive) -> bytes:
+    """The whole request body (what arrived before a disconnect)."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def replay(body: bytes, receive):
+    """A `receive` that gives the (possibly rewritten) body once, then the client's own messages
+    (its disconnect)."""
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+async def send_json(send, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+                + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]})
+    await send({"type": "http.response.body", "body": data})

@@ -1,0 +1,557 @@
+"""OpenAI's Responses API (`/v1/responses`) as ASGI middleware over chat completions.
+
+A Responses request is translated into a chat completions request that re-enters the app below, so
+API keys, rate limits, guardrails, metrics and (in the gateway) the response cache and routing apply
+to it exactly as to chat; its answer, whole or streamed, is translated back: a `message` item for
+the text, a `function_call` item per tool call, and the Responses stream's events. Answers are kept
+(`store`, true by default, as OpenAI's) in a bounded in-memory store private to each API key, so
+`previous_response_id` continues a conversation and GET / DELETE /v1/responses/{id} work.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hyperserve.common.asgi import read_body, replay, send_json
+from hyperserve.common.errors import APIError, validation_body
+from hyperserve.common.sse import parse_sse_chunk, parse_sse_data
+
+PATH = "/v1/responses"
+CHAT_PATH = "/v1/chat/completions"
+DEFAULT_STORE_BYTES = 64 * 2**20
+# Chat parameters (vLLM's extras included) that a Responses request may carry and that mean the same there.
+PASSTHROUGH = ("seed", "stop", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+               "logit_bias", "priority", "ignore_eos", "stop_token_ids")
+# A chat error's `param`, as the Responses request names it.
+PARAM_NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+               "messages": "input", "response_format": "text.format"}
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = Field(default=None, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    format: TextFormat = Field(default_factory=TextFormat)
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = Field(default=None, max_length=16384)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(BaseModel):
+    type: Literal["function"]
+    name: str = Field(max_length=64)
+
+
+class ResponsesRequest(BaseModel):
+    """The fields of a Responses request that are served; those that would change the answer in
+    ways this server cannot honour are refused by name rather than ignored."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = Field(default=None, max_length=256)
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = Field(default=None, max_length=128)
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stream: bool = False
+    store: bool = True
+    tools: list[FunctionTool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    user: str | None = Field(default=None, max_length=1024)
+    # refused unless unset (see _refuse)
+    background: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    conversation: Any = None
+    prompt: Any = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+
+    def refused(self) -> str | None:
+        """Why the request asks for something not served (None: it does not)."""
+        if self.background:
+            return "background responses are not served: send the request and wait, or stream it"
+        if any(value is not None for value in (self.reasoning or {}).values()):
+            return "reasoning settings are not served: the models here do not reason separately"
+        if self.include:
+            return f"include is not served (asked for {', '.join(self.include)})"
+        if self.truncation == "auto":
+            return "truncation 'auto' is not served: an input longer than the context is a 400"
+        for name in ("conversation", "prompt", "top_logprobs", "max_tool_calls"):
+            if getattr(self, name) is not None:
+                return f"{name} is not served"
+        return None
+
+    def echo(self) -> dict[str, Any]:
+        """The request's settings as the Response object repeats them."""
+        text = self.text or TextConfig()
+        return {
+            "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "tools": [tool.model_dump() for tool in self.tools or []],
+            "tool_choice": self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedFunction)
+            else self.tool_choice or "auto",
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "text": {"format": text.format.model_dump(by_alias=True, exclude_none=True)},
+            "previous_response_id": self.previous_response_id, "store": self.store, "metadata": self.metadata or {},
+            "user": self.user, "truncation": "disabled", "reasoning": {"effort": None, "summary": None},
+            "background": False,
+        }
+
+    def chat_body(self, raw: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
+        """The chat completions request that answers this one, given the conversation's messages."""
+        body: dict[str, Any] = {"messages": messages, "stream": self.stream,
+                                "parallel_tool_calls": self.parallel_tool_calls}
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        for name, value in (("model", self.model), ("max_tokens", self.max_output_tokens),
+                            ("temperature", self.temperature), ("top_p", self.top_p), ("user", self.user)):
+            if value is not None:
+                body[name] = value
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+                             for tool in self.tools]
+        if isinstance(self.tool_choice, NamedFunction):
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
+        text_format = (self.text or TextConfig()).format
+        if text_format.type == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        elif text_format.type == "json_schema":
+            schema = {"name": text_format.name or "response", "schema": text_format.schema_,
+                      "description": text_format.description, "strict": text_format.strict}
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {k: v for k, v in schema.items() if v is not None}}
+        body.update({name: raw[name] for name in PASSTHROUGH if name in raw})
+        return body
+
+
+def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input as a list of items (a string is one user message)."""
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    return value
+
+
+def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items as chat messages: messages as they are (their text parts as chat's), a run of
+    function_call items as one assistant message's tool_calls (joined to the assistant message just
+    before, which is how an answer with text and calls reads back), function_call_output items as
+    tool messages. Reasoning items carry nothing for these models and are skipped. ValueError names
+    the first item that cannot be served."""
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            content = item.get("content")
+            if isinstance(content, list):
+                content = [_chat_part(part) for part in content]
+            messages.append({"role": item.get("role"), "content": content})
+        elif kind == "function_call":
+            call = {"id": _text(item, "call_id", i), "type": "function",
+                    "function": {"name": _text(item, "name", i), "arguments": _text(item, "arguments", i)}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if isinstance(output, list):
+                output = [_chat_part(part) for part in output]
+            elif not isinstance(output, str):
+                raise ValueError(f"input[{i}].output must be a string or a list of text parts")
+            messages.append({"role": "tool", "tool_call_id": _text(item, "call_id", i), "content": output})
+        elif kind != "reasoning":
+            raise ValueError(f"input[{i}]: items of type {kind!r} are not served (messages, function_call and "
+                             "function_call_output are)")
+    return messages
+
+
+def _chat_part(part: Any) -> Any:
+    """A Responses content part as chat's: text kinds become {"type": "text"}; any other part goes on
+    as it is, for the chat endpoint to refuse by its type."""
+    if isinstance(part, dict) and part.get("type") in ("input_text", "output_text") and "text" in part:
+        return {"type": "text", "text": part["text"]}
+    if isinstance(part, dict) and part.get("type") == "refusal" and "refusal" in part:
+        return {"type": "text", "text": part["refusal"]}
+    return part
+
+
+def _text(item: dict[str, Any], name: str, i: int) -> str:
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise ValueError(f"input[{i}].{name} must be a string")
+    return value
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not chat_usage:
+        return None
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": chat_usage.get("prompt_tokens", 0), "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": chat_usage.get("completion_tokens", 0),
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": chat_usage.get("total_tokens", 0)}
+
+
+@dataclass
+class ResponseBuilder:
+    """One Response as it is built from a chat answer: whole (`from_completion`), or chunk by chunk
+    (`start`, `feed`, `finish`), which return the stream's events in order."""
+
+    echo: dict[str, Any]
+    id: str = field(default_factory=lambda: new_id("resp"))
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    model: str | None = None
+    output: list[dict[str, Any]] = field(default_factory=list)
+    status: str = "in_progress"
+    incomplete_details: dict[str, str] | None = None
+    error: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
+    assistant: dict[str, Any] = field(default_factory=lambda: {"role": "assistant", "content": None})
+    sequence: int = 0
+    _message: dict[str, Any] | None = None  # the message item being streamed
+    _calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # chat tool call index -> its item
+    _finish_reason: str | None = None
+
+    def response(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": self.status,
+                "error": self.error, "incomplete_details": self.incomplete_details, "model": self.model,
+                "output": self.output, "usage": self.usage, **self.echo}
+
+    def from_completion(self, completion: dict[str, Any]) -> dict[str, Any]:
+        self.model = completion.get("model")
+        choice = (completion.get("choices") or [{}])[0]
+        message = choice.get("message") or {}
+        content, calls = message.get("content"), message.get("tool_calls") or []
+        if content or not calls:
+            self._open_message()
+            self._message["content"][0]["text"] = content or ""
+        for index, call in enumerate(calls):
+            self._open_call(index, call)
+            self._calls[index]["arguments"] = call["function"]["arguments"]
+        self.usage = usage(completion.get("usage"))
+        self._close(choice.get("finish_reason"))
+        return self.response()
+
+    def start(self) -> list[dict[str, Any]]:
+        return [self._event("response.created", response=self.response()),
+                self._event("response.in_progress", response=self.response())]
+
+    def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        """The events one chat chunk makes; an error chunk fails the response."""
+        if "error" in chunk:
+            return self.fail(chunk["error"])
+        self.model = chunk.get("model", self.model)
+        if chunk.get("usage"):
+            self.usage = usage(chunk["usage"])
+        events = []
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                if self._message is None:
+                    events += self._open_message()
+                part = self._message["content"][0]
+                part["text"] += delta["content"]
+                events.append(self._event("response.output_text.delta", **self._where(self._message),
+                                          content_index=0, delta=delta["content"], logprobs=[]))
+            for call in delta.get("tool_calls") or []:
+                index = call.get("index", len(self._calls))
+                if index not in self._calls:
+                    events += self._open_call(index, call)
+                item = self._calls[index]
+                arguments = (call.get("function") or {}).get("arguments") or ""
+                if arguments:
+                    item["arguments"] += arguments
+                    events.append(self._event("response.function_call_arguments.delta", **self._where(item),
+                                              delta=arguments))
+            self._finish_reason = choice.get("finish_reason") or self._finish_reason
+        return events
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The closing events: every open item done, then the response completed (or incomplete)."""
+        if self.status == "failed":
+            return []
+        events = [] if self.output else self._open_message()  # an empty answer is still a message
+        for item in self.output:
+            if item["type"] == "message":
+                part = item["content"][0]
+                events.append(self._event("response.output_text.done", **self._where(item), content_index=0,
+                                          text=part["text"], logprobs=[]))
+                events.append(self._event("response.content_part.done", **self._where(item), content_index=0,
+                                          part=part))
+            else:
+                events.append(self._event("response.function_call_arguments.done", **self._where(item),
+                                          arguments=item["arguments"]))
+        self._close(self._finish_reason)
+        for index, item in enumerate(self.output):
+            events.append(self._event("response.output_item.done", output_index=index, item=item))
+        kind = "response.completed" if self.status == "completed" else "response.incomplete"
+        return events + [self._event(kind, response=self.response())]
+
+    def fail(self, error: dict[str, Any]) -> list[dict[str, Any]]:
+        self.status = "failed"
+        code = error.get("code") or error.get("type")
+        self.error = {"code": str(code) if code is not None else "server_error", "message": error.get("message", "")}
+        return [self._event("error", code=self.error["code"], message=self.error["message"],
+                            param=PARAM_NAMES.get(error.get("param"), error.get("param"))),
+                self._event("response.failed", response=self.response())]
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        self._message = {"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant",
+                         "content": []}
+        self.output.append(self._message)
+        added = self._event("response.output_item.added", output_index=len(self.output) - 1, item=self._message)
+        part = {"type": "output_text", "text": "", "annotations": []}
+        self._message["content"].append(part)
+        return [added, self._event("response.content_part.added", **self._where(self._message), content_index=0,
+                                   part=part)]
+
+    def _open_call(self, index: int, call: dict[str, Any]) -> list[dict[str, Any]]:
+        item = {"type": "function_call", "id": new_id("fc"), "call_id": call.get("id") or new_id("call"),
+                "name": (call.get("function") or {}).get("name", ""), "arguments": "", "status": "in_progress"}
+        self._calls[index] = item
+        self.output.append(item)
+        return [self._event("response.output_item.added", output_index=len(self.output) - 1, item=item)]
+
+    def _close(self, finish_reason: str | None) -> None:
+        """Final statuses, and the answer as the chat message a later turn replays."""
+        if finish_reason in ("length", "content_filter"):
+            self.status = "incomplete"
+            self.incomplete_details = {"reason": "max_output_tokens" if finish_reason == "length" else finish_reason}
+        else:
+            self.status = "completed"
+        for item in self.output:
+            item["status"] = "incomplete" if item["type"] == "message" and self.status == "incomplete" else "completed"
+        if self._message is not None and self._message["content"][0]["text"]:
+            self.assistant["content"] = self._message["content"][0]["text"]
+        calls = [{"id": item["call_id"], "type": "function",
+                  "function": {"name": item["name"], "arguments": item["arguments"]}}
+                 for item in self.output if item["type"] == "function_call"]
+        if calls:
+            self.assistant["tool_calls"] = calls
+        elif self.assistant["content"] is None:
+            self.assistant["content"] = ""
+
+    def _where(self, item: dict[str, Any]) -> dict[str, Any]:
+        return {"item_id": item["id"], "output_index": self.output.index(item)}
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return json.loads(json.dumps(event))  # a snapshot: items change after their event is made
+
+
+@dataclass
+class StoredResponse:
+    owner: str  # the API key that made it ("" without keys): no other key sees it
+    previous_id: str | None
+    messages: list[dict[str, Any]]  # this turn's input and answer, as chat messages
+    items: list[dict[str, Any]]  # this turn's input items, for /input_items
+    response: dict[str, Any]
+    size: int = 0
+
+
+class ResponseStore:
+    """Stored responses, least recently used dropped first once they hold more than `max_bytes` (as
+    JSON). A conversation is its chain of previous_response_id links; reading it refreshes them all."""
+
+    def __init__(self, max_bytes: int = DEFAULT_STORE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def put(self, entry: StoredResponse) -> None:
+        entry.size = len(json.dumps([entry.messages, entry.items, entry.response]))
+        self._entries[entry.response["id"]] = entry
+        self.bytes += entry.size
+        while self.bytes > self.max_bytes and self._entries:
+            self.bytes -= self._entries.popitem(last=False)[1].size
+
+    def get(self, owner: str, response_id: str) -> StoredResponse:
+        entry = self._entries.get(response_id)
+        if entry is None or entry.owner != owner:
+            raise APIError(404, f"no response {response_id!r}: it was never stored, was deleted, or was dropped to "
+                                "make room", param="response_id", code="response_not_found")
+        self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, owner: str, response_id: str) -> None:
+        self.bytes -= self._entries.pop(self.get(owner, response_id).response["id"]).size
+
+    def conversation(self, owner: str, response_id: str) -> list[dict[str, Any]]:
+        """The chat messages of the chain ending at `response_id`, oldest first."""
+        turns = []
+        while response_id is not None:
+            try:
+                entry = self.get(owner, response_id)
+            except APIError as missing:
+                missing.param = "previous_response_id"
+                raise
+            turns.append(entry.messages)
+            response_id = entry.previous_id
+        return [message for turn in reversed(turns) for message in turn]
+
+
+class ResponsesAPI:
+    """/v1/responses (and GET / DELETE /v1/responses/{id}, GET .../input_items) in front of an app that
+    serves /v1/chat/completions. `governor`: the app's API keys, which scope the stored responses."""
+
+    def __init__(self, app, governor=None, store_bytes: int = DEFAULT_STORE_BYTES) -> None:
+        self.app, self.governor = app, governor
+        self.store = ResponseStore(store_bytes)
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path == PATH or path.startswith(PATH + "/")):
+            return await self.app(scope, receive, send)
+        try:
+            owner = ""
+            if self.governor is not None:
+                key = self.governor.authenticate(dict(scope["headers"]))
+                owner = f"key:{key.name}" if key is not None else ""
+            response_id, _, tail = path[len(PATH) + 1:].partition("/")
+            method = scope["method"]
+            if path == PATH and method == "POST":
+                return await self._create(scope, receive, send, owner)
+            if response_id and not tail and method == "GET":
+                return await send_json(send, 200, self.store.get(owner, response_id).response)
+            if response_id and not tail and method == "DELETE":
+                self.store.delete(owner, response_id)
+                return await send_json(send, 200, {"id": response_id, "object": "response", "deleted": True})
+            if response_id and tail == "input_items" and method == "GET":
+                items = [{"id": f"{response_id}_in{i}", **item}
+                         for i, item in enumerate(self.store.get(owner, response_id).items)]
+                return await send_json(send, 200, {"object": "list", "data": items, "has_more": False,
+                                                   "first_id": items[0]["id"] if items else None,
+                                                   "last_id": items[-1]["id"] if items else None})
+            raise APIError(404 if response_id or method == "GET" else 405, f"no route {method} {path}")
+        except APIError as error:
+            await send_json(send, error.status, error.body(), error.headers)
+
+    async def _create(self, scope, receive, send, owner: str) -> None:
+        raw = await read_body(receive)
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as bad:
+            raise APIError(400, f"the request body is not valid JSON: {bad}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        try:
+            request = ResponsesRequest.model_validate(body)
+        except ValidationError as invalid:
+            return await send_json(send, 400, validation_body(invalid.errors()))
+        reason = request.refused()
+        if reason is not None:
+            raise APIError(400, reason)
+        history = self.store.conversation(owner, request.previous_response_id) if request.previous_response_id else []
+        items = input_items(request.input)
+        try:
+            turn = chat_messages(items)
+        except ValueError as error:
+            raise APIError(400, str(error), param="input") from None
+        if not turn:
+            raise APIError(400, "input holds no message", param="input")
+        system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+        chat = json.dumps(request.chat_body(body, system + history + turn)).encode()
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+        inner = {**scope, "path": CHAT_PATH, "raw_path": CHAT_PATH.encode(),
+                 "headers": headers + [(b"content-length", str(len(chat)).encode())]}
+        builder = ResponseBuilder(request.echo())
+        relay = _Relay(send, builder, request.stream)
+        await self.app(inner, replay(chat, receive), relay.send)
+        if request.store and builder.status in ("completed", "incomplete"):
+            self.store.put(StoredResponse(owner, request.previous_response_id, turn + [builder.assistant], items,
+                                          builder.response()))
+
+
+class _Relay:
+    """Wraps the chat endpoint's `send`: its answer (JSON or server-sent events) goes out translated.
+    Errors keep their status and headers (Retry-After), their `param` named as in the Responses request."""
+
+    def __init__(self, send, builder: ResponseBuilder, stream: bool) -> None:
+        self._send, self.builder, self.stream = send, builder, stream
+        self._start: dict[str, Any] | None = None
+        self._streaming = False
+        self._buffer = b""
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"content-length"]
+            self._streaming = message["status"] == 200 and any(
+                k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+            self._start = {**message, "headers": headers}
+            if self._streaming:
+                await self._send(self._start)
+                await self._events(self.builder.start(), more=True)
+            return
+        if message["type"] != "http.response.body":
+            return await self._send(message)
+        self._buffer += message.get("body", b"")
+        more = message.get("more_body", False)
+        if self._streaming:
+            done, _, self._buffer = self._buffer.rpartition(b"\n\n") if more else (self._buffer, b"", b"")
+            events = []
+            for line in done.decode(errors="replace").splitlines():
+                data = parse_sse_data(line)
+                chunk = parse_sse_chunk(line) if data else None
+                if chunk is not None:
+                    events += self.builder.feed(chunk)
+            if not more:
+                events += self.builder.finish()
+            return await self._events(events, more)
+        if more:
+            return
+        answer = self._buffer
+        try:
+            parsed = json.loads(answer)
+        except ValueError:
+            parsed = None
+        if self._start["status"] == 200 and isinstance(parsed, dict) and "choices" in parsed:
+            answer = json.dumps(self.builder.from_completion(parsed)).encode()
+        elif isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+            param = parsed["error"].get("param")
+            parsed["error"]["param"] = PARAM_NAMES.get(param, param)
+            answer = json.dumps(parsed).encode()
+        self._start["headers"].append((b"content-length", str(len(answer)).encode()))
+        await self._send(self._start)
+        await self._send({"type": "http.response.body", "body": answer})
+
+    async def _events(self, events: list[dict[str, Any]], more: bool) -> None:
+        data = "".join(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n" for event in events)
+        await self._send({"type": "http.response.body", "body": data.encode(), "more_body": more})
