@@ -58,7 +58,7 @@ def main() -> None:
           f"{os.cpu_count()} cores")
     server_url, gateway_url = f"http://127.0.0.1:{args.port}", f"http://127.0.0.1:{args.port + 1}"
     server = start_server(args.port, ["--max-model-len", "64", "--kv-cache-memory-gb", "0.25", "--max-num-seqs", "4",
-                                      "--default-max-tokens", "8"])
+                                      "--default-max-tokens", "8", "--embedding-model", "all-MiniLM-L6-v2"])
     results = {}
     try:
         with tempfile.TemporaryDirectory() as directory:

@@ -192,12 +192,21 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     governor = _governor(args)
     cached = args.semantic_cache or args.response_cache
+    if args.embedding_model is not None:
+        from hyperserve.common.embedder import WINDOWS
+
+        if args.embedding_model not in WINDOWS:
+            sys.exit(f"error: --embedding-model must be one of {', '.join(WINDOWS)}, not {args.embedding_model!r}")
+    if cached and args.embedding_model:
+        sys.exit("error: --embedding-model is served without the response cache; drop --semantic-cache and "
+                 "--response-cache, or serve embeddings from a second `hyperserve serve`")
     app = build_app(models, settings, governor=None if cached else governor,
                     on_load_error=lambda error: stop(f"the model failed to load: {error}"),
                     on_engine_dead=lambda error: stop(f"the engine stopped: {type(error).__name__}: {error}"),
                     max_loaded_models=args.max_loaded_models, idle_unload_s=args.idle_unload_s,
                     lora_dir=Path(args.lora_dir) if args.lora_dir else None,
-                    memory_budget_bytes=int(args.memory_budget_gb * 2**30) if args.memory_budget_gb else None)
+                    memory_budget_bytes=int(args.memory_budget_gb * 2**30) if args.memory_budget_gb else None,
+                    embedding_model=args.embedding_model)
     if cached:
         app = _cached_front(app, settings, [m.name for m in models], args, governor)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
@@ -308,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--response-cache-path", default=".hyperserve/response-cache.sqlite")
     cache.add_argument("--response-cache-ttl-s", type=float, default=86400.0)
     models = serve.add_argument_group("several models (--model given more than once)")
+    models.add_argument("--embedding-model", default=None, metavar="NAME",
+                        help="also serve /v1/embeddings with this sentence encoder, shipped offline: "
+                             "all-MiniLM-L6-v2 or multilingual-e5-small")
     models.add_argument("--on-demand", nargs="+", default=[], metavar="MODEL",
                         help="of the --model names, those loaded when first asked for and unloaded when idle")
     models.add_argument("--idle-unload-s", type=float, default=300.0,

@@ -40,10 +40,12 @@ class Embedder:
     on one thread as on two."""
 
     def __init__(self, model: str = "all-MiniLM-L6-v2", max_length: int = 256,
-                 deltas: dict[str, torch.Tensor] | None = None) -> None:
+                 deltas: dict[str, torch.Tensor] | None = None, prefix: str | None = None) -> None:
         """`model`: a name in MODELS. `deltas`: parameter name -> a tensor added to it (a
-        fine-tuned copy, as the injection classifier's LoRA adapter makes one)."""
-        load, self.prefix = MODELS[model]
+        fine-tuned copy, as the injection classifier's LoRA adapter makes one). `prefix`: put
+        before every text (None: the model's own for classifying, in MODELS)."""
+        load, default_prefix = MODELS[model]
+        self.prefix = default_prefix if prefix is None else prefix
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder", initializer=_single_threaded)
         self.tokenizer, self.model = self._worker.submit(_load, load, deltas or {}).result()
         self.dim: int = self.model.config.hidden_size
@@ -55,6 +57,13 @@ class Embedder:
 
     async def embed_async(self, texts: list[str]) -> np.ndarray:
         return await asyncio.get_running_loop().run_in_executor(self._worker, self._forward, texts)
+
+    async def token_counts_async(self, texts: list[str]) -> list[int]:
+        """Each text's tokens, special ones included, before any truncation to max_length."""
+        def count() -> list[int]:
+            return [len(ids) for ids in self.tokenizer([self.prefix + text for text in texts])["input_ids"]]
+
+        return await asyncio.get_running_loop().run_in_executor(self._worker, count)
 
     def _forward(self, texts: list[str]) -> np.ndarray:
         if self.prefix:
@@ -88,6 +97,8 @@ def _multilingual_e5() -> Loaded:
 # name -> (a function returning its tokenizer and model, the prefix its texts take)
 MODELS: dict[str, tuple[Callable[[], Loaded], str]] = {"all-MiniLM-L6-v2": (_minilm, ""),
           "multilingual-e5-small": (_multilingual_e5, "query: ")}  # e5's prefix for classifying
+# The longest input each was trained for, in tokens (sentence-transformers' max_seq_length)
+WINDOWS = {"all-MiniLM-L6-v2": 256, "multilingual-e5-small": 512}
 
 
 def _load(load: Callable[[], Loaded], deltas: dict[str, torch.Tensor]) -> Loaded:

@@ -30,8 +30,8 @@ from hyperserve.security.pii import Finding, Redactor, StreamRedactor, find_pii
 
 logger = logging.getLogger("hyperserve.security")
 
-# Requests that make the engine work: completions, and prefix pins, which hold KV like a request.
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/cache")
+# Requests that make a model work: completions, prefix pins (which hold KV like a request) and embeddings.
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/cache", "/v1/embeddings")
 OPEN_PATHS = ("/health", "/")  # and the web pages under /ui/, which ask for a key themselves
 MODEL_ADMIN_PATH = re.compile(r"/v1/models/([^/]+)/(?:load|unload)")
 DEFAULT_MAX_TOKENS = 256  # the estimate for a request that sets no max_tokens
@@ -239,15 +239,18 @@ class SecurityMiddleware:
         if not isinstance(body, dict):  # malformed: the app gives the proper 400
             return await self.app(scope, replay(raw, receive), send)
         scope.setdefault("state", {})["cache_scope"] = key.scope if key else None  # request.state for the app
-        pin = scope["path"] == "/v1/cache"
+        pin, embed = scope["path"] == "/v1/cache", scope["path"] == "/v1/embeddings"
         chat = scope["path"] == "/v1/chat/completions" or (pin and "messages" in body)
         prompt_tokens = governor.check_request(key, body, chat)
-        guard = Guard(key, governor.guardrails(key, body.get("model")))
+        guardrails = governor.guardrails(key, body.get("model"))
+        if embed:  # an encoder follows no instructions: only the PII rules apply
+            guardrails = guardrails.model_copy(update={"injection": "off"})
+        guard = Guard(key, guardrails)
         record: dict[str, Any] = {"key": key.name if key else None, "path": scope["path"], "model": body.get("model")}
         if governor.config.audit_prompts:
             record["prompt"] = _texts(body, chat)
         n = _count(body.get("n")) or 1
-        max_tokens = 1 if pin else _max_tokens(body) or DEFAULT_MAX_TOKENS
+        max_tokens = 0 if embed else 1 if pin else _max_tokens(body) or DEFAULT_MAX_TOKENS
         estimate = prompt_tokens + max_tokens * n
         try:
             await governor.guard_request(guard, body, chat)
@@ -404,10 +407,11 @@ def _text_fields(body: dict[str, Any], chat: bool) -> list[tuple[dict | list, An
             elif isinstance(content, list):
                 fields += [(part, "text") for part in content if isinstance(part, dict)
                            and isinstance(part.get("text"), str)]
-    else:
-        prompt = body.get("prompt")
+    else:  # a completion's prompts, or an embedding request's inputs
+        name = "prompt" if "prompt" in body else "input"
+        prompt = body.get(name)
         if isinstance(prompt, str):
-            fields.append((body, "prompt"))
+            fields.append((body, name))
         elif isinstance(prompt, list):
             fields += [(prompt, i) for i, p in enumerate(prompt) if isinstance(p, str)]
     return fields

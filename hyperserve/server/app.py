@@ -33,6 +33,7 @@ from hyperserve.common.web_ui import install_web_ui
 from hyperserve.engine.engine import LLMEngine
 from hyperserve.layers.lora import LoRARequest
 from hyperserve.security.middleware import Governor, add_security
+from hyperserve.server.embeddings import EmbeddingRequest, EmbeddingServing
 from hyperserve.server.metrics import ServerMetrics
 from hyperserve.server.model_pool import ModelEntry, ModelPool, ServedModel
 from hyperserve.server.openai_api import Job, OpenAIServing
@@ -55,6 +56,8 @@ class _State:
     started: bool = False  # the pinned models' loads have finished (or failed)
     shutting_down: bool = False
     websockets: set[asyncio.Task] = field(default_factory=set)
+    embeddings: EmbeddingServing | None = None  # once loaded
+    embedding_error: str | None = None
 
 
 def build_app(
@@ -67,10 +70,12 @@ def build_app(
     idle_unload_s: float | None = 300.0,
     lora_dir: Path | None = None,
     memory_budget_bytes: int | None = None,
+    embedding_model: str | None = None,
 ) -> FastAPI:
     """`models`: one engine factory (served as settings.model_name), or several named models.
     `lora_dir`: the directory /v1/load_lora_adapter may load adapters from (None: none).
-    `memory_budget_bytes`: what the loaded models' weights and KV pools may hold together."""
+    `memory_budget_bytes`: what the loaded models' weights and KV pools may hold together.
+    `embedding_model`: an encoder (common/embedder.py's MODELS) that serves /v1/embeddings."""
     state = _State()
     metrics = ServerMetrics()
     entries = [ModelEntry(settings.model_name, models)] if callable(models) else models
@@ -78,6 +83,14 @@ def build_app(
                      memory_budget_bytes)
 
     async def start() -> None:
+        if embedding_model is not None:
+            try:
+                state.embeddings = await asyncio.to_thread(EmbeddingServing, embedding_model, settings.max_queue,
+                                                           metrics)
+            except Exception as error:  # noqa: BLE001 - reported by /health, and on_load_error stops the server
+                state.embedding_error = f"{embedding_model}: {error}"
+                if on_load_error is not None:
+                    on_load_error(RuntimeError(state.embedding_error))
         await pool.start()
         state.started = True
         failed = [m for m in pool.pinned if m.load_error is not None]
@@ -113,6 +126,8 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         """200 once every pinned model is loaded and running (on-demand ones load when asked for)."""
+        if embedding_model is not None and state.embeddings is None:
+            return JSONResponse({"status": state.embedding_error or "loading"}, status_code=503)
         for model in pool.pinned:
             if model.serving is None or state.shutting_down:
                 return JSONResponse({"status": model.load_error or "loading"}, status_code=503)
@@ -133,6 +148,8 @@ def build_app(
             cards.append(_model_card(model))
             cards += [{"id": name, "object": "model", "created": now(), "owned_by": "hyperserve",
                        "parent": model.name, "root": lora.lora_path} for name, lora in model.entry.adapters.items()]
+        if state.embeddings is not None:
+            cards.append(state.embeddings.card())
         return {"object": "list", "data": cards}
 
     @app.post("/v1/load_lora_adapter")
@@ -190,6 +207,21 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         s = await serving(body.model)
         return await _respond(s, await s.prepare_chat(body), body.stream, request, settings)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
+        served = state.embeddings
+        if served is None:
+            raise (unavailable("the embedding model is loading") if embedding_model is not None else
+                   APIError(404, "this server serves no embedding model: start it with --embedding-model "
+                                 "all-MiniLM-L6-v2", param="model", code="model_not_found"))
+        if body.model is not None and body.model != served.name:
+            generative = body.model in pool.models
+            raise APIError(400 if generative else 404,
+                           f"{body.model!r} is a generative model; embeddings come from {served.name!r}" if generative
+                           else f"the model {body.model!r} does not exist; embeddings come from {served.name!r}",
+                           param="model", code=None if generative else "model_not_found")
+        return await served.embed(body)
 
     @app.post("/v1/cache")
     async def pin_cache(body: CacheRequest) -> dict[str, Any]:

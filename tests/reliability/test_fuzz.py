@@ -31,7 +31,7 @@ def fuzz(url: str, max_examples: int, phases: str = "fuzzing", seed: int = 1) ->
 
 def test_fuzzed_server_requests_never_get_a_5xx():
     server = start_server("--max-model-len", "64", "--kv-cache-memory-gb", "0.25", "--max-num-seqs", "4",
-                          "--default-max-tokens", "8", log_name="fuzz")
+                          "--default-max-tokens", "8", "--embedding-model", "all-MiniLM-L6-v2", log_name="fuzz")
     try:
         cases, _ = fuzz(server.url, max_examples=25)
         assert cases >= 100

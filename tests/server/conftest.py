@@ -93,6 +93,7 @@ def stop_server(server: Server) -> None:
 @pytest.fixture(scope="session")
 def server():
     s = start_server("--kv-cache-memory-gb", "0.5", "--max-num-seqs", "4", "--max-queue", "4",
+                     "--embedding-model", "all-MiniLM-L6-v2",
                      "--max-body-bytes", "100000")
     yield s
     stop_server(s)

@@ -29,8 +29,8 @@ def test_health_was_503_while_loading(server):
     assert server.statuses_while_loading[0] == 503 and server.statuses_while_loading[-1] == 200
 
 
-def test_models_lists_the_served_model(client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+def test_models_lists_the_served_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL, "all-MiniLM-L6-v2"]  # the second embeds
 
 
 def test_chat_completion(client):

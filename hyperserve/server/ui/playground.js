@@ -141,7 +141,8 @@ function send(text) {
 async function loadModels() {
   const { data } = await getJSON("/v1/models");
   const chosen = localStorage.getItem("hyperserve.setting.model");
-  $("model").replaceChildren(...data.map((card) => {
+  const chat = data.filter((card) => card.task !== "embed"); // an embedding model cannot chat
+  $("model").replaceChildren(...chat.map((card) => {
     const option = new Option(card.parent ? `${card.id} (adapter of ${card.parent})` : card.id, card.id);
     option.selected = card.id === chosen;
     return option;
