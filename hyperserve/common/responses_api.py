@@ -264,7 +264,7 @@ class ResponseBuilder:
             self._message["content"][0]["text"] = content or ""
         for index, call in enumerate(calls):
             self._open_call(index, call)
-            self._calls[index]["arguments"] = call["function"]["arguments"]
+            self._calls[index]["arguments"] = (call.get("function") or {}).get("arguments") or ""
         self.usage = usage(completion.get("usage"))
         self._close(choice.get("finish_reason"))
         return self.response()
@@ -276,7 +276,8 @@ class ResponseBuilder:
     def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         """The events one chat chunk makes; an error chunk fails the response."""
         if "error" in chunk:
-            return self.fail(chunk["error"])
+            error = chunk["error"]
+            return self.fail(error if isinstance(error, dict) else {"message": str(error)})
         self.model = chunk.get("model", self.model)
         if chunk.get("usage"):
             self.usage = usage(chunk["usage"])

@@ -177,17 +177,36 @@ class Gateway:
             return Response(await upstream.read(), status_code=upstream.status,
                             media_type=upstream.headers.get("content-type"))
 
+    async def embed(self, request: Request) -> Response:
+        """Embeddings: from a backend by the route `model` names (balanced, with retries and
+        fallback as completions are; never cached, and a cascade route cannot embed)."""
+        if not self.ready:
+            raise APIError(503, f"the gateway is {self.start_error or 'starting'}", type_="service_unavailable",
+                           headers={"Retry-After": "5"})
+        body = await _json_body(request, "embedding")
+        name = body.get("model") or _default_route(self.router)
+        if self.router.route(name).config.cascade is not None:
+            raise APIError(400, f"the route {name!r} is a cascade of generative models; it cannot embed",
+                           param="model")
+        call = _Call("embedding", False, False, time.perf_counter(), {"id": uuid.uuid4().hex[:16], "route": name})
+        reply = await self.router.complete(name, "/v1/embeddings", body, None)
+        call.timings["backend"] = reply.backend_s
+        call.record["backend"] = reply.backend
+        self._finish(call, "bypass", reply.status, reply.body.get("usage"))
+        return JSONResponse(reply.body, status_code=reply.status, headers={"x-hyperserve-backend": reply.backend})
+
     async def handle(self, request: Request, chat: bool) -> Response:
         """A completion: from the response cache where it may be, else from a backend by its route."""
         started = time.perf_counter()
         if not self.ready:
             raise APIError(503, f"the gateway is {self.start_error or 'starting'}", type_="service_unavailable",
                            headers={"Retry-After": "5"})
-        body = await _json_body(request, chat)
+        body = await _json_body(request, "chat" if chat else "completion")
         name = body.get("model") or _default_route(self.router)
         route = self.router.route(name)
         stream = body.get("stream") is True
-        call = _Call(chat, stream, stream and bool((body.get("stream_options") or {}).get("include_usage")), started,
+        include_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
+        call = _Call("chat" if chat else "completion", stream, include_usage, started,
                      {"id": uuid.uuid4().hex[:16], "route": name})
 
         mode = request.headers.get("x-hyperserve-cache", "").lower()
@@ -304,9 +323,9 @@ class Gateway:
 
 @dataclass
 class _Call:
-    """One completion request as the gateway handles it: what the log records and the cache needs."""
+    """One request as the gateway handles it: what the log records and the cache needs."""
 
-    chat: bool
+    kind: str  # "chat" | "completion" | "embedding"
     stream: bool
     include_usage: bool
     started: float
@@ -317,8 +336,8 @@ class _Call:
     cache_state: str = "bypass"
 
     @property
-    def kind(self) -> str:
-        return "chat" if self.chat else "completion"
+    def chat(self) -> bool:
+        return self.kind == "chat"
 
 
 def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = None,
@@ -377,6 +396,11 @@ async def completions(request: Request) -> Response:
     return await _gateway(request).handle(request, chat=False)
 
 
+@routes.post("/v1/embeddings")
+async def embeddings(request: Request) -> Response:
+    return await _gateway(request).embed(request)
+
+
 @routes.api_route("/v1/{path:path}", methods=["GET", "POST", "DELETE"])
 async def engine_endpoints(path: str, request: Request) -> Response:
     return await _gateway(request).pass_through(path, request)
@@ -391,8 +415,9 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
-async def _json_body(request: Request, chat: bool) -> dict[str, Any]:
-    """The parsed body, checked just enough to route and cache it; the backend validates the rest."""
+async def _json_body(request: Request, kind: str) -> dict[str, Any]:
+    """The parsed body of a `kind` request (chat, completion or embedding), checked just enough to
+    route and cache it; the backend validates the rest."""
     try:
         body = json.loads(await request.body())
     except (ValueError, RecursionError) as error:
@@ -401,12 +426,14 @@ async def _json_body(request: Request, chat: bool) -> dict[str, Any]:
         raise APIError(400, "the request body must be a JSON object")
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise APIError(400, "model must be a string", param="model")
-    if chat:
+    if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise APIError(400, "messages must be a non-empty list of message objects", param="messages")
-    elif "prompt" not in body:
-        raise APIError(400, "prompt is required", param="prompt")
+    else:
+        field_name = "prompt" if kind == "completion" else "input"
+        if field_name not in body:
+            raise APIError(400, f"{field_name} is required", param=field_name)
     return body
 
 

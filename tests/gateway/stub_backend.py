@@ -1,5 +1,6 @@
 """A minimal OpenAI-compatible backend for gateway tests and benchmarks: it answers instantly with
-"<name> says: <last user message>", one token per word, each with a controllable log-probability.
+"<name> says: <last user message>", one token per word, each with a controllable log-probability
+(and embeds each input as [its length, the length of <name>]).
 POST /control changes its behaviour (fail with a status, delay, per-token delay of streams, logprob);
 GET /stats counts requests.
 
@@ -68,6 +69,20 @@ def build_stub(name: str) -> Starlette:
         return JSONResponse({**base, "object": "chat.completion" if chat else "text_completion",
                              "choices": [{**choice, "logprobs": logprobs, "finish_reason": "stop"}], "usage": usage})
 
+    async def embed(request: Request) -> JSONResponse:
+        """A vector per input: [its length in characters, the stub's number], so a test sees which backend answered."""
+        body = await request.json()
+        state["count"] += 1
+        if state["fail_status"]:
+            return JSONResponse({"error": {"message": "stub failure", "type": "server_error"}},
+                                status_code=state["fail_status"])
+        texts = [body["input"]] if isinstance(body["input"], str) else body["input"]
+        data = [{"object": "embedding", "index": i, "embedding": [float(len(text)), float(len(name))]}
+                for i, text in enumerate(texts)]
+        tokens = sum(len(text.split()) for text in texts)
+        return JSONResponse({"object": "list", "data": data, "model": body.get("model"),
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
     async def control(request: Request) -> JSONResponse:
         state.update(await request.json())
         return JSONResponse(state)
@@ -80,7 +95,8 @@ def build_stub(name: str) -> Starlette:
 
     return Starlette(routes=[
         Route("/v1/chat/completions", complete, methods=["POST"]), Route("/v1/completions", complete, methods=["POST"]),
-        Route("/control", control, methods=["POST"]), Route("/stats", stats), Route("/health", health),
+        Route("/v1/embeddings", embed, methods=["POST"]), Route("/control", control, methods=["POST"]),
+        Route("/stats", stats), Route("/health", health),
     ])
 
 

@@ -86,6 +86,31 @@ def test_streamed_miss_is_cached(stubs, tmp_path):
         assert reply.json()["choices"][0]["message"]["content"] == text
 
 
+def test_embeddings_are_routed_with_fallback_and_never_cached(stubs, tmp_path):
+    a, b = stubs
+    config = _config(stubs, tmp_path, backends=[{"name": "a", "url": a.url, "model": "encoder"},
+                                               {"name": "b", "url": b.url}])
+    with start_gateway(config, tmp_path) as gateway:
+        def embed(**body) -> httpx.Response:
+            return httpx.post(f"{gateway.url}/v1/embeddings", json=body, timeout=30)
+
+        a.control(fail_status=500)
+        reply = embed(model="m", input=["hello", "hi"])
+        assert reply.status_code == 200 and reply.headers["x-hyperserve-backend"] == "b"  # a failed: b answered
+        assert [d["embedding"] for d in reply.json()["data"]] == [[5.0, 1.0], [2.0, 1.0]]
+        a.control(fail_status=None)
+        b.kill()
+        time.sleep(0.6)  # a's breaker cools down
+        assert embed(input="hello").json()["model"] == "encoder"  # no model: the only route; a's own name upstream
+        before = httpx.get(f"{a.url}/stats").json()["count"]
+        embed(input="hello")
+        assert httpx.get(f"{a.url}/stats").json()["count"] == before + 1  # asked again: embeddings are not cached
+        assert embed(model="m").json()["error"]["param"] == "input"
+        assert embed(model="nope", input="x").json()["error"]["code"] == "model_not_found"
+        log = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+        assert {entry["kind"] for entry in log} == {"embedding"}
+
+
 def test_killed_backend_is_bypassed_and_readmitted(stubs, tmp_path):
     a, b = stubs
     with start_gateway(_config(stubs, tmp_path, cache={"enabled": False}), tmp_path) as gateway:
