@@ -95,6 +95,24 @@ def _security_args(parser: argparse.ArgumentParser) -> None:
                        help="keys file (YAML/JSON): hashed keys, per-key models, limits, budgets, guardrails")
     group.add_argument("--protect-metrics", action="store_true", default=None, help="/metrics needs a key too")
     group.add_argument("--audit-log", default=None, help="JSON-lines audit log (who, model, tokens, verdicts)")
+    group.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                       help="web pages on these origins (e.g. https://app.example.com, or *) may call the API "
+                            "from a browser (CORS); default: none but this server's own pages")
+
+
+def _with_cors(app, args: argparse.Namespace):
+    """Browsers may call the API from --allowed-origins. Outermost, so that preflight requests,
+    which carry no API key, are answered before the key is asked for."""
+    if args.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], max_age=600,
+                           expose_headers=["X-Request-Id", "Retry-After", "Server-Timing", "x-hyperserve-cache",
+                                           "x-hyperserve-backend"] + [f"x-ratelimit-{what}-{unit}" for what in
+                                                                      ("limit", "remaining", "reset")
+                                                                      for unit in ("requests", "tokens")])
+    return app
 
 
 def _governor(args: argparse.Namespace):
@@ -209,6 +227,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                     embedding_model=args.embedding_model)
     if cached:
         app = _cached_front(app, settings, [m.name for m in models], args, governor)
+    app = _with_cors(app, args)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=args.shutdown_grace_s))
     server.run()
@@ -254,7 +273,8 @@ def cmd_gateway(args: argparse.Namespace) -> None:
     from hyperserve.gateway.config import load_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_gateway_app(load_config(args.config), max_body_bytes=args.max_body_bytes, governor=_governor(args))
+    app = _with_cors(build_gateway_app(load_config(args.config), max_body_bytes=args.max_body_bytes,
+                                       governor=_governor(args)), args)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
                 access_log=not args.quiet, timeout_graceful_shutdown=args.shutdown_grace_s)
 

@@ -16,7 +16,7 @@ def keyed_server(tmp_path_factory):
     config = tmp_path_factory.mktemp("keys") / "security.yaml"
     config.write_text("guardrails: {pii_request: redact, reversible_redaction: true, injection: block}\n")
     server = start_server("--api-key", "s3cret", "--security-config", str(config), "--kv-cache-memory-gb", "0.5",
-                          "--embedding-model", "all-MiniLM-L6-v2",
+                          "--embedding-model", "all-MiniLM-L6-v2", "--allowed-origins", "https://app.example",
                           log_name="security")
     yield server
     stop_server(server)
@@ -56,3 +56,23 @@ def test_embeddings_need_the_key_and_the_encoder_sees_redacted_text(keyed_server
     chat = {"messages": [{"role": "user", "content": attack}], "max_tokens": 2}
     assert httpx.post(f"{keyed_server.url}/v1/chat/completions", json=chat, headers=auth, timeout=60).status_code == 400
     assert embed(attack)  # embedded all the same: an encoder follows no instructions
+
+
+def test_browsers_on_allowed_origins_may_call_with_their_key(keyed_server, server):
+    """CORS: a preflight carries no key and is answered; the call itself still needs the key. A
+    server started without --allowed-origins gives no other page access."""
+    url = f"{keyed_server.url}/v1/chat/completions"
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    allowed = httpx.options(url, headers={"Origin": "https://app.example", **preflight})
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "https://app.example"
+    refused = httpx.options(url, headers={"Origin": "https://evil.example", **preflight})
+    assert "access-control-allow-origin" not in refused.headers
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    page = {"Origin": "https://app.example"}
+    assert httpx.post(url, json=body, headers=page).status_code == 401
+    called = httpx.post(url, json=body, headers={**page, "Authorization": "Bearer s3cret"}, timeout=60)
+    assert called.status_code == 200 and called.headers["access-control-allow-origin"] == "https://app.example"
+    assert "x-request-id" in called.headers["access-control-expose-headers"].lower()
+    closed = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=page, timeout=60)
+    assert closed.status_code == 200 and "access-control-allow-origin" not in closed.headers
