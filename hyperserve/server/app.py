@@ -41,8 +41,10 @@ from hyperserve.server.protocol import (
     CacheRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     KVPrefillRequest,
     LoadLoRARequest,
+    TokenizeRequest,
     UnloadLoRARequest,
     now,
 )
@@ -222,6 +224,14 @@ def build_app(
                            else f"the model {body.model!r} does not exist; embeddings come from {served.name!r}",
                            param="model", code=None if generative else "model_not_found")
         return await served.embed(body)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return await (await serving(body.model)).tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return await (await serving(body.model)).detokenize(body)
 
     @app.post("/v1/cache")
     async def pin_cache(body: CacheRequest) -> dict[str, Any]:

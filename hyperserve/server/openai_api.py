@@ -26,7 +26,9 @@ from hyperserve.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     KVPrefillRequest,
+    TokenizeRequest,
     Tool,
     new_id,
     now,
@@ -123,6 +125,29 @@ class OpenAIServing:
                    chat_logprobs=request.logprobs,
                    tool_names={tool.function.name for tool in offered} if offered else None,
                    calls_only=request.calls_only, lora=lora)
+
+    async def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
+        """The ids the request would run (longer than the context is fine: this only counts)."""
+        self._check_model(request.model)
+        tokenizer = self.engine.engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="model")
+        if request.messages is not None:
+            ids = await asyncio.to_thread(self._chat_ids, request.messages, request.add_generation_prompt,
+                                          request.tools)
+        else:
+            ids = await asyncio.to_thread(lambda: list(tokenizer(request.prompt).input_ids))
+        strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
+        self._check_model(request.model)
+        tokenizer, vocab = self.engine.engine.tokenizer, self.engine.engine.hf_config.vocab_size
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="model")
+        if not all(0 <= token < vocab for token in request.tokens):
+            raise APIError(400, f"tokens must be integers in [0, {vocab})", param="tokens")
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, request.tokens)}
 
     async def pin(self, request: CacheRequest) -> dict[str, Any]:
         """Compute and pin a prefix's KV; the answer says how many tokens later requests skip.

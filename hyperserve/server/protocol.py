@@ -279,6 +279,33 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.calls_tools and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize, as vLLM's: the token ids a completion (`prompt`) or a chat request
+    (`messages`, with its `tools`) would run, counted without running anything."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(default=None, max_length=256)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(default=None, max_length=256)
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
 class CacheRequest(BaseModel):
     """POST /v1/cache: pin the KV of a prompt (or of messages rendered without a generation
     prompt, e.g. a system message) for `ttl` seconds."""

@@ -166,3 +166,23 @@ def test_pinned_system_prompt_via_cache_endpoint(server, client):
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "cache_not_found"
     bad = httpx.post(f"{server.url}/v1/cache", json={"prompt": "x", "messages": [system]})
     assert bad.status_code == 400
+
+
+def test_tokenize_counts_what_a_request_would_run_and_detokenize_inverts_it(server, client, smollm2_tokenizer):
+    import httpx
+
+    text = "Tokenizers split words into pieces, like un-believ-able."
+    counted = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert counted["tokens"] == smollm2_tokenizer(text).input_ids and counted["count"] == len(counted["tokens"])
+    assert counted["token_strs"] == smollm2_tokenizer.convert_ids_to_tokens(counted["tokens"])
+    assert counted["max_model_len"] == 8192
+    assert client.completions.create(model=MODEL, prompt=text, max_tokens=1).usage.prompt_tokens == counted["count"]
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": QUESTION, "tools": tools}).json()
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=tools, max_tokens=1)
+    assert chat["count"] == reply.usage.prompt_tokens
+    back = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": counted["tokens"]}).json()
+    assert back == {"prompt": text}
+    for path, body in [("/tokenize", {"prompt": "x", "messages": QUESTION}), ("/tokenize", {}),
+                       ("/detokenize", {"tokens": [10**9]}), ("/detokenize", {"tokens": ["a"]})]:
+        assert httpx.post(f"{server.url}{path}", json=body).status_code == 400
