@@ -88,14 +88,17 @@ def make_requests(args: argparse.Namespace) -> list[RequestSpec]:
 
 
 def send(pool: urllib3.PoolManager, args: argparse.Namespace, spec: RequestSpec) -> RequestResult:
-    body: dict = {"model": args.model, "max_tokens": spec.max_tokens, "stream": True,
-                  "stream_options": {"include_usage": True}, "temperature": args.temperature}
+    body: dict = {"model": args.model, "stream": True, "temperature": args.temperature}
     if args.ignore_eos:
         body["ignore_eos"] = True
-    if args.endpoint == "chat":
-        url, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": spec.prompt}]
+    if args.endpoint == "responses":  # always reports usage, in its last event
+        url, body["input"], body["max_output_tokens"] = "/v1/responses", spec.prompt, spec.max_tokens
     else:
-        url, body["prompt"] = "/v1/completions", spec.prompt
+        body.update(max_tokens=spec.max_tokens, stream_options={"include_usage": True})
+        if args.endpoint == "chat":
+            url, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": spec.prompt}]
+        else:
+            url, body["prompt"] = "/v1/completions", spec.prompt
     url, payload = args.base_url.rstrip("/") + url, json.dumps(body).encode()
     result = RequestResult(ok=False)
     start = time.perf_counter()
@@ -146,6 +149,23 @@ def _stream(pool: urllib3.PoolManager, url: str, payload: bytes, timeout_s: floa
         response.release_conn()
 
 
+def _read_event(chunk: dict) -> tuple[str | None, tuple[int, int] | None]:
+    """The text of one streamed event (a completions, chat or Responses one), and the (prompt,
+    output) token counts where it reports them."""
+    kind = chunk.get("type")
+    if isinstance(kind, str) and kind.startswith("response."):
+        usage = (chunk.get("response") or {}).get("usage")
+        text = chunk.get("delta") if kind == "response.output_text.delta" else None
+        return text, (usage["input_tokens"], usage["output_tokens"]) if usage else None
+    usage = chunk.get("usage")
+    counts = (usage["prompt_tokens"], usage["completion_tokens"]) if usage else None
+    choices = chunk.get("choices") or []
+    if not choices:
+        return None, counts
+    choice = choices[0]
+    return choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content"), counts
+
+
 def _count(arrivals: list[tuple[float, bytes]], start: float, result: RequestResult) -> None:
     """TTFT, the gaps between chunks with text, and the usage, from the stream's data lines; each
     line is timed by the read that completed it."""
@@ -156,14 +176,9 @@ def _count(arrivals: list[tuple[float, bytes]], start: float, result: RequestRes
             chunk = parse_sse_chunk(line.decode().rstrip("\r"))
             if chunk is None:
                 continue
-            if chunk.get("usage"):
-                result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                result.output_tokens = chunk["usage"]["completion_tokens"]
-            choices = chunk.get("choices") or []
-            if not choices:
-                continue
-            choice = choices[0]
-            text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+            text, usage = _read_event(chunk)
+            if usage is not None:
+                result.prompt_tokens, result.output_tokens = usage
             if not text:
                 continue
             if result.chunks == 0:
@@ -304,7 +319,8 @@ def plot(results: list[RequestResult], summary: dict, path: str) -> None:
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    parser.add_argument("--endpoint", choices=["completions", "chat", "responses"], default="completions",
+                        help="/v1/completions, /v1/chat/completions or /v1/responses (OpenAI's Responses API)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--num-requests", type=int, default=64)
     load = parser.add_mutually_exclusive_group()

@@ -1,5 +1,5 @@
 """`hyperserve bench` against the stub backend, served in this process: what it counts and times,
-for both endpoints, and what it reports when the server fails."""
+for each endpoint, and what it reports when the server fails."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 import uvicorn
 
 from hyperserve.bench.run import add_bench_args, run_from_args
+from hyperserve.common.responses_api import ResponsesAPI
 from tests.gateway.stub_backend import build_stub
 from tests.server.conftest import free_port
 
@@ -24,7 +25,8 @@ TOKEN_DELAY_S = 0.02
 @pytest.fixture
 def stub():
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_stub("stub"), host="127.0.0.1", port=port, log_level="warning"))
+    app = ResponsesAPI(build_stub("stub"))  # /v1/responses over the stub's chat endpoint
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
@@ -44,7 +46,7 @@ def bench(url: str, *flags: str) -> dict:
                                             "--input-tokens", "6", *flags]))
 
 
-@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat", "responses"])
 def test_streams_are_timed_token_by_token(stub, endpoint):
     httpx.post(f"{stub}/control", json={"token_delay_s": TOKEN_DELAY_S})
     summary = bench(stub + "/", "--endpoint", endpoint)  # a trailing slash on the base URL is fine
