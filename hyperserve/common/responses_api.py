@@ -10,6 +10,7 @@ the text, a `function_call` item per tool call, and the Responses stream's event
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import uuid
@@ -373,9 +374,12 @@ class ResponseBuilder:
         return {"item_id": item["id"], "output_index": self.output.index(item)}
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": kind, "sequence_number": self.sequence, **fields}
+        # a snapshot: items and parts change after their event is made
+        event = {"type": kind, "sequence_number": self.sequence,
+                 **{name: copy.deepcopy(value) if isinstance(value, dict | list) else value
+                    for name, value in fields.items()}}
         self.sequence += 1
-        return json.loads(json.dumps(event))  # a snapshot: items change after their event is made
+        return event
 
 
 @dataclass
