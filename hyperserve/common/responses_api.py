@@ -20,12 +20,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hyperserve.common.asgi import read_body, replay, send_json
+from hyperserve.common.asgi import send_json
+from hyperserve.common.chat_translation import call_app, read_json
 from hyperserve.common.errors import APIError, validation_body
-from hyperserve.common.sse import parse_sse_chunk, parse_sse_data
 
 PATH = "/v1/responses"
-CHAT_PATH = "/v1/chat/completions"
 DEFAULT_STORE_BYTES = 64 * 2**20
 # Chat parameters (vLLM's extras included) that a Responses request may carry and that mean the same there.
 PASSTHROUGH = ("seed", "stop", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
@@ -326,6 +325,11 @@ class ResponseBuilder:
         kind = "response.completed" if self.status == "completed" else "response.incomplete"
         return events + [self._event(kind, response=self.response())]
 
+    def translate_error(self, body: dict[str, Any], status: int) -> dict[str, Any]:
+        """An error answer as the Responses API names its parameters."""
+        param = body["error"].get("param")
+        return {"error": {**body["error"], "param": PARAM_NAMES.get(param, param)}}
+
     def fail(self, error: dict[str, Any]) -> list[dict[str, Any]]:
         self.status = "failed"
         code = error.get("code") or error.get("type")
@@ -470,13 +474,7 @@ class ResponsesAPI:
             await send_json(send, error.status, error.body(), error.headers)
 
     async def _create(self, scope, receive, send, owner: str) -> None:
-        raw = await read_body(receive)
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as bad:
-            raise APIError(400, f"the request body is not valid JSON: {bad}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
+        body = await read_json(receive)
         try:
             request = ResponsesRequest.model_validate(body)
         except ValidationError as invalid:
@@ -493,70 +491,8 @@ class ResponsesAPI:
         if not turn:
             raise APIError(400, "input holds no message", param="input")
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
-        chat = json.dumps(request.chat_body(body, system + history + turn)).encode()
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
-        inner = {**scope, "path": CHAT_PATH, "raw_path": CHAT_PATH.encode(),
-                 "headers": headers + [(b"content-length", str(len(chat)).encode())]}
         builder = ResponseBuilder(request.echo())
-        relay = _Relay(send, builder, request.stream)
-        await self.app(inner, replay(chat, receive), relay.send)
+        await call_app(self.app, scope, receive, send, request.chat_body(body, system + history + turn), builder)
         if request.store and builder.status in ("completed", "incomplete"):
             self.store.put(StoredResponse(owner, request.previous_response_id, turn + [builder.assistant], items,
                                           builder.response()))
-
-
-class _Relay:
-    """Wraps the chat endpoint's `send`: its answer (JSON or server-sent events) goes out translated.
-    Errors keep their status and headers (Retry-After), their `param` named as in the Responses request."""
-
-    def __init__(self, send, builder: ResponseBuilder, stream: bool) -> None:
-        self._send, self.builder, self.stream = send, builder, stream
-        self._start: dict[str, Any] | None = None
-        self._streaming = False
-        self._buffer = b""
-
-    async def send(self, message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"content-length"]
-            self._streaming = message["status"] == 200 and any(
-                k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
-            self._start = {**message, "headers": headers}
-            if self._streaming:
-                await self._send(self._start)
-                await self._events(self.builder.start(), more=True)
-            return
-        if message["type"] != "http.response.body":
-            return await self._send(message)
-        self._buffer += message.get("body", b"")
-        more = message.get("more_body", False)
-        if self._streaming:
-            done, _, self._buffer = self._buffer.rpartition(b"\n\n") if more else (self._buffer, b"", b"")
-            events = []
-            for line in done.decode(errors="replace").splitlines():
-                data = parse_sse_data(line)
-                chunk = parse_sse_chunk(line) if data else None
-                if chunk is not None:
-                    events += self.builder.feed(chunk)
-            if not more:
-                events += self.builder.finish()
-            return await self._events(events, more)
-        if more:
-            return
-        answer = self._buffer
-        try:
-            parsed = json.loads(answer)
-        except ValueError:
-            parsed = None
-        if self._start["status"] == 200 and isinstance(parsed, dict) and "choices" in parsed:
-            answer = json.dumps(self.builder.from_completion(parsed)).encode()
-        elif isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
-            param = parsed["error"].get("param")
-            parsed["error"]["param"] = PARAM_NAMES.get(param, param)
-            answer = json.dumps(parsed).encode()
-        self._start["headers"].append((b"content-length", str(len(answer)).encode()))
-        await self._send(self._start)
-        await self._send({"type": "http.response.body", "body": answer})
-
-    async def _events(self, events: list[dict[str, Any]], more: bool) -> None:
-        data = "".join(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n" for event in events)
-        await self._send({"type": "http.response.body", "body": data.encode(), "more_body": more})

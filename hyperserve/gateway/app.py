@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hyperserve.common.affinity import affinity_text
+from hyperserve.common.anthropic_api import AnthropicAPI
 from hyperserve.common.body_limit import BodyLimit
 from hyperserve.common.errors import APIError, install_error_handlers
 from hyperserve.common.request_log import RequestLog
@@ -355,6 +356,7 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
     app.state.gateway = gateway
     add_security(app, governor)
     app.add_middleware(ResponsesAPI, governor=governor)  # /v1/responses over the chat route, keys and all
+    app.add_middleware(AnthropicAPI)  # and /v1/messages
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     install_error_handlers(app)
     app.include_router(routes)

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from hyperserve.common.anthropic_api import AnthropicAPI
 from hyperserve.common.body_limit import BodyLimit
 from hyperserve.common.errors import APIError, install_error_handlers, unavailable, validation_body
 from hyperserve.common.responses_api import ResponsesAPI
@@ -113,6 +114,7 @@ def build_app(
     app = FastAPI(title="HyperServe", lifespan=lifespan)
     add_security(app, governor)
     app.add_middleware(ResponsesAPI, governor=governor, store_bytes=settings.responses_store_bytes)
+    app.add_middleware(AnthropicAPI)  # /v1/messages over the chat route too
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)  # added last: outermost
 
     async def serving(model: str | None) -> OpenAIServing:

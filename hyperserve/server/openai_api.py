@@ -432,7 +432,9 @@ class OpenAIServing:
             if calls:
                 message["tool_calls"] = calls
             key = "message" if final else "delta"
-            return {"index": index, key: message, "logprobs": lp, "finish_reason": finish_reason}
+            # stop_reason as vLLM's: the stop string or token id that ended the answer (None: EOS or length)
+            return {"index": index, key: message, "logprobs": lp, "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason if c.finished else None}
         num_top = job.params.logprobs
         lp = self._completion_logprobs(token_ids, logprobs, num_top, text_offset) if num_top is not None else None
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
