@@ -1,5 +1,6 @@
-"""What each API adds per token: one server streamed through /v1/completions, /v1/chat/completions
-and /v1/responses (OpenAI's Responses API, translated onto chat) in alternating rounds.
+"""What each API adds per token: one server streamed through /v1/completions, /v1/chat/completions,
+/v1/responses (OpenAI's Responses API) and /v1/messages (Anthropic's), the last two translated onto
+chat, in alternating rounds.
 
 Each round runs `hyperserve bench` at concurrency 1 (64-token prompts, 128 greedy tokens,
 ignore_eos) against each endpoint in turn, so a shared VM's drift falls on all alike; the table
@@ -24,7 +25,7 @@ from benchmarks.serving import start_server  # noqa: E402
 from hyperserve.bench.run import add_bench_args, run_from_args  # noqa: E402
 from tests.server.conftest import free_port  # noqa: E402
 
-ENDPOINTS = ("completions", "chat", "responses")
+ENDPOINTS = ("completions", "chat", "responses", "messages")
 MEASURES = ("itl_p50_ms", "itl_p95_ms", "ttft_p50_ms", "output_token_throughput")
 
 

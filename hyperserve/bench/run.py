@@ -93,6 +93,9 @@ def send(pool: urllib3.PoolManager, args: argparse.Namespace, spec: RequestSpec)
         body["ignore_eos"] = True
     if args.endpoint == "responses":  # always reports usage, in its last event
         url, body["input"], body["max_output_tokens"] = "/v1/responses", spec.prompt, spec.max_tokens
+    elif args.endpoint == "messages":  # Anthropic's: usage in message_start and message_delta
+        url, body["max_tokens"] = "/v1/messages", spec.max_tokens
+        body["messages"] = [{"role": "user", "content": spec.prompt}]
     else:
         body.update(max_tokens=spec.max_tokens, stream_options={"include_usage": True})
         if args.endpoint == "chat":
@@ -149,10 +152,14 @@ def _stream(pool: urllib3.PoolManager, url: str, payload: bytes, timeout_s: floa
         response.release_conn()
 
 
-def _read_event(chunk: dict) -> tuple[str | None, tuple[int, int] | None]:
-    """The text of one streamed event (a completions, chat or Responses one), and the (prompt,
-    output) token counts where it reports them."""
+def _read_event(chunk: dict) -> tuple[str | None, tuple[int | None, int | None] | None]:
+    """The text of one streamed event (a completions, chat, Responses or Anthropic one), and the
+    (prompt, output) token counts where it reports them."""
     kind = chunk.get("type")
+    if kind in ("message_start", "message_delta", "content_block_delta"):  # Anthropic's Messages API
+        usage = (chunk.get("message") or {}).get("usage") if kind == "message_start" else chunk.get("usage")
+        text = (chunk.get("delta") or {}).get("text") if kind == "content_block_delta" else None
+        return text, (usage.get("input_tokens"), usage.get("output_tokens")) if usage else None
     if isinstance(kind, str) and kind.startswith("response."):
         usage = (chunk.get("response") or {}).get("usage")
         text = chunk.get("delta") if kind == "response.output_text.delta" else None
@@ -177,8 +184,9 @@ def _count(arrivals: list[tuple[float, bytes]], start: float, result: RequestRes
             if chunk is None:
                 continue
             text, usage = _read_event(chunk)
-            if usage is not None:
-                result.prompt_tokens, result.output_tokens = usage
+            if usage is not None:  # a count left out (None) keeps the one an earlier event gave
+                result.prompt_tokens = usage[0] if usage[0] is not None else result.prompt_tokens
+                result.output_tokens = usage[1] if usage[1] is not None else result.output_tokens
             if not text:
                 continue
             if result.chunks == 0:
@@ -319,8 +327,9 @@ def plot(results: list[RequestResult], summary: dict, path: str) -> None:
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--endpoint", choices=["completions", "chat", "responses"], default="completions",
-                        help="/v1/completions, /v1/chat/completions or /v1/responses (OpenAI's Responses API)")
+    parser.add_argument("--endpoint", choices=["completions", "chat", "responses", "messages"],
+                        default="completions", help="/v1/completions, /v1/chat/completions, /v1/responses "
+                                                    "(OpenAI's Responses API) or /v1/messages (Anthropic's)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--num-requests", type=int, default=64)
     load = parser.add_mutually_exclusive_group()

@@ -15,6 +15,7 @@ import pytest
 import uvicorn
 
 from hyperserve.bench.run import add_bench_args, run_from_args
+from hyperserve.common.anthropic_api import AnthropicAPI
 from hyperserve.common.responses_api import ResponsesAPI
 from tests.gateway.stub_backend import build_stub
 from tests.server.conftest import free_port
@@ -25,7 +26,7 @@ TOKEN_DELAY_S = 0.02
 @pytest.fixture
 def stub():
     port = free_port()
-    app = ResponsesAPI(build_stub("stub"))  # /v1/responses over the stub's chat endpoint
+    app = AnthropicAPI(ResponsesAPI(build_stub("stub")))  # /v1/responses and /v1/messages over its chat endpoint
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -46,7 +47,7 @@ def bench(url: str, *flags: str) -> dict:
                                             "--input-tokens", "6", *flags]))
 
 
-@pytest.mark.parametrize("endpoint", ["completions", "chat", "responses"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat", "responses", "messages"])
 def test_streams_are_timed_token_by_token(stub, endpoint):
     httpx.post(f"{stub}/control", json={"token_delay_s": TOKEN_DELAY_S})
     summary = bench(stub + "/", "--endpoint", endpoint)  # a trailing slash on the base URL is fine
