@@ -3,9 +3,12 @@
 First measures capacity (completed requests per second with `--capacity-concurrency` clients
 streaming back to back), then sends Poisson arrivals at `--overload` times that rate for
 `--duration-s`. Of the clients, 20% cancel mid-stream (they close the connection after a few
-chunks) and 5% send a hostile request drawn from tests/reliability's table. Reports requests
+chunks) and 5% send a hostile request drawn from tests/reliability's table. Half the others speak
+chat completions, a quarter each the Responses and the Messages API. Reports requests
 served, 429/503s, 5xx (must be 0), crashes (must be 0), KV-cache usage once idle (must be 0),
-RSS at start and end (growth under 5%), and TTFT p50/p99 over time (a PNG).
+RSS at start and end, and TTFT p50/p99 over time (a PNG). The KV pool's memory is first written as
+the prefix cache fills it (engine/block_pool.py), so RSS grows toward the weights plus the whole
+pool (printed beside it); growth past that would be a leak.
 
     python benchmarks/soak.py [--duration-s 600] [--server-args "--max-num-seqs 16"]
 """
@@ -65,11 +68,17 @@ async def one_request(client: httpx.AsyncClient, kind: str, rng: random.Random) 
         except httpx.HTTPError:
             pass
         return outcome
-    body = {"messages": [{"role": "user", "content": rng.choice(PROMPTS)}], "max_tokens": rng.randint(16, 64),
-            "temperature": 0.7, "stream": True}
+    api = rng.choice(("chat", "chat", "responses", "messages"))  # half chat, the translated APIs the rest
+    path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
+                                          "max_tokens": rng.randint(16, 64), "temperature": 0.7, "stream": True}
+    if api == "responses":
+        path, body = "/v1/responses", {"input": body["messages"][0]["content"], "max_output_tokens": body["max_tokens"],
+                                       "temperature": 0.7, "stream": True}
+    elif api == "messages":
+        path = "/v1/messages"
     cancel_after = rng.randint(1, 8) if kind == "cancel" else None
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        async with client.stream("POST", path, json=body) as response:
             outcome.status = response.status_code
             if response.status_code != 200:
                 await response.aread()
@@ -78,12 +87,15 @@ async def one_request(client: httpx.AsyncClient, kind: str, rng: random.Random) 
             async for line in response.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
-                if line.startswith('data: {"error"'):  # the server ended the stream with an error event
-                    error = json.loads(line[6:])["error"]
-                    outcome.status = 503 if error.get("type") == "service_unavailable" else 500
+                event = json.loads(line[6:])
+                if "error" in event or event.get("type") == "error":  # the stream ended with an error event
+                    detail = event["error"] if isinstance(event.get("error"), dict) else event
+                    failure = detail.get("code") if api == "responses" else detail.get("type")
+                    outcome.status = 503 if failure in ("service_unavailable", "overloaded_error") else 500
                     return outcome
-                chunks += 1
-                if chunks == 2 and outcome.ttft is None:  # the first chunk only carries the role
+                if api == "chat" or event.get("type") in ("response.output_text.delta", "content_block_delta"):
+                    chunks += 1
+                if outcome.ttft is None and chunks == (2 if api == "chat" else 1):  # chat's first: the role
                     outcome.ttft = time.perf_counter() - outcome.started
                 if cancel_after is not None and chunks >= cancel_after:
                     return outcome  # leaving the block closes the connection mid-stream
@@ -206,6 +218,8 @@ def main() -> None:
             time.sleep(0.5)
         alive = process.poll() is None
         rss_end = rss_bytes(process.pid) if alive else 0
+        # the bound on growth: the KV pool's pages are first written as the prefix cache fills them
+        model_bytes = httpx.get(f"{url}/v1/models").json()["data"][0]["memory_bytes"] if alive else 0
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -228,6 +242,7 @@ def main() -> None:
                                                f"{gauges.get('hyperserve:num_requests_waiting', -1):.0f}"),
         ("RSS after warm-up, MiB", f"{rss_start / 2**20:.0f}"),
         ("RSS at the end, MiB", f"{rss_end / 2**20:.0f} ({(rss_end / rss_start - 1) * 100:+.1f}%)"),
+        ("weights + whole KV pool, MiB (RSS grows toward it as the prefix cache fills)", f"{model_bytes / 2**20:.0f}"),
     ]
     half = args.duration_s / 2
     for label, part in (("first half", [o for o in outcomes if o.started < half]),
