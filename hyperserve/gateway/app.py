@@ -178,12 +178,15 @@ class Gateway:
             return Response(await upstream.read(), status_code=upstream.status,
                             media_type=upstream.headers.get("content-type"))
 
-    async def embed(self, request: Request) -> Response:
-        """Embeddings: from a backend by the route `model` names (balanced, with retries and
-        fallback as completions are; never cached, and a cascade route cannot embed)."""
+    def _check_ready(self) -> None:
         if not self.ready:
             raise APIError(503, f"the gateway is {self.start_error or 'starting'}", type_="service_unavailable",
                            headers={"Retry-After": "5"})
+
+    async def embed(self, request: Request) -> Response:
+        """Embeddings: from a backend by the route `model` names (balanced, with retries and
+        fallback as completions are; never cached, and a cascade route cannot embed)."""
+        self._check_ready()
         body = await _json_body(request, "embedding")
         name = body.get("model") or _default_route(self.router)
         if self.router.route(name).config.cascade is not None:
@@ -199,9 +202,7 @@ class Gateway:
     async def handle(self, request: Request, chat: bool) -> Response:
         """A completion: from the response cache where it may be, else from a backend by its route."""
         started = time.perf_counter()
-        if not self.ready:
-            raise APIError(503, f"the gateway is {self.start_error or 'starting'}", type_="service_unavailable",
-                           headers={"Retry-After": "5"})
+        self._check_ready()
         body = await _json_body(request, "chat" if chat else "completion")
         name = body.get("model") or _default_route(self.router)
         route = self.router.route(name)

@@ -214,18 +214,15 @@ def build_app(
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
-        served = state.embeddings
-        if served is None:
-            raise (unavailable("the embedding model is loading") if embedding_model is not None else
-                   APIError(404, "this server serves no embedding model: start it with --embedding-model "
-                                 "all-MiniLM-L6-v2", param="model", code="model_not_found"))
-        if body.model is not None and body.model != served.name:
-            generative = body.model in pool.models
-            raise APIError(400 if generative else 404,
-                           f"{body.model!r} is a generative model; embeddings come from {served.name!r}" if generative
-                           else f"the model {body.model!r} does not exist; embeddings come from {served.name!r}",
-                           param="model", code=None if generative else "model_not_found")
-        return await served.embed(body)
+        if state.embeddings is None:
+            if embedding_model is not None:
+                raise unavailable("the embedding model is loading")
+            raise APIError(404, "this server serves no embedding model: start it with --embedding-model "
+                                "all-MiniLM-L6-v2", param="model", code="model_not_found")
+        if body.model in pool.models:
+            raise APIError(400, f"{body.model!r} is a generative model; embeddings come from "
+                                f"{state.embeddings.name!r}", param="model")
+        return await state.embeddings.embed(body)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

@@ -66,6 +66,9 @@ class EmbeddingServing:
                 "dimensions": self.embedder.dim}
 
     async def embed(self, request: EmbeddingRequest) -> dict[str, Any]:
+        if request.model not in (None, self.name):
+            raise APIError(404, f"the model {request.model!r} does not exist; embeddings come from {self.name!r}",
+                           param="model", code="model_not_found")
         if request.dimensions is not None and request.dimensions != self.embedder.dim:
             raise APIError(400, f"{self.name} makes {self.embedder.dim}-dimensional embeddings; dimensions must be "
                                 f"{self.embedder.dim} or unset", param="dimensions")
