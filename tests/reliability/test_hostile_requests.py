@@ -102,6 +102,29 @@ CASES = {
     "deep nesting": ("/v1/completions", '{"prompt": ' + "[" * 50000 + "]" * 50000 + "}"),
     "invalid UTF-8": ("/v1/completions", b'{"prompt": "\xff\xfe\xfd"}'),
     "body over the limit": ("/v1/completions", json.dumps({"prompt": "x" * 300000})),
+    # OpenAI's Responses API and Anthropic's Messages API, translated onto chat
+    "responses without input": ("/v1/responses", {"max_output_tokens": 2}),
+    "responses input a number": ("/v1/responses", {"input": 5}),
+    "responses call without a name": ("/v1/responses", {"input": [
+        {"type": "function_call", "call_id": "c", "arguments": "{}"}]}),
+    "responses unknown item": ("/v1/responses", {"input": [{"type": "computer_call", "id": "x"}]}),
+    "responses image input": ("/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "http://x/y.png"}]}]}),
+    "responses built-in tool": ("/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]}),
+    "responses max_output_tokens huge": ("/v1/responses", {"input": "hi", "max_output_tokens": HUGE}),
+    "responses unknown previous id": ("/v1/responses", {"input": "hi", "previous_response_id": "resp_nope"}),
+    "responses in the background": ("/v1/responses", {"input": "hi", "background": True}),
+    "responses deep nesting": ("/v1/responses", '{"input": ' + "[" * 50000 + "]" * 50000 + "}"),
+    "messages without max_tokens": ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}]}),
+    "messages with a system role": ("/v1/messages", {"max_tokens": 2,
+                                                     "messages": [{"role": "system", "content": "x"}]}),
+    "messages image block": ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]}),
+    "messages temperature 1.5": ("/v1/messages", {"max_tokens": 2, "temperature": 1.5,
+                                                  "messages": [{"role": "user", "content": "hi"}]}),
+    "messages thinking": ("/v1/messages", {"max_tokens": 2, "thinking": {"type": "enabled", "budget_tokens": 9},
+                                           "messages": [{"role": "user", "content": "hi"}]}),
+    "messages not JSON": ("/v1/messages", "{nope"),
     # prefix pins
     "pin ttl over the maximum": ("/v1/cache", {"prompt": "Hello there", "ttl": 10**9}),
     "pin ttl negative": ("/v1/cache", {"prompt": "Hello there", "ttl": -1}),
