@@ -30,6 +30,7 @@ DEFAULT_STORE_BYTES = 64 * 2**20
 PASSTHROUGH = ("seed", "stop", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                "logit_bias", "priority", "ignore_eos", "stop_token_ids")
 # A chat error's `param`, as the Responses request names it.
+LOGPROBS = "message.output_text.logprobs"  # the one `include` served: each output token's logprobs
 PARAM_NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                "messages": "input", "response_format": "text.format"}
 
@@ -93,7 +94,7 @@ class ResponsesRequest(BaseModel):
     truncation: Literal["auto", "disabled"] | None = None
     conversation: Any = None
     prompt: Any = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_tool_calls: int | None = None
 
     def refused(self) -> str | None:
@@ -102,11 +103,11 @@ class ResponsesRequest(BaseModel):
             return "background responses are not served: send the request and wait, or stream it"
         if any(value is not None for value in (self.reasoning or {}).values()):
             return "reasoning settings are not served: the models here do not reason separately"
-        if self.include:
-            return f"include is not served (asked for {', '.join(self.include)})"
+        if unserved := [name for name in self.include or [] if name != LOGPROBS]:
+            return f"include is not served but for {LOGPROBS} (asked for {', '.join(unserved)})"
         if self.truncation == "auto":
             return "truncation 'auto' is not served: an input longer than the context is a 400"
-        for name in ("conversation", "prompt", "top_logprobs", "max_tool_calls"):
+        for name in ("conversation", "prompt", "max_tool_calls"):
             if getattr(self, name) is not None:
                 return f"{name} is not served"
         return None
@@ -125,7 +126,7 @@ class ResponsesRequest(BaseModel):
             "text": {"format": text.format.model_dump(by_alias=True, exclude_none=True)},
             "previous_response_id": self.previous_response_id, "store": self.store, "metadata": self.metadata or {},
             "user": self.user, "truncation": "disabled", "reasoning": {"effort": None, "summary": None},
-            "background": False,
+            "background": False, "top_logprobs": self.top_logprobs,
         }
 
     def chat_body(self, raw: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
@@ -134,6 +135,8 @@ class ResponsesRequest(BaseModel):
                                 "parallel_tool_calls": self.parallel_tool_calls}
         if self.stream:
             body["stream_options"] = {"include_usage": True}
+        if LOGPROBS in (self.include or []) or self.top_logprobs is not None:
+            body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         for name, value in (("model", self.model), ("max_tokens", self.max_output_tokens),
                             ("temperature", self.temperature), ("top_p", self.top_p), ("user", self.user)):
             if value is not None:
@@ -262,6 +265,7 @@ class ResponseBuilder:
         if content or not calls:
             self._open_message()
             self._message["content"][0]["text"] = content or ""
+            self._message["content"][0]["logprobs"] = list((choice.get("logprobs") or {}).get("content") or [])
         for index, call in enumerate(calls):
             self._open_call(index, call)
             self._calls[index]["arguments"] = (call.get("function") or {}).get("arguments") or ""
@@ -284,13 +288,15 @@ class ResponseBuilder:
         events = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
-            if delta.get("content"):
+            logprobs = list((choice.get("logprobs") or {}).get("content") or [])
+            if delta.get("content") or logprobs:
                 if self._message is None:
                     events += self._open_message()
                 part = self._message["content"][0]
-                part["text"] += delta["content"]
+                part["text"] += delta.get("content") or ""
+                part["logprobs"] += logprobs
                 events.append(self._event("response.output_text.delta", **self._where(self._message),
-                                          content_index=0, delta=delta["content"], logprobs=[]))
+                                          content_index=0, delta=delta.get("content") or "", logprobs=logprobs))
             for call in delta.get("tool_calls") or []:
                 index = call.get("index", len(self._calls))
                 if index not in self._calls:
@@ -313,7 +319,7 @@ class ResponseBuilder:
             if item["type"] == "message":
                 part = item["content"][0]
                 events.append(self._event("response.output_text.done", **self._where(item), content_index=0,
-                                          text=part["text"], logprobs=[]))
+                                          text=part["text"], logprobs=part["logprobs"]))
                 events.append(self._event("response.content_part.done", **self._where(item), content_index=0,
                                           part=part))
             else:
@@ -343,7 +349,7 @@ class ResponseBuilder:
                          "content": []}
         self.output.append(self._message)
         added = self._event("response.output_item.added", output_index=len(self.output) - 1, item=self._message)
-        part = {"type": "output_text", "text": "", "annotations": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         self._message["content"].append(part)
         return [added, self._event("response.content_part.added", **self._where(self._message), content_index=0,
                                    part=part)]

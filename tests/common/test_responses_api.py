@@ -52,6 +52,15 @@ def test_a_request_becomes_the_chat_request_with_the_same_meaning():
     }
 
 
+@pytest.mark.parametrize("extra, asked", [
+    ({}, None), ({"include": ["message.output_text.logprobs"]}, 0), ({"top_logprobs": 5}, 5),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 3}, 3)])
+def test_logprobs_are_asked_of_chat_when_included(extra, asked):
+    raw = {"input": "hi", **extra}
+    body = ResponsesRequest.model_validate(raw).chat_body(raw, [])
+    assert (body.get("logprobs"), body.get("top_logprobs")) == ((None, None) if asked is None else (True, asked))
+
+
 @pytest.mark.parametrize("text, response_format", [
     ({"format": {"type": "text"}}, None),
     ({"format": {"type": "json_object"}}, {"type": "json_object"}),
@@ -68,10 +77,10 @@ def test_text_format_becomes_response_format(text, response_format):
 @pytest.mark.parametrize("extra, refusal", [
     ({"background": True}, "background"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "file_search_call.results"),
     ({"truncation": "auto"}, "truncation"),
     ({"conversation": "conv_1"}, "conversation"),
-    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"max_tool_calls": 3}, "max_tool_calls"),
 ])
 def test_what_cannot_be_honoured_is_refused_by_name(extra, refusal):
     assert refusal in ResponsesRequest.model_validate({"input": "hi", **extra}).refused()
@@ -104,10 +113,18 @@ def test_unservable_input_items_are_named(item, names):
         chat_messages([item])
 
 
+def token_logprobs(piece: str) -> dict:
+    return {"token": piece, "logprob": -len(piece) / 10, "bytes": list(piece.encode()),
+            "top_logprobs": [{"token": piece, "logprob": -len(piece) / 10, "bytes": list(piece.encode())}]}
+
+
 def stream_of(text_pieces: list[str], calls: list[dict], finish_reason: str) -> list[dict]:
-    """Chat chunks as the server streams them: role, text, calls (arguments in two pieces), finish, usage."""
+    """Chat chunks as the server streams them: role, text (one token a piece, with its logprobs),
+    calls (arguments in two pieces), finish, usage."""
     chunks = [{"model": "m", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
-    chunks += [{"model": "m", "choices": [{"index": 0, "delta": {"content": piece}}]} for piece in text_pieces]
+    chunks += [{"model": "m", "choices": [{"index": 0, "delta": {"content": piece},
+                                           "logprobs": {"content": [token_logprobs(piece)]}}]}
+               for piece in text_pieces]
     for i, call in enumerate(calls):
         arguments = call["function"]["arguments"]
         first = {**call, "index": i, "function": {"name": call["function"]["name"], "arguments": arguments[:3]}}
@@ -146,8 +163,10 @@ def test_a_streamed_answer_builds_the_same_response_as_the_whole_answer(pieces, 
         events += streamed.feed(chunk)
     events += streamed.finish()
     message = {"role": "assistant", "content": "".join(pieces) or None, **({"tool_calls": calls} if calls else {})}
+    logprobs = {"content": [token_logprobs(piece) for piece in pieces]}
     whole = ResponseBuilder(echo).from_completion({
-        "model": "m", "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+        "model": "m", "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
+                                   "logprobs": logprobs}],
         "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13,
                   "prompt_tokens_details": {"cached_tokens": 2}}})
     final = events[-1]["response"]
@@ -160,6 +179,8 @@ def test_a_streamed_answer_builds_the_same_response_as_the_whole_answer(pieces, 
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] == ("response.incomplete" if finish_reason == "length" else "response.completed")
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "".join(pieces)
+    assert [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]] == \
+        logprobs["content"]
     assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.done"] == [
         item["type"] for item in final["output"]]
     if calls:

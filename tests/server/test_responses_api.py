@@ -120,3 +120,20 @@ def test_a_client_that_leaves_a_stream_aborts_its_request(server):
         while "response.output_text.delta" not in next(lines):
             pass
     server.wait_idle(timeout=3)  # 4,000 tokens would take half a minute: only an abort frees the engine this soon
+
+
+def test_logprobs_are_chat_s_whole_and_streamed(client):
+    kwargs = dict(model="smollm2-135m", input="Name a colour.", temperature=0, max_output_tokens=6, top_logprobs=2,
+                  include=["message.output_text.logprobs"])
+    whole = client.responses.create(**kwargs)
+    reference = client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=6, logprobs=True,
+                                               top_logprobs=2, messages=[{"role": "user", "content": "Name a colour."}])
+
+    def summary(tokens) -> list[tuple]:
+        return [(t.token, t.logprob, [top.token for top in t.top_logprobs]) for t in tokens]
+
+    expected = summary(reference.choices[0].logprobs.content)
+    assert summary(whole.output[0].content[0].logprobs) == expected
+    events = list(client.responses.create(stream=True, **kwargs))
+    streamed = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert [(t.token, t.logprob) for t in streamed] == [(token, logprob) for token, logprob, _ in expected]
