@@ -51,8 +51,7 @@ class Job:
     priority: int
     include_usage: bool
     chat_logprobs: bool = False
-    tool_names: set[str] | None = None  # chat with tools: answers are parsed for calls to these
-    calls_only: bool = False  # the tool choice allows nothing but calls (see tools.parse_tool_calls)
+    tool_calls: tools.CallParser | None = None  # chat with tools: how its answers are parsed for calls
     lora: LoRARequest | None = None  # the adapter `model` named
     finals: list[RequestOutput | None] = field(default_factory=list)
     streams: list[RequestStream] = field(default_factory=list)
@@ -123,8 +122,8 @@ class OpenAIServing:
         return Job("chat", new_id("chatcmpl"), request.model or self.model_name, prompts, params, request.priority,
                    bool(request.stream_options and request.stream_options.include_usage),
                    chat_logprobs=request.logprobs,
-                   tool_names={tool.function.name for tool in offered} if offered else None,
-                   calls_only=request.calls_only, lora=lora)
+                   tool_calls=tools.CallParser(frozenset(tool.function.name for tool in offered), request.calls_only)
+                   if offered else None, lora=lora)
 
     async def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
         """The ids the request would run (longer than the context is fine: this only counts)."""
@@ -382,8 +381,8 @@ class OpenAIServing:
                 new_logprobs = (c.logprobs or [])[token_from:]
                 text, calls, called = c.text[text_from:], [], False
                 sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
-                if job.tool_names is not None:
-                    stream = tool_streams.setdefault(index, tools.ToolCallStream(job.tool_names, job.calls_only))
+                if job.tool_calls is not None:
+                    stream = tool_streams.setdefault(index, job.tool_calls.stream())
                     text, calls = stream.feed(text, final=c.finished)
                     called = bool(stream.calls)
                     if not (text or calls or c.finished or job.chat_logprobs):
@@ -423,8 +422,8 @@ class OpenAIServing:
         if job.kind == "chat":
             lp = self._chat_logprobs(token_ids, logprobs, job.params.logprobs) if job.chat_logprobs else None
             content: str | None = text
-            if final and job.tool_names is not None:
-                content, calls = tools.parse_tool_calls(text, job.tool_names, job.calls_only)
+            if final and job.tool_calls is not None:
+                content, calls = job.tool_calls.parse(text)
                 called = bool(calls)
             if called and finish_reason == "stop":
                 finish_reason = "tool_calls"

@@ -106,6 +106,21 @@ def _call_schema(tools: list[Tool]) -> dict[str, Any]:
     return {**schema, "x-guidance": JSON_LAYOUT}
 
 
+@dataclass(frozen=True)
+class CallParser:
+    """How a chat answer's tool calls are read: the functions offered, and whether the tool choice
+    allowed nothing but calls ("required" or a named function)."""
+
+    tool_names: frozenset[str]
+    calls_only: bool = False
+
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        return parse_tool_calls(text, set(self.tool_names), self.calls_only)
+
+    def stream(self) -> ToolCallStream:
+        return ToolCallStream(set(self.tool_names), self.calls_only)
+
+
 def parse_tool_calls(text: str, tool_names: set[str], calls_only: bool = False
                      ) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool calls) of an answer: the calls are the well-formed blocks naming known tools,
