@@ -316,8 +316,7 @@ class AnthropicAPI:
             except ValueError as error:
                 raise APIError(400, str(error)) from None
             if path == COUNT_PATH:
-                tokenize = {"messages": chat["messages"], **({"tools": chat["tools"]} if "tools" in chat else {}),
-                            **({"model": chat["model"]} if "model" in chat else {})}
+                tokenize = {name: chat[name] for name in ("messages", "tools", "model") if name in chat}
                 return await call_app(self.app, scope, receive, send, tokenize, TokenCount(), path="/tokenize")
             await call_app(self.app, scope, receive, send, chat, MessageBuilder(request.stop_sequences or []))
         except APIError as error:

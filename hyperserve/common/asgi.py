@@ -34,6 +34,16 @@ def replay(body: bytes, receive):
     return replayed
 
 
+def is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a response's headers announce server-sent events."""
+    return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+
+
+def without_content_length(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """A response's headers for a body that will be rewritten (its length set again, or streamed)."""
+    return [(k, v) for k, v in headers if k.lower() != b"content-length"]
+
+
 async def send_json(send, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
     data = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,

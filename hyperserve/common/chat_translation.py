@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
-from hyperserve.common.asgi import read_body, replay
+from hyperserve.common.asgi import is_event_stream, read_body, replay, without_content_length
 from hyperserve.common.errors import APIError
 from hyperserve.common.sse import parse_sse_chunk
 
@@ -49,7 +49,7 @@ async def call_app(app, scope, receive, send, body: dict[str, Any], translator: 
     """POST `body` to the app's `path` (its chat endpoint) for this request; the answer goes to `send`
     translated. The client's own messages (its disconnect) still reach the app."""
     data = json.dumps(body).encode()
-    headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+    headers = without_content_length(scope["headers"])
     inner = {**scope, "method": "POST", "path": path, "raw_path": path.encode(),
              "headers": headers + [(b"content-length", str(len(data)).encode())]}
     await app(inner, replay(data, receive), ChatRelay(send, translator).send)
@@ -71,9 +71,8 @@ class ChatRelay:
 
     async def send(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
-            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"content-length"]
-            self._streaming = message["status"] == 200 and any(
-                k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+            headers = without_content_length(message.get("headers", []))
+            self._streaming = message["status"] == 200 and is_event_stream(headers)
             self._start = {**message, "headers": headers}
             if self._streaming:
                 await self._send(self._start)

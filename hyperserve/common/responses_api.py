@@ -427,7 +427,8 @@ class ResponseStore:
         return entry
 
     def delete(self, owner: str, response_id: str) -> None:
-        self.bytes -= self._entries.pop(self.get(owner, response_id).response["id"]).size
+        self.bytes -= self.get(owner, response_id).size
+        del self._entries[response_id]
 
     def conversation(self, owner: str, response_id: str) -> list[dict[str, Any]]:
         """The chat messages of the chain ending at `response_id`, oldest first."""

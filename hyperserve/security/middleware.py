@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hyperserve.common.asgi import read_body, replay, send_json
+from hyperserve.common.asgi import is_event_stream, read_body, replay, send_json, without_content_length
 from hyperserve.common.errors import APIError
 from hyperserve.common.messages import message_text
 from hyperserve.common.request_log import RequestLog
@@ -295,9 +295,8 @@ class _ResponseRelay:
         if message["type"] == "http.response.start":
             self.status = message["status"]
             extra = [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]
-            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"content-length"] + extra
-            self._is_sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-                               for k, v in message.get("headers", []))
+            headers = without_content_length(message.get("headers", [])) + extra
+            self._is_sse = is_event_stream(message.get("headers", []))
             self._start = {**message, "headers": headers}
             if self._is_sse:
                 await self._send(self._start)

@@ -127,10 +127,7 @@ class OpenAIServing:
 
     async def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
         """The ids the request would run (longer than the context is fine: this only counts)."""
-        self._check_model(request.model)
-        tokenizer = self.engine.engine.tokenizer
-        if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer", param="model")
+        tokenizer = self._tokenizer(request.model)
         if request.messages is not None:
             ids = await asyncio.to_thread(self._chat_ids, request.messages, request.add_generation_prompt,
                                           request.tools)
@@ -140,13 +137,16 @@ class OpenAIServing:
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
     async def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
-        self._check_model(request.model)
-        tokenizer, vocab = self.engine.engine.tokenizer, self.engine.engine.hf_config.vocab_size
-        if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer", param="model")
+        tokenizer, vocab = self._tokenizer(request.model), self.engine.engine.hf_config.vocab_size
         if not all(0 <= token < vocab for token in request.tokens):
             raise APIError(400, f"tokens must be integers in [0, {vocab})", param="tokens")
         return {"prompt": await asyncio.to_thread(tokenizer.decode, request.tokens)}
+
+    def _tokenizer(self, model: str | None):
+        self._check_model(model)
+        if self.engine.engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="model")
+        return self.engine.engine.tokenizer
 
     async def pin(self, request: CacheRequest) -> dict[str, Any]:
         """Compute and pin a prefix's KV; the answer says how many tokens later requests skip.

@@ -279,7 +279,17 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.calls_tools and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
 
 
-class TokenizeRequest(BaseModel):
+class _PromptOrMessages(BaseModel):
+    """A request that takes exactly one of `prompt` and `messages` (the subclass declares both)."""
+
+    @model_validator(mode="after")
+    def _one_of_prompt_and_messages(self) -> _PromptOrMessages:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class TokenizeRequest(_PromptOrMessages):
     """POST /tokenize, as vLLM's: the token ids a completion (`prompt`) or a chat request
     (`messages`, with its `tools`) would run, counted without running anything."""
 
@@ -292,12 +302,6 @@ class TokenizeRequest(BaseModel):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     return_token_strs: bool = False
 
-    @model_validator(mode="after")
-    def _check(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
-        return self
-
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -306,7 +310,7 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(max_length=1 << 20)
 
 
-class CacheRequest(BaseModel):
+class CacheRequest(_PromptOrMessages):
     """POST /v1/cache: pin the KV of a prompt (or of messages rendered without a generation
     prompt, e.g. a system message) for `ttl` seconds."""
 
@@ -316,12 +320,6 @@ class CacheRequest(BaseModel):
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     ttl: float = Field(default=300, gt=0)  # at most the server's --max-pin-ttl-s
-
-    @model_validator(mode="after")
-    def _check(self) -> CacheRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
-        return self
 
 
 class KVPrefillRequest(BaseModel):
