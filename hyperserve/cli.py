@@ -199,7 +199,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                               max_pin_ttl_s=args.max_pin_ttl_s, role=args.role, prefill_url=args.prefill_url,
                               prefill_api_key=args.prefill_api_key, disagg_min_tokens=args.disagg_min_tokens,
                               prefill_timeout_s=args.prefill_timeout_s,
-                              responses_store_bytes=int(args.responses_store_mb * 2**20))
+                              responses_store_bytes=int(args.responses_store_mb * 2**20),
+                              reasoning_parser=args.reasoning_parser)
     failed: list[str] = []
 
     def stop(reason: str) -> None:
@@ -316,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-pin-ttl-s", type=float, default=3600.0, help="the longest ttl of a /v1/cache pin")
     serve.add_argument("--responses-store-mb", type=float, default=64.0,
                        help="memory for stored /v1/responses answers (previous_response_id); 0 stores none")
+    serve.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
+                       help="put a reasoning model's <think>...</think> in chat answers' reasoning_content")
     serve.add_argument("--shutdown-grace-s", type=float, default=30.0,
                        help="on SIGTERM, how long running requests may take to finish")
     disagg = serve.add_argument_group("disaggregated prefill (long prompts computed by another server)")

@@ -126,7 +126,15 @@ def hf_model_from_gguf(source):
 
 def tiny_config(arch: str, **overrides):
     """A small random-weight config of one of the supported architectures."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -138,7 +146,14 @@ def tiny_config(arch: str, **overrides):
         common.update(head_dim=16, query_pre_attn_scalar=16, tie_word_embeddings=True, sliding_window=8,
                       layer_types=["sliding_attention", "full_attention"])
         common.update(overrides)
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "gemma3": Gemma3TextConfig}
+    if arch == "qwen3":
+        common.update(head_dim=16)
+    if arch in ("mixtral", "qwen3_moe"):  # 4 experts, 2 a token; a Qwen3-MoE layer may stay dense
+        common.update(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      norm_topk_prob=True, head_dim=16)
+    common.update(overrides)
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "gemma3": Gemma3TextConfig,
+               "qwen3": Qwen3Config, "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig}
     return classes[arch](**common)
 
 
@@ -169,6 +184,8 @@ def save_hf_model(tmp_path):
             for name, p in model.named_parameters():
                 if "norm" not in name:
                     p.normal_(0, 0.15 if "bias" not in name else 0.1)
+                elif "q_norm" in name or "k_norm" in name:  # not all ones, so that a norm's weight counts
+                    p.uniform_(0.5, 1.5)
         model.save_pretrained(tmp_path)
         return model, str(tmp_path)
 

@@ -231,16 +231,17 @@ class LLMEngine:
             self.scheduler.add_request(request)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a conversation (and the tools offered, for templates that render them)
-        through the model's own chat template; ValueError if the model has none or the
-        conversation does not fit it (roles out of order, say)."""
+        through the model's own chat template, given the template's own variables too (Qwen3's
+        enable_thinking, say); ValueError if the model has none or the conversation does not fit
+        it (roles out of order, say)."""
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         try:
             ids = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-            )
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
+                **(template_kwargs or {}))
         except Exception as error:  # jinja raises its own types for template errors
             raise ValueError(f"cannot apply the chat template: {error}") from error
         return list(ids)
@@ -513,9 +514,9 @@ class LLMEngine:
 def _check_tensor_parallel(config: EngineConfig, hf_config) -> None:
     """What tensor parallelism cannot split or does not run with yet, refused before any process starts."""
     size = config.parallel.tensor_parallel_size
-    if loader.model_class(hf_config) is not LlamaForCausalLM:
-        raise ValueError("tensor parallelism runs the Llama family (Llama, Mistral, Qwen2, SmolLM2) so far, "
-                         f"not {hf_config.model_type}")
+    if loader.model_class(hf_config) is not LlamaForCausalLM or hf_config.model_type in ("mixtral", "qwen3_moe"):
+        raise ValueError("tensor parallelism runs the dense Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2) "
+                         f"so far, not {hf_config.model_type}")
     TensorParallel(0, size).head_slice(hf_config.num_attention_heads, hf_config.num_key_value_heads)  # K/V heads
     refused = {"enable_lora": config.lora.enable_lora,
                "speculative_method=self": config.speculative.speculative_method == "self",

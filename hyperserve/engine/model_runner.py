@@ -117,12 +117,15 @@ class ModelRunner:
         self._compiled_decode = None
         self.decode_graphs = None
         self.fused_decode = self._fused_decode(config)
-        if config.model.compile and self.fused_decode is None:
+        if config.model.compile and model.has_experts:
+            logger.info("compile skipped: a mixture of experts picks each step's experts on the host")
+        elif config.model.compile and self.fused_decode is None:
             self._compiled_decode = torch.compile(self._decode_logits, dynamic=False)
             if model.tp.rank == 0:  # the other ranks compile as rank 0's warm-up passes reach them
                 self._compile_decode_graphs()
+        # the graphs take one kind of attention metadata, and no host work within the step
         if (self.device.type == "cuda" and not config.model.enforce_eager and model.attention_backend.ragged_decode
-                and not model.interleaves_full_attention):  # the graphs take one kind of attention metadata
+                and not model.interleaves_full_attention and not model.has_experts):
             max_len = config.model.max_model_len or model.config.max_position_embeddings
             self.decode_graphs = DecodeGraphs(self._decode_logits, config.scheduler.max_num_seqs,
                                               -(-max_len // self.block_size), self.block_size, self.padding_slot,

@@ -31,8 +31,11 @@ def replay(body: dict[str, Any], chat: bool, include_usage: bool) -> Iterator[st
 
 
 def _delta(message: dict[str, Any]) -> dict[str, Any]:
-    """A whole message as one delta: its content and its tool calls, each with its index."""
+    """A whole message as one delta: its content, a reasoning model's thinking, and its tool calls,
+    each with its index."""
     delta: dict[str, Any] = {"content": message.get("content") or ""}
+    if message.get("reasoning_content") is not None:
+        delta["reasoning_content"] = message["reasoning_content"]
     if message.get("tool_calls"):
         delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
     return delta
@@ -45,6 +48,7 @@ class StreamAccumulator:
         self.chat = chat
         self.meta: dict[str, Any] = {}
         self.texts: dict[int, list[str]] = {}
+        self.thoughts: dict[int, list[str]] = {}  # a reasoning model's reasoning_content, where it sent any
         self.tool_calls: dict[int, dict[int, dict[str, Any]]] = {}  # choice -> call index -> call so far
         self.finish_reasons: dict[int, str | None] = {}
         self.logprobs: dict[int, dict[str, Any]] = {}  # choice -> its chunks' logprobs, lists joined
@@ -59,6 +63,9 @@ class StreamAccumulator:
             index = choice.get("index", 0)
             text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
             self.texts.setdefault(index, []).append(text or "")
+            thought = (choice.get("delta") or {}).get("reasoning_content") if self.chat else None
+            if thought is not None:
+                self.thoughts.setdefault(index, []).append(thought)
             calls = (choice.get("delta") or {}).get("tool_calls") if self.chat else None
             for call in calls or []:
                 self._add_call(self.tool_calls.setdefault(index, {}), call)
@@ -99,6 +106,8 @@ class StreamAccumulator:
         for index in sorted(self.texts):
             text = "".join(self.texts[index])
             content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            if index in self.thoughts:
+                content["message"]["reasoning_content"] = "".join(self.thoughts[index])
             if index in self.tool_calls:
                 calls = self.tool_calls[index]
                 content["message"]["tool_calls"] = [calls[i] for i in sorted(calls)]

@@ -82,6 +82,10 @@ class FusedDecode:
             return "tensor parallelism (the layer's output needs an all-reduce before the residual add)"
         if not (isinstance(model.model.embed_tokens, Q8Embedding) and isinstance(model.lm_head, Q8Head)):
             return "an embedding or LM head not in Q8_0"
+        if model.has_experts:
+            return "a mixture of experts"
+        if model.model.layers[0].self_attn.q_norm is not None:
+            return "QK norms (Qwen3)"
         for layer in model.model.layers:
             linears = [unwrapped(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)]

@@ -104,17 +104,18 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int, dtype: t
     rank, alpha = int(config.get("r", 0)), float(config.get("lora_alpha", config.get("r", 0)))
     if not 1 <= rank <= max_rank:
         raise ValueError(f"adapter {request.lora_name!r}: rank {rank} is outside 1..{max_rank} (max_lora_rank)")
-    if config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise ValueError(f"adapter {request.lora_name!r}: per-module ranks (rank_pattern, alpha_pattern) "
-                         "are not supported")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.fullmatch(key)
         if match is None or match.group(2) not in TARGETS:
+            experts = " (a mixture of experts' experts take no adapters yet)" if ".experts" in key else ""
             raise ValueError(f"adapter {request.lora_name!r}: {key!r} is not a LoRA weight of a supported "
-                             f"module ({', '.join(TARGETS)})")
+                             f"module ({', '.join(TARGETS)}){experts}")
         pairs.setdefault((int(match.group(1)), match.group(2)), {})[match.group(3)] = tensor
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise ValueError(f"adapter {request.lora_name!r}: per-module ranks (rank_pattern, alpha_pattern) "
+                         "are not supported")
     adapter = LoRAAdapter(request.lora_name, request.lora_path, rank, dtype)
     layers = model.model.layers
     for (layer, name), pair in sorted(pairs.items()):
@@ -122,6 +123,9 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int, dtype: t
         if layer >= len(layers) or set(pair) != {"A", "B"}:
             raise ValueError(f"adapter {request.lora_name!r}: layer {layer} {name} does not fit this model "
                              f"({len(layers)} layers) or lacks lora_A or lora_B")
+        if not _has(layers[layer], module_name):
+            raise ValueError(f"adapter {request.lora_name!r}: layer {layer}'s MLP is a mixture of experts, "
+                             f"whose {name} LoRA does not run yet (adapters of its attention do)")
         target = layers[layer].get_submodule(module_name)
         sizes = _shard_sizes(layers[layer], module_name)
         a, b = pair["A"], pair["B"]
@@ -260,10 +264,18 @@ class LoRALinear(nn.Module):
 def wrap_projections(model: nn.Module, batch: LoRABatch) -> None:
     """Put every projection of every layer behind a LoRALinear sharing `batch`."""
     for index, layer in enumerate(model.model.layers):
-        for name in WRAPPED:
+        for name in filter(lambda name: _has(layer, name), WRAPPED):  # a mixture of experts has no mlp.*_proj
             parent_name, _, leaf = name.rpartition(".")
             parent = layer.get_submodule(parent_name)
             setattr(parent, leaf, LoRALinear(getattr(parent, leaf), index, name, _shard_sizes(layer, name), batch))
+
+
+def _has(layer: nn.Module, name: str) -> bool:
+    try:
+        layer.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def unwrapped(module: nn.Module) -> nn.Module:

@@ -126,6 +126,8 @@ class Gemma3ForCausalLM(nn.Module):
         self.lm_head = None  # tied to the embedding
         self.tie_word_embeddings = True
 
+    has_experts = False
+
     @property
     def sliding_window(self) -> int | None:
         """The local layers' window; the runner adds unwindowed metadata for the global ones."""

@@ -1,4 +1,6 @@
-"""The Llama family decoder: Llama 2/3, Mistral (sliding window), Qwen2 (QKV bias), SmolLM2.
+"""The Llama family decoder: Llama 2/3, Mistral (sliding window), Qwen2 (QKV bias), Qwen3 (QK
+norms), SmolLM2, and the mixture-of-experts members Mixtral and Qwen3-MoE (layers/moe.py in place
+of the MLP).
 
 Inputs are flat: every scheduled token of every sequence in one [T] tensor with its position, no
 padding. Q/K/V and gate/up projections are fused into one matmul each; `load_weight` takes
@@ -20,7 +22,11 @@ from hyperserve.distributed.group import TensorParallel
 from hyperserve.layers import on_triton
 from hyperserve.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from hyperserve.layers.linear import Linear
+from hyperserve.layers.moe import SparseMoE
 from hyperserve.layers.rotary import RotaryEmbedding
+
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe")  # sliding window only with use_sliding_window
 
 # HF projection name -> (our fused parameter, shard index)
 _FUSED = {
@@ -76,28 +82,38 @@ class LlamaAttention(nn.Module):
             bias=getattr(config, "attention_bias", False),
         )
         self.qk_v_sizes = [self.shard_sizes[0] + self.shard_sizes[1], self.shard_sizes[2]]  # q and k rotate together
+        # Qwen3 RMS-normalises each head of q and k before rotating them
+        self.q_norm = self.k_norm = None
+        if config.model_type in QK_NORM_TYPES:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary
         self.backend = backend
 
     def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # x [T, hidden]
-        if on_triton(qkv) and self.head_dim & (self.head_dim - 1) == 0:
+        if on_triton(qkv) and self.head_dim & (self.head_dim - 1) == 0 and self.q_norm is None:
             from hyperserve.layers.triton_elementwise import rotary_and_cache
 
             q, k, v = rotary_and_cache(qkv, cos_sin, meta.slot_mapping, kv_cache, self.num_heads, self.num_kv_heads)
             out = self.backend(q, k, v, kv_cache, meta, self.scale, kv_written=True)
         else:
             qk, v = qkv.split(self.qk_v_sizes, dim=-1)
-            qk = self.rotary(cos_sin, qk.unflatten(-1, (-1, self.head_dim)))  # [T, H + Hkv, D]
+            qk = qk.unflatten(-1, (-1, self.head_dim))  # [T, H + Hkv, D]
+            if self.q_norm is not None:
+                q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+                qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+            qk = self.rotary(cos_sin, qk)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
             out = self.backend(q, k, v.unflatten(-1, (-1, self.head_dim)), kv_cache, meta, self.scale)  # [T, H, D]
         return self.tp.all_reduce(self.o_proj(out.flatten(1)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel, intermediate_size: int | None = None) -> None:
+        """intermediate_size: an expert's, where it differs from the config's dense MLP."""
         super().__init__()
-        start, end = tp.width(config.intermediate_size)
+        start, end = tp.width(intermediate_size or config.intermediate_size)
         self.intermediate_size = end - start  # this rank's
         self.shard_sizes = [self.intermediate_size, self.intermediate_size]
         bias = getattr(config, "mlp_bias", False)
@@ -109,11 +125,29 @@ class LlamaMLP(nn.Module):
         return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
+def is_sparse_layer(config: PretrainedConfig, index: int) -> bool:
+    """Whether layer `index` routes its tokens to experts (Qwen3-MoE may keep some layers dense)."""
+    if config.model_type == "mixtral":
+        return True
+    if config.model_type != "qwen3_moe" or config.num_experts == 0 or index in (config.mlp_only_layers or []):
+        return False
+    return (index + 1) % config.decoder_sparse_step == 0
+
+
+def sparse_moe(config: PretrainedConfig, tp: TensorParallel) -> SparseMoE:
+    if config.model_type == "mixtral":  # top-k weights always renormalised
+        num_experts, renormalize, width = config.num_local_experts, True, config.intermediate_size
+    else:
+        num_experts, renormalize, width = config.num_experts, config.norm_topk_prob, config.moe_intermediate_size
+    return SparseMoE(config.hidden_size, num_experts, config.num_experts_per_tok, renormalize,
+                     lambda: LlamaMLP(config, tp, width))
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary, backend, tp) -> None:
+    def __init__(self, config, rotary, backend, tp, index: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, backend, tp)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = sparse_moe(config, tp) if is_sparse_layer(config, index) else LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -135,7 +169,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(tp.vocab_shard(config.vocab_size), config.hidden_size)
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_position)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, backend, tp) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, self.rotary, backend, tp, index) for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -157,8 +191,14 @@ class LlamaForCausalLM(nn.Module):
         )
 
     @property
+    def has_experts(self) -> bool:
+        """A mixture of experts: its steps pick experts on the host, so they are neither compiled
+        nor captured in CUDA graphs."""
+        return any(isinstance(layer.mlp, SparseMoE) for layer in self.model.layers)
+
+    @property
     def sliding_window(self) -> int | None:
-        if self.config.model_type == "qwen2" and not getattr(self.config, "use_sliding_window", False):
+        if self.config.model_type in QWEN_TYPES and not getattr(self.config, "use_sliding_window", False):
             return None
         return getattr(self.config, "sliding_window", None)
 

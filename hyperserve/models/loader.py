@@ -50,6 +50,12 @@ _GGUF_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",  # [E, I, H]: split per expert by _per_expert
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 
 
@@ -58,8 +64,6 @@ _GGUF_NAMES_BY_ARCHITECTURE = {"gemma3_text": {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
 }}
 
 _FOUR_BIT_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"})
@@ -153,11 +157,25 @@ def _metadata_source(source: ModelSource) -> tuple[Path, str | None]:
 def load_config(source: ModelSource) -> PretrainedConfig:
     directory, gguf_file = _metadata_source(source)
     config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+    if source.gguf_file:
+        _complete_gguf_config(config, {t["name"]: t["shape"] for t in gguf_index(source.path)["tensors"]})
     if config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"architecture {config.model_type!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
         )
     return config
+
+
+def _complete_gguf_config(config: PretrainedConfig, shapes: dict[str, list[int]]) -> None:
+    """What transformers' GGUF config leaves at its class defaults, read from the tensors' shapes:
+    Qwen3's head size (it does not map attention.key_length), Qwen3-MoE's expert width (nor
+    expert_feed_forward_length), and whether the LM head is the embedding (no output.weight)."""
+    if "blk.0.attn_k.weight" in shapes:
+        config.head_dim = shapes["blk.0.attn_k.weight"][0] // config.num_key_value_heads
+    experts = next((shape for name, shape in shapes.items() if name.endswith("ffn_down_exps.weight")), None)
+    if experts is not None and config.model_type == "qwen3_moe":
+        config.moe_intermediate_size = experts[-1]  # [E, hidden, width]
+    config.tie_word_embeddings = "output.weight" not in shapes
 
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:
@@ -278,11 +296,38 @@ def _load_checkpoint(model: LlamaForCausalLM, source: ModelSource) -> None:
     tensors = _gguf_tensors(source.path, model.config) if source.gguf_file else _safetensors(source.directory)
     expected = {name for name, _ in model.named_parameters()}
     loaded: set[str] = set()
-    for name, tensor in tensors:
-        loaded.add(model.load_weight(name, tensor))
+    for checkpoint_name, checkpoint_tensor in tensors:
+        for name, tensor in _per_expert(checkpoint_name, checkpoint_tensor):
+            loaded.add(model.load_weight(name, tensor))
     missing = expected - loaded
     if missing:
         raise ValueError(f"checkpoint {source.path} lacks weights: {sorted(missing)[:5]}")
+
+
+# Mixtral's names for its MoE block and its experts' projections -> Qwen's (and ours)
+_MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+_STACKED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?")
+
+
+def _per_expert(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor under the names the model loads: Mixtral's renamed as Qwen3-MoE's, and
+    experts stacked in one tensor (transformers' fused [E, 2I, H] gate_up_proj, GGUF's
+    ffn_*_exps) split into each expert's projection."""
+    if ".block_sparse_moe." in name:
+        for old, new in _MIXTRAL_NAMES.items():
+            name = name.replace(old, new)
+    stacked = _STACKED_EXPERTS.fullmatch(name)
+    if stacked is None or tensor.dim() != 3:
+        yield name, tensor
+        return
+    prefix, projection, _ = stacked.groups()
+    for expert, weight in enumerate(tensor):
+        if projection == "gate_up_proj":
+            gate, up = weight.chunk(2, dim=0)
+            yield f"{prefix}.{expert}.gate_proj.weight", gate
+            yield f"{prefix}.{expert}.up_proj.weight", up
+        else:
+            yield f"{prefix}.{expert}.{projection}.weight", weight
 
 
 def _safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:

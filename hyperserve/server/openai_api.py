@@ -18,7 +18,7 @@ from hyperserve.engine.engine import ContextLengthError, EngineDeadError, PinLim
 from hyperserve.layers.lora import LoRARequest
 from hyperserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from hyperserve.sampling_params import SamplingParams, StructuredOutputs
-from hyperserve.server import tools
+from hyperserve.server import reasoning, tools
 from hyperserve.server.async_engine import AsyncEngine, RequestFailedError, RequestStream
 from hyperserve.server.disaggregation import RemotePrefill, encode_blocks
 from hyperserve.server.protocol import (
@@ -52,6 +52,7 @@ class Job:
     include_usage: bool
     chat_logprobs: bool = False
     tool_calls: tools.CallParser | None = None  # chat with tools: how its answers are parsed for calls
+    reasoning_parser: str | None = None  # chat: the answer's thinking goes to reasoning_content (reasoning.py)
     lora: LoRARequest | None = None  # the adapter `model` named
     finals: list[RequestOutput | None] = field(default_factory=list)
     streams: list[RequestStream] = field(default_factory=list)
@@ -111,7 +112,7 @@ class OpenAIServing:
         if offered:
             constraint = tools.tool_constraint(offered, request.tool_choice, request.parallel_tool_calls,
                                                self.tool_open_is_special)
-        ids = await asyncio.to_thread(self._chat_ids, request.messages, True, offered)
+        ids = await asyncio.to_thread(self._chat_ids, request.messages, True, offered, request.chat_template_kwargs)
         prompts = [self._prompt_ids(ids, "messages")]
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is None:  # bounded, so a forgotten max_tokens cannot hold a slot for the whole context
@@ -123,7 +124,7 @@ class OpenAIServing:
                    bool(request.stream_options and request.stream_options.include_usage),
                    chat_logprobs=request.logprobs,
                    tool_calls=tools.CallParser(frozenset(tool.function.name for tool in offered), request.calls_only)
-                   if offered else None, lora=lora)
+                   if offered else None, reasoning_parser=self.settings.reasoning_parser, lora=lora)
 
     async def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
         """The ids the request would run (longer than the context is fine: this only counts)."""
@@ -216,11 +217,12 @@ class OpenAIServing:
                 await self.remote_prefill.prefill(self.engine, prompt)
 
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                  offered: list[Tool] | None = None) -> list[int]:
+                  offered: list[Tool] | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         rendered, tool_specs = tools.render_messages([m.for_template() for m in messages], offered,
                                                      self.native_tools)
         try:
-            return self.engine.engine.apply_chat_template(rendered, add_generation_prompt, tool_specs)
+            return self.engine.engine.apply_chat_template(rendered, add_generation_prompt, tool_specs,
+                                                          template_kwargs)
         except ValueError as error:  # no template, unsupported content, roles the template rejects
             raise APIError(400, str(error), param="messages") from error
 
@@ -364,6 +366,7 @@ class OpenAIServing:
         sent_tokens: dict[int, int] = {}
         text_offsets: dict[int, int] = {}  # completions' logprobs: where the next token's text starts
         tool_streams: dict[int, tools.ToolCallStream] = {}
+        reasoning_streams: dict[int, reasoning.ReasoningStream] = {}
         created = now()
         obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
         base = {"id": job.id, "object": obj, "created": created, "model": job.model}
@@ -379,16 +382,20 @@ class OpenAIServing:
                 if len(c.text) == text_from and len(c.token_ids) == token_from and not c.finished:
                     continue
                 new_logprobs = (c.logprobs or [])[token_from:]
-                text, calls, called = c.text[text_from:], [], False
+                text, calls, called, thought = c.text[text_from:], [], False, ""
                 sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
+                if job.reasoning_parser is not None:
+                    thinking = reasoning_streams.setdefault(index, reasoning.stream(job.reasoning_parser))
+                    thought, text = thinking.feed(text, final=c.finished)
                 if job.tool_calls is not None:
                     stream = tool_streams.setdefault(index, job.tool_calls.stream())
                     text, calls = stream.feed(text, final=c.finished)
                     called = bool(stream.calls)
-                    if not (text or calls or c.finished or job.chat_logprobs):
-                        continue  # all held back (a call in the making): nothing to send yet
+                held = job.tool_calls is not None or job.reasoning_parser is not None
+                if held and not (thought or text or calls or c.finished or job.chat_logprobs):
+                    continue  # all held back (a call or a marker in the making): nothing to send yet
                 choice = self._choice(job, index, c, text, new_logprobs, final=False, calls=calls, called=called,
-                                      text_offset=text_offsets.get(index, 0))
+                                      text_offset=text_offsets.get(index, 0), thought=thought)
                 if job.kind == "completion" and choice["logprobs"] and choice["logprobs"]["tokens"]:
                     lp = choice["logprobs"]
                     text_offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
@@ -412,9 +419,11 @@ class OpenAIServing:
 
     def _choice(self, job: Job, index: int, c: CompletionOutput, text: str, logprobs: list[TokenLogprobs],
                 final: bool, calls: list[dict[str, Any]] = (), called: bool = False,
-                text_offset: int = 0) -> dict[str, Any]:
-        """One choice of a response (final) or of a chunk. With tools, a final answer is parsed for
-        calls here; a chunk comes with the calls completed in it and whether the answer made any.
+                text_offset: int = 0, thought: str = "") -> dict[str, Any]:
+        """One choice of a response (final) or of a chunk. With a reasoning parser, a final answer's
+        thinking is split off here (a chunk comes with its piece of it, `thought`); with tools, a
+        final answer is parsed for calls here; a chunk comes with the calls completed in it and
+        whether the answer made any.
         `text_offset`: where a chunk's first token starts in the whole completion (its logprobs'
         text_offset counts from the completion's start, as OpenAI's and vLLM's do)."""
         finish_reason = c.finish_reason if c.finished else None
@@ -422,12 +431,17 @@ class OpenAIServing:
         if job.kind == "chat":
             lp = self._chat_logprobs(token_ids, logprobs, job.params.logprobs) if job.chat_logprobs else None
             content: str | None = text
+            reasoning_content: str | None = thought or None
+            if final and job.reasoning_parser is not None:
+                reasoning_content, content = reasoning.split(job.reasoning_parser, text)
             if final and job.tool_calls is not None:
-                content, calls = job.tool_calls.parse(text)
+                content, calls = job.tool_calls.parse(content)
                 called = bool(calls)
             if called and finish_reason == "stop":
                 finish_reason = "tool_calls"
             message = {"role": "assistant", "content": content} if final else {"content": content}
+            if reasoning_content is not None:
+                message["reasoning_content"] = reasoning_content
             if calls:
                 message["tool_calls"] = calls
             key = "message" if final else "delta"

@@ -241,6 +241,13 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+# apply_chat_template's own parameters and what the server passes it: not template variables
+TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -249,6 +256,19 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool = True
+    # vLLM's: variables for the model's chat template (Qwen3's {"enable_thinking": false}, say)
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=32)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(kwargs or {}) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}: the server sets it")
+        bad = [key for key in kwargs or {} if not key.isidentifier()]
+        if bad:
+            raise ValueError(f"chat_template_kwargs keys must be template variable names, not {bad[0]!r}")
+        return kwargs
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hyperserve.server.reasoning import PARSERS as REASONING_PARSERS
+
 
 @dataclass
 class ServerSettings:
@@ -14,6 +16,7 @@ class ServerSettings:
     default_max_tokens: int = 2048  # a chat request that sets no max_tokens gets at most this many
     max_pin_ttl_s: float = 3600.0  # the longest `ttl` a /v1/cache pin may ask for
     responses_store_bytes: int = 64 * 2**20  # stored /v1/responses answers (as JSON) beyond which the oldest go
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: chat answers' thinking to reasoning_content
     # One request fans out into at most this many sequences (prompts x n), as a multiple of
     # max_num_seqs: a single request may fill the batch twice over, never more.
     max_fanout_factor: int = 2
@@ -30,6 +33,8 @@ class ServerSettings:
             raise ValueError("max_queue, default_max_tokens and max_pin_ttl_s must be positive")
         if self.responses_store_bytes < 0:
             raise ValueError("responses_store_bytes must be 0 (store nothing) or more")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
         if (self.role == "decode") != (self.prefill_url is not None):

@@ -91,11 +91,13 @@ TWO_GPUS = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")])
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("device", ["cpu", TWO_GPUS])
-def test_uneven_heads_width_and_vocabulary(save_hf_model, device):
+def test_uneven_heads_width_and_vocabulary(save_hf_model, device, arch):
     """6 query / 3 K/V heads, an MLP width of 160 (cut at 32s: 64 and 96) and 1,001 tokens (padded
-    to 1,002), with Qwen2's Q/K/V biases: every slice is uneven or padded. On CUDA: NCCL."""
-    config = tiny_config("qwen2", num_attention_heads=6, num_key_value_heads=3, intermediate_size=160,
+    to 1,002), with Qwen2's Q/K/V biases or Qwen3's QK norms (whole on every rank): every slice is
+    uneven or padded. On CUDA: NCCL."""
+    config = tiny_config(arch, num_attention_heads=6, num_key_value_heads=3, intermediate_size=160,
                          vocab_size=1001, hidden_size=96)
     _, path = save_hf_model(config)
     prompts = [[5, 17, 300, 999, 1000, 42], list(range(100, 260))]
@@ -122,13 +124,14 @@ def test_speculative_decoding_over_two_ranks(save_hf_model, method):
     assert [o.outputs[0].token_ids for o in outputs] == tokens
 
 
-@pytest.mark.parametrize("overrides,options,message", [
-    ({"num_key_value_heads": 1}, {}, "exceeds the model's 1 K/V heads"),
-    ({}, {"enable_lora": True}, "enable_lora"),
-    ({}, {"speculative": {"method": "self"}}, "speculative_method"),
-], ids=["too-few-kv-heads", "lora", "self-speculation"])
-def test_what_cannot_be_split_is_refused_before_any_process_starts(save_hf_model, overrides, options, message):
-    _, path = save_hf_model(tiny_config("llama", **overrides))
+@pytest.mark.parametrize("arch,overrides,options,message", [
+    ("llama", {"num_key_value_heads": 1}, {}, "exceeds the model's 1 K/V heads"),
+    ("llama", {}, {"enable_lora": True}, "enable_lora"),
+    ("llama", {}, {"speculative": {"method": "self"}}, "speculative_method"),
+    ("mixtral", {}, {}, "dense Llama family"),
+], ids=["too-few-kv-heads", "lora", "self-speculation", "mixture-of-experts"])
+def test_what_cannot_be_split_is_refused_before_any_process_starts(save_hf_model, arch, overrides, options, message):
+    _, path = save_hf_model(tiny_config(arch, **overrides))
     with pytest.raises(ValueError, match=message):
         LLM(path, tensor_parallel_size=2, **OPTIONS, **options)
     assert multiprocessing.active_children() == []

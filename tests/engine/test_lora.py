@@ -186,3 +186,43 @@ def test_the_demo_adapter_answers_in_capitals_on_smollm2():
     letters = [c for c in answer if c.isalpha()]
     assert letters and sum(c.isupper() for c in letters) / len(letters) > 0.9, adapter_text
     assert sum(c.isupper() for c in base_text) < sum(c.islower() for c in base_text), base_text
+
+
+def test_adapters_on_a_mixture_of_experts_match_peft_and_expert_mlps_are_refused(tmp_path):
+    """Qwen3-MoE: an adapter of every attention projection equals PEFT's merged model; one that
+    targets a routed layer's MLP, or its experts, is refused with the reason."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    base = tmp_path / "base"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0, 0.15)
+    model.save_pretrained(base)
+    merged = make_adapter(str(base), tmp_path / "adapter", seed=3, targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+    make_adapter(str(base), tmp_path / "experts", seed=4)  # PEFT targets the experts' stacked weights
+    llm = LLM(model=str(base), **ENGINE)
+    request = LoRARequest("moe", 1, str(tmp_path / "adapter"))
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
+    for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False, lora_request=request)):
+        completion = output.outputs[0]
+        reference = _logprobs(merged, prompt + completion.token_ids)
+        for step, (token, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            assert token == int(reference[len(prompt) - 1 + step].argmax()), f"step {step}"
+            for token_id, entry in entries.items():
+                assert entry.logprob == pytest.approx(float(reference[len(prompt) - 1 + step][token_id]), abs=2e-4)
+    routed = tmp_path / "routed"
+    routed.mkdir()
+    (routed / "adapter_config.json").write_text((tmp_path / "adapter" / "adapter_config.json").read_text())
+    tensors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    save_file({k.replace("self_attn.q_proj", "mlp.gate_proj"): v for k, v in tensors.items()},
+              routed / "adapter_model.safetensors")
+    refused = [(routed, "mixture of experts"), (tmp_path / "experts", "experts take no adapters")]
+    for i, (path, reason) in enumerate(refused):
+        with pytest.raises(ValueError, match=reason):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False,
+                         lora_request=LoRARequest(f"refused{i}", 2 + i, str(path)))
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.pool.num_blocks

@@ -24,6 +24,20 @@ def test_replayed_chat_answer_folds_back_to_the_same_answer():
     assert _fold(events, chat=True) == body
 
 
+def test_a_reasoning_models_thinking_replays_and_folds_back():
+    body = {"id": "x", "created": 1, "model": "m", "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "4.", "reasoning_content": "2 + 2"},
+                         "logprobs": None, "finish_reason": "stop"}], "usage": None}
+    assert _fold(list(replay(body, chat=True, include_usage=False)), chat=True) == body
+    pieces = [{"id": "x", "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+              for delta in ({"content": "", "reasoning_content": "2 +"}, {"content": "", "reasoning_content": " 2"},
+                            {"content": "4."})]
+    folded = StreamAccumulator(chat=True)
+    for piece in [*pieces, {"id": "x", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]:
+        folded.add(piece)
+    assert folded.response()["choices"][0]["message"] == body["choices"][0]["message"]
+
+
 def test_completion_replay_without_usage():
     body = {"id": "x", "created": 1, "model": "m", "object": "text_completion",
             "choices": [{"index": 0, "text": " world", "logprobs": None, "finish_reason": "stop"}],

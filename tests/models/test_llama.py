@@ -19,6 +19,10 @@ ARCHS = {
     "qwen2": {},
     "qwen2-rope_yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                             "original_max_position_embeddings": 64}},
+    "qwen3": {},  # QK norms
+    "mixtral": {},  # 4 experts, 2 a token
+    "qwen3_moe": {"mlp_only_layers": [0]},  # a dense layer, then a sparse one
+    "qwen3_moe-unnormalized": {"norm_topk_prob": False},
     "gemma3": {},  # a sliding-window layer (8 tokens) and a global one, QK norms, four norms per layer
 }
 

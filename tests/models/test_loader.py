@@ -87,3 +87,98 @@ def test_gguf_metadata_is_parsed_once_into_files_that_read_back_the_same(smollm2
     finally:
         loader.gguf_metadata_directory.cache_clear()
         loader.gguf_index.cache_clear()
+
+
+def _write_gguf(hf_model, path, tokenizer_gguf) -> None:
+    """hf_model (Qwen3 or Qwen3-MoE) as llama.cpp's converter writes it: its names, its metadata,
+    the experts stacked per layer, weights in Q8_0 (norms and the router in float32), and the
+    tokenizer of `tokenizer_gguf`."""
+    import gguf
+    from gguf.quants import quantize
+
+    config, moe = hf_model.config, hf_model.config.model_type == "qwen3_moe"
+    arch = "qwen3moe" if moe else "qwen3"
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if moe:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    reader = gguf.GGUFReader(tokenizer_gguf)
+    writer.add_tokenizer_model(reader.fields["tokenizer.ggml.model"].contents())
+    writer.add_token_list(reader.fields["tokenizer.ggml.tokens"].contents())
+    writer.add_token_types(reader.fields["tokenizer.ggml.token_type"].contents())
+    writer.add_token_merges(reader.fields["tokenizer.ggml.merges"].contents())
+    writer.add_eos_token_id(reader.fields["tokenizer.ggml.eos_token_id"].contents())
+    writer.add_chat_template(reader.fields["tokenizer.chat_template"].contents())
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, tensor in hf_model.state_dict().items():
+        array = tensor.float().numpy()
+        if name.endswith("experts.gate_up_proj"):  # transformers' [E, 2I, H] -> ffn_gate_exps, ffn_up_exps
+            gate, up = array[:, : array.shape[1] // 2], array[:, array.shape[1] // 2 :]
+            stacked = {"ffn_gate_exps": gate, "ffn_up_exps": up}
+        elif name.endswith("experts.down_proj"):
+            stacked = {"ffn_down_exps": array}
+        else:
+            stacked = None
+        layer = name.split(".")[2] if ".layers." in name else None
+        if stacked is not None:
+            for base, part in stacked.items():
+                writer.add_tensor(f"blk.{layer}.{base}.weight", quantize(part.copy(), gguf.GGMLQuantizationType.Q8_0),
+                                  raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            continue
+        if name == "lm_head.weight":
+            gguf_name = "output.weight"
+        else:
+            module = name.removeprefix("model.").removesuffix(".weight")
+            module = module.split(".", 2)[2] if layer is not None else module
+            gguf_name = f"blk.{layer}.{names[module]}.weight" if layer is not None else f"{names[module]}.weight"
+        if array.ndim == 2 and "ffn_gate_inp" not in gguf_name:
+            writer.add_tensor(gguf_name, quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_qwen3_gguf_matches_transformers_on_its_dequantized_weights(arch, smollm2_source, tmp_path, monkeypatch):
+    """A Qwen3 and a Qwen3-MoE GGUF as llama.cpp writes them (Q8_0, stacked experts, QK norms, an
+    untied head): our model from the GGUF against transformers' own GGUF loading of the same file."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import tiny_config
+    from tests.models.test_llama import _check_against_transformers
+
+    monkeypatch.setenv("HYPERSERVE_GGUF_CACHE", str(tmp_path / "cache"))
+    config = tiny_config(arch, vocab_size=49152, moe_intermediate_size=64, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if "norm" in name else torch.randn_like(p) * 0.15)
+    _write_gguf(model, tmp_path / "model.gguf", smollm2_source.path)
+    # transformers' GGUF config leaves Qwen3's head size at 128 (it skips attention.key_length): given ours
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf", config=config,
+                                                     dtype=torch.float32).eval()
+    llm = LLM(model=str(tmp_path / "model.gguf"), num_kv_blocks=64, block_size=4, max_model_len=128,
+              dtype="float32")
+    assert llm.engine.hf_config.model_type == arch
+    assert llm.engine.tokenizer.decode(llm.engine.tokenizer("Hello world").input_ids) == "Hello world"
+    _check_against_transformers(llm, reference, abs_tol=2e-4)

@@ -1,0 +1,63 @@
+"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE): each token runs only the few experts its router
+picks, so a model holds many MLPs' weights but reads only top_k of them per token.
+
+The router scores every expert (softmax in float32), keeps each token's top_k and, where the
+model says so, renormalises their weights to sum to one. The step's (token, expert) pairs are
+then grouped by expert: each chosen expert runs once over all of its tokens (a step of T tokens
+runs at most min(E, T * top_k) experts, each a few-row matmul), and its weighted outputs are added
+into their tokens' rows. Experts are ordinary MLPs of Linear projections, so weight quantization
+(layers/quantization.py) applies to them as to a dense MLP; the router stays in float, since a
+rounded score can change which experts a token runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Router(nn.Module):
+    """The gate: one score per expert for each token. Not an nn.Linear, so that quantization
+    leaves it alone."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)  # [T, E]
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
+                 make_expert: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..{num_experts}, got {top_k}")
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = Router(hidden_size, num_experts)
+        self.experts = nn.ModuleList(make_expert() for _ in range(num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, top_k] float32, expert ids [T, top_k]) of each token's chosen experts."""
+        probs = self.gate(x).float().softmax(dim=-1)
+        weights, expert_ids = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, expert_ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden]
+        weights, expert_ids = self.route(x)
+        pairs = expert_ids.flatten()  # [T * top_k]: pair i is token i // top_k's choice
+        by_expert = pairs.argsort(stable=True)
+        counts = torch.bincount(pairs, minlength=len(self.experts)).tolist()  # the step's one host sync
+        out = torch.zeros_like(x)
+        for expert, chosen in zip(self.experts, by_expert.split(counts)):
+            if len(chosen):
+                tokens = chosen // self.top_k
+                weighted = expert(x[tokens]) * weights.view(-1)[chosen, None]  # [n, hidden] float32
+                out.index_add_(0, tokens, weighted.to(x.dtype))
+        return out

@@ -1,0 +1,90 @@
+"""Reasoning models' thinking, kept apart from their answer: `--reasoning-parser qwen3|deepseek_r1`.
+
+Such models write their thinking between <think> and </think>, then the answer. With a parser on,
+a chat answer's thinking goes to `reasoning_content` (vLLM's and DeepSeek's field) and only what
+follows </think> to `content`, where tool calls are then looked for. Both parsers read the same
+markers; they differ in where an answer starts:
+- qwen3: in the answer, unless it opens with <think> (Qwen3's hybrid template, which with
+  `chat_template_kwargs: {"enable_thinking": false}` writes an empty think block into the prompt);
+- deepseek_r1: in the thinking (DeepSeek-R1's and Qwen3-2507 Thinking's templates open <think> in
+  the prompt), which an opening <think> may repeat.
+An answer that ends while thinking has its whole text as reasoning and no content.
+
+Whole answers go through the same stream as streamed ones (`split`), so the two never differ.
+Newlines right after a marker and before </think> are dropped, as the templates write them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START, END = "<think>", "</think>"
+PARSERS = ("qwen3", "deepseek_r1")
+
+
+@dataclass
+class ReasoningStream:
+    """Splits an answer's text, fed piece by piece, into (reasoning, content) pieces. Holds back
+    what could still be the start of a marker, or newlines that may precede </think>."""
+
+    starts_thinking: bool
+    state: str = "start"  # "start" (an opening <think> may come), "thinking", "answer"
+    held: str = ""
+    at_section_start: bool = True  # nothing of the current section emitted yet: newlines dropped
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        reasoning, content = [], []
+        self.held += text
+        while True:
+            if self.state == "start":
+                stripped = self.held.lstrip()
+                if stripped.startswith(START):
+                    self.held, self.state = stripped[len(START):], "thinking"
+                elif START.startswith(stripped) and not final:
+                    break  # could still become <think>
+                else:
+                    self.state = "thinking" if self.starts_thinking else "answer"
+                continue
+            if self.state == "thinking":
+                end = self.held.find(END)
+                if end >= 0:
+                    reasoning.append(self._section(self.held[:end].rstrip("\n")))
+                    self.held, self.state, self.at_section_start = self.held[end + len(END):], "answer", True
+                    continue
+                keep = 0 if final else _partial_marker(self.held, END)
+                body = self.held[: len(self.held) - keep]
+                kept_newlines = 0 if final else len(body) - len(body.rstrip("\n"))
+                reasoning.append(self._section(body[: len(body) - kept_newlines]))
+                self.held = self.held[len(body) - kept_newlines:]
+                break
+            content.append(self._section(self.held))
+            self.held = ""
+            break
+        return "".join(reasoning), "".join(content)
+
+    def _section(self, text: str) -> str:
+        if self.at_section_start:
+            text = text.lstrip("\n")
+            self.at_section_start = not text
+        return text
+
+
+def _partial_marker(text: str, marker: str) -> int:
+    """How many characters at text's end could begin `marker`."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def stream(parser: str) -> ReasoningStream:
+    if parser not in PARSERS:
+        raise ValueError(f"reasoning parser must be one of {PARSERS}, got {parser!r}")
+    return ReasoningStream(starts_thinking=parser == "deepseek_r1")
+
+
+def split(parser: str, text: str) -> tuple[str | None, str]:
+    """(reasoning, or None where the answer had none; content) of a whole answer."""
+    reasoning, content = stream(parser).feed(text, final=True)
+    thought = parser == "deepseek_r1" or text.lstrip().startswith(START)
+    return (reasoning if thought else None), content

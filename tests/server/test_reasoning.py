@@ -1,0 +1,160 @@
+"""Reasoning parsers: an answer's thinking and its content, whole and however the stream cuts it."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from hyperserve.server import reasoning
+
+CASES = [  # parser, answer, (reasoning, content)
+    ("qwen3", "<think>\nLet me add.\n2 + 2 = 4\n</think>\n\nIt is 4.", ("Let me add.\n2 + 2 = 4", "It is 4.")),
+    ("qwen3", "It is 4.", (None, "It is 4.")),  # thinking off: no think block in the answer
+    ("qwen3", "<think>\n\n</think>\n\nIt is 4.", ("", "It is 4.")),
+    ("qwen3", "<think>Still thinking when max_tokens came", ("Still thinking when max_tokens came", "")),
+    ("qwen3", "Use <think> tags, like </think> this", (None, "Use <think> tags, like </think> this")),
+    ("qwen3", "<thin", (None, "<thin")),  # ended inside what might have been the marker
+    ("deepseek_r1", "Let me add.\n</think>\n\nIt is 4.", ("Let me add.", "It is 4.")),
+    ("deepseek_r1", "<think>Let me add.</think>It is 4.", ("Let me add.", "It is 4.")),
+    ("deepseek_r1", "Thinking < and </thin and more", ("Thinking < and </thin and more", "")),
+    ("deepseek_r1", "a\n\n\nb\n</think>x</think>", ("a\n\n\nb", "x</think>")),
+]
+
+
+@pytest.mark.parametrize(("parser", "answer", "expected"), CASES)
+def test_a_whole_answer_splits_into_thinking_and_content(parser, answer, expected):
+    assert reasoning.split(parser, answer) == expected
+
+
+@pytest.mark.parametrize(("parser", "answer", "expected"), CASES)
+def test_every_cut_of_the_stream_gives_the_whole_answers_split(parser, answer, expected):
+    """One character at a time, every two-piece cut, and random cuts: the pieces add up to the
+    whole answer's split, and nothing is sent twice."""
+    cuts = [list(answer)] + [[answer[:i], answer[i:]] for i in range(len(answer) + 1)]
+    rng = random.Random(0)
+    for _ in range(20):
+        points = sorted(rng.sample(range(len(answer) + 1), min(4, len(answer) + 1)))
+        cuts.append([answer[a:b] for a, b in zip([0, *points], [*points, len(answer)])])
+    for pieces in cuts:
+        stream = reasoning.stream(parser)
+        fed = [stream.feed(piece) for piece in pieces] + [stream.feed("", final=True)]
+        thought, content = "".join(r for r, _ in fed), "".join(c for _, c in fed)
+        assert (thought, content) == (expected[0] or "", expected[1]), pieces
+
+
+def test_thinking_streams_as_it_comes_holding_back_only_a_possible_marker():
+    stream = reasoning.stream("qwen3")
+    assert stream.feed("<think>\nStep one") == ("Step one", "")
+    assert stream.feed(", step two.\n</th") == (", step two.", "")  # the newline may precede </think>
+    assert stream.feed("ink>\n\nDone") == ("", "Done")
+
+
+def test_an_unknown_parser_is_refused():
+    with pytest.raises(ValueError, match="qwen3"):
+        reasoning.stream("o1")
+
+
+THOUGHT, ANSWER = ["<think>", "Let", " me", " think", "</think>"], "Hello"
+
+
+@pytest.fixture(scope="module")
+def scripted_model(smollm2_source, tmp_path_factory):
+    """A one-layer model that answers by script: its layers add nothing, so each next token
+    depends on the last one alone, and the LM head maps the prompt's last token to <think>, then
+    through THOUGHT to "Hello" and <|im_end|>. SmolLM2's tokenizer with <think> and </think>
+    added; its ChatML template writes an empty think block for enable_thinking false, as Qwen3's."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hyperserve.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_source)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template += ("{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
+                                "{{ '<think>\n\n</think>\n\n' }}{% endif %}")
+    hi = [{"role": "user", "content": "Hi"}]
+    thinking = list(tokenizer.apply_chat_template(hi, add_generation_prompt=True, return_dict=False))
+    direct = list(tokenizer.apply_chat_template(hi, add_generation_prompt=True, return_dict=False,
+                                                enable_thinking=False))
+    chain = [thinking[-1], *tokenizer.convert_tokens_to_ids(["<think>"]),
+             *[tokenizer(piece, add_special_tokens=False).input_ids[0] for piece in THOUGHT[1:4]],
+             *tokenizer.convert_tokens_to_ids(["</think>"]), tokenizer(ANSWER).input_ids[0],
+             tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert len(set(chain + [direct[-1]])) == len(chain) + 1, "the script's tokens must differ"
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, eos_token_id=chain[-1])
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for norm in (model.model.norm, model.model.layers[0].input_layernorm,
+                     model.model.layers[0].post_attention_layernorm):
+            norm.weight.fill_(1.0)
+        embedding = torch.nn.functional.normalize(torch.randn(len(tokenizer), 64, generator=torch.Generator()
+                                                              .manual_seed(0)), dim=-1)
+        model.model.embed_tokens.weight.copy_(embedding)
+        for current, following in [*zip(chain, chain[1:]), (direct[-1], chain[-2])]:
+            model.lm_head.weight[following] = 30 * embedding[current]
+    path = tmp_path_factory.mktemp("scripted")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def client(scripted_model):
+    from hyperserve.engine.engine import LLMEngine
+    from hyperserve.server.app import build_app
+    from hyperserve.server.model_pool import ModelEntry
+    from hyperserve.server.settings import ServerSettings
+    from tests.server.conftest import serve_in_process
+
+    entry = ModelEntry("thinker", lambda: LLMEngine.from_kwargs(model=scripted_model, dtype="float32",
+                                                                num_kv_blocks=64, max_model_len=512))
+    client = serve_in_process(build_app([entry], ServerSettings(model_name="thinker", reasoning_parser="qwen3")))
+    yield client
+    client.__exit__(None, None, None)
+
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, "temperature": 0}
+
+
+def test_the_thinking_of_an_answer_is_its_reasoning_content(client):
+    raw = client.post("/v1/completions", json={"prompt": client.post("/tokenize", json=CHAT).json()["tokens"],
+                                               "max_tokens": 16, "temperature": 0}).json()
+    assert raw["choices"][0]["text"] == "".join(THOUGHT) + ANSWER  # the model's own text: the parser splits it
+    whole = client.post("/v1/chat/completions", json=CHAT).json()["choices"][0]
+    assert whole["message"]["reasoning_content"] == "Let me think"
+    assert whole["message"]["content"] == ANSWER and whole["finish_reason"] == "stop"
+    thought, content = "", ""
+    with client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    thought += choice["delta"].get("reasoning_content") or ""
+                    content += choice["delta"].get("content") or ""
+    assert (thought, content) == ("Let me think", ANSWER)
+
+
+def test_chat_template_kwargs_reach_the_template(client):
+    body = {**CHAT, "chat_template_kwargs": {"enable_thinking": False}}
+    message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert message["content"] == ANSWER and "reasoning_content" not in message
+    for kwargs in ({"tokenize": True}, {"chat_template": "{{ 1 }}"}, {"not a name": 1}):
+        response = client.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": kwargs})
+        assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_the_responses_and_messages_apis_answer_with_the_content(client):
+    """They do not carry the thinking yet: their answer is the content after it."""
+    response = client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 16, "temperature": 0}).json()
+    assert response["output"][-1]["content"][0]["text"] == ANSWER
+    message = client.post("/v1/messages", json={"model": "thinker", "max_tokens": 16, "temperature": 0,
+                                                "messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert message["content"] == [{"type": "text", "text": ANSWER}]
+    with client.stream("POST", "/v1/responses", json={"input": "Hi", "max_output_tokens": 16, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["response"]["output"][-1]["content"][0]["text"] == ANSWER
