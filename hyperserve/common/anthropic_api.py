@@ -66,7 +66,9 @@ class MessagesRequest(BaseModel):
     def chat_body(self) -> dict[str, Any]:
         """The chat completions request with this request's meaning (ValueError names what cannot be served)."""
         if self.thinking and self.thinking.get("type") == "enabled":
-            raise ValueError("thinking is not served: the models here do not reason separately")
+            raise ValueError("thinking budgets are not served: a reasoning model here thinks as its chat template "
+                             "says, and its thinking comes back as thinking blocks when the server runs with "
+                             "--reasoning-parser")
         system = _text_of(self.system, "system") if self.system is not None else None
         messages = ([{"role": "system", "content": system}] if system else []) + chat_messages(self.messages)
         body: dict[str, Any] = {"messages": messages, "max_tokens": self.max_tokens, "stream": self.stream}
@@ -156,6 +158,7 @@ class MessageBuilder:
     stop_sequence: str | None = None
     failed: bool = False
     _text_index: int | None = None  # the open text block
+    _thinking_index: int | None = None  # a reasoning model's thinking (--reasoning-parser): the first block
     _calls: dict[int, int] = field(default_factory=dict)  # chat tool call index -> its block's index
     _arguments: dict[int, str] = field(default_factory=dict)  # block index -> its JSON so far
     _open: list[int] = field(default_factory=list)
@@ -168,6 +171,8 @@ class MessageBuilder:
         self.model = completion.get("model")
         choice = (completion.get("choices") or [{}])[0]
         message = choice.get("message") or {}
+        if message.get("reasoning_content") is not None:
+            self.content.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
         if message.get("content") or not message.get("tool_calls"):
             self.content.append({"type": "text", "text": message.get("content") or ""})
         for call in message.get("tool_calls") or []:
@@ -192,7 +197,14 @@ class MessageBuilder:
         events: list[dict[str, Any]] = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                if self._thinking_index is None:
+                    self._thinking_index = self._block({"type": "thinking", "thinking": "", "signature": ""}, events)
+                self.content[self._thinking_index]["thinking"] += delta["reasoning_content"]
+                events.append({"type": "content_block_delta", "index": self._thinking_index,
+                               "delta": {"type": "thinking_delta", "thinking": delta["reasoning_content"]}})
             if delta.get("content"):
+                self._close_thinking(events)
                 if self._text_index is None:
                     self._text_index = self._block({"type": "text", "text": ""}, events)
                 self.content[self._text_index]["text"] += delta["content"]
@@ -202,6 +214,7 @@ class MessageBuilder:
                 function = call.get("function") or {}
                 chat_index = call.get("index", len(self._calls))
                 if chat_index not in self._calls:
+                    self._close_thinking(events)
                     self._close_text(events)
                     self._calls[chat_index] = self._block({
                         "type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex}",
@@ -219,8 +232,8 @@ class MessageBuilder:
         if self.failed:
             return []
         events: list[dict[str, Any]] = []
-        if not self.content:
-            self._block({"type": "text", "text": ""}, events)  # an empty answer is still a text block
+        if self._text_index is None and not self._calls:
+            self._block({"type": "text", "text": ""}, events)  # an empty answer is still a text block, as whole
         for index in list(self._open):
             self._close(index, events)
         return events + [{"type": "message_delta", "delta": {"stop_reason": self.stop_reason,
@@ -237,6 +250,10 @@ class MessageBuilder:
         self._open.append(index)
         events.append({"type": "content_block_start", "index": index, "content_block": dict(block)})
         return index
+
+    def _close_thinking(self, events: list[dict[str, Any]]) -> None:
+        if self._thinking_index in self._open:
+            self._close(self._thinking_index, events)
 
     def _close_text(self, events: list[dict[str, Any]]) -> None:
         if self._text_index is not None and self._text_index in self._open:

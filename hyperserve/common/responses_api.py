@@ -28,7 +28,7 @@ PATH = "/v1/responses"
 DEFAULT_STORE_BYTES = 64 * 2**20
 # Chat parameters (vLLM's extras included) that a Responses request may carry and that mean the same there.
 PASSTHROUGH = ("seed", "stop", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-               "logit_bias", "priority", "ignore_eos", "stop_token_ids")
+               "logit_bias", "priority", "ignore_eos", "stop_token_ids", "chat_template_kwargs")
 # A chat error's `param`, as the Responses request names it.
 LOGPROBS = "message.output_text.logprobs"  # the one `include` served: each output token's logprobs
 PARAM_NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
@@ -102,7 +102,9 @@ class ResponsesRequest(BaseModel):
         if self.background:
             return "background responses are not served: send the request and wait, or stream it"
         if any(value is not None for value in (self.reasoning or {}).values()):
-            return "reasoning settings are not served: the models here do not reason separately"
+            return ("reasoning settings are not served: a reasoning model here thinks as its chat template says "
+                    "(chat_template_kwargs), and its thinking comes back as a reasoning item when the server runs "
+                    "with --reasoning-parser")
         if unserved := [name for name in self.include or [] if name != LOGPROBS]:
             return f"include is not served but for {LOGPROBS} (asked for {', '.join(unserved)})"
         if self.truncation == "auto":
@@ -249,6 +251,7 @@ class ResponseBuilder:
     assistant: dict[str, Any] = field(default_factory=lambda: {"role": "assistant", "content": None})
     sequence: int = 0
     _message: dict[str, Any] | None = None  # the message item being streamed
+    _reasoning: dict[str, Any] | None = None  # a reasoning model's thinking (--reasoning-parser), before the message
     _calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # chat tool call index -> its item
     _finish_reason: str | None = None
 
@@ -262,6 +265,9 @@ class ResponseBuilder:
         choice = (completion.get("choices") or [{}])[0]
         message = choice.get("message") or {}
         content, calls = message.get("content"), message.get("tool_calls") or []
+        if message.get("reasoning_content") is not None:
+            self._open_reasoning()
+            self._reasoning["content"][0]["text"] = message["reasoning_content"]
         if content or not calls:
             self._open_message()
             self._message["content"][0]["text"] = content or ""
@@ -289,6 +295,12 @@ class ResponseBuilder:
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             logprobs = list((choice.get("logprobs") or {}).get("content") or [])
+            if delta.get("reasoning_content"):
+                if self._reasoning is None:
+                    events += self._open_reasoning()
+                self._reasoning["content"][0]["text"] += delta["reasoning_content"]
+                events.append(self._event("response.reasoning_text.delta", **self._where(self._reasoning),
+                                          content_index=0, delta=delta["reasoning_content"]))
             if delta.get("content") or logprobs:
                 if self._message is None:
                     events += self._open_message()
@@ -314,9 +326,16 @@ class ResponseBuilder:
         """The closing events: every open item done, then the response completed (or incomplete)."""
         if self.status == "failed":
             return []
-        events = [] if self.output else self._open_message()  # an empty answer is still a message
+        # an empty answer is still a message, as whole answers have one
+        events = [] if self._message is not None or self._calls else self._open_message()
         for item in self.output:
-            if item["type"] == "message":
+            if item["type"] == "reasoning":
+                part = item["content"][0]
+                events.append(self._event("response.reasoning_text.done", **self._where(item), content_index=0,
+                                          text=part["text"]))
+                events.append(self._event("response.content_part.done", **self._where(item), content_index=0,
+                                          part=part))
+            elif item["type"] == "message":
                 part = item["content"][0]
                 events.append(self._event("response.output_text.done", **self._where(item), content_index=0,
                                           text=part["text"], logprobs=part["logprobs"]))
@@ -352,6 +371,17 @@ class ResponseBuilder:
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         self._message["content"].append(part)
         return [added, self._event("response.content_part.added", **self._where(self._message), content_index=0,
+                                   part=part)]
+
+    def _open_reasoning(self) -> list[dict[str, Any]]:
+        """The thinking as OpenAI gives open-weight models': a reasoning item whose content is the text."""
+        self._reasoning = {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": [],
+                           "status": "in_progress"}
+        self.output.append(self._reasoning)
+        added = self._event("response.output_item.added", output_index=len(self.output) - 1, item=self._reasoning)
+        part = {"type": "reasoning_text", "text": ""}
+        self._reasoning["content"].append(part)
+        return [added, self._event("response.content_part.added", **self._where(self._reasoning), content_index=0,
                                    part=part)]
 
     def _open_call(self, index: int, call: dict[str, Any]) -> list[dict[str, Any]]:

@@ -85,7 +85,8 @@ DecodeBatch checked_batch(const at::Tensor& slots, const at::Tensor& block_table
 
 // hidden [rows, dim] (float32, updated in place) through one Llama decoder layer, one new token
 // per row. weights: input norm, qkv, o, post-attention norm, gate_up, down (norms float32, the
-// projections Q4_1 as above). K/V caches are [slots, kv_heads, head_dim] in float32, bfloat16 or
+// projections Q4_1 as above), then for Qwen3 the q and k norms [head_dim], applied to each head
+// of q and k before rotary. K/V caches are [slots, kv_heads, head_dim] in float32, bfloat16 or
 // float16; token t of row r lives at slot block_tables[r][t / block_size] * block_size + t % block_size.
 // lora: for each adapter of the step, A and B (as LoRAWeights says) of qkv, o, gate_up and down;
 // lora_rows: each row's adapter, an index into them (-1: none). The batch is checked already.
@@ -93,7 +94,8 @@ void run_decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tenso
                       at::Tensor key_cache, at::Tensor value_cache, const DecodeBatch& batch, int64_t num_heads,
                       int64_t num_kv_heads, double eps, double scale, at::TensorList lora,
                       const at::Tensor& lora_rows, LayerBuffers& buffers) {
-  TORCH_CHECK(weights.size() == 6, "decode_layer: expected 6 weights (norm, qkv, o, norm, gate_up, down)");
+  TORCH_CHECK(weights.size() == 6 || weights.size() == 8,
+              "decode_layer: expected 6 weights (norm, qkv, o, norm, gate_up, down), and the q and k norms");
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && hidden.dim() == 2,
               "decode_layer: hidden must be contiguous float32 [rows, dim]");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.scalar_type() == value_cache.scalar_type() &&
@@ -114,6 +116,11 @@ void run_decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tenso
   TORCH_CHECK(head_dim % 2 == 0 && qkv.out_features == qkv_features && o.out_features == dim &&
                   down.out_features == dim,
               "decode_layer: weight shapes do not fit the layer");
+  const bool qk_norms = weights.size() == 8;
+  for (size_t i = 6; i < weights.size(); ++i) {
+    TORCH_CHECK(weights[i].scalar_type() == at::kFloat && weights[i].is_contiguous() && weights[i].numel() == head_dim,
+                "decode_layer: q and k norm weights must be contiguous float32 [head_dim]");
+  }
   for (const at::Tensor* t : {&cos, &signed_sin}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == rows * head_dim,
                 "decode_layer: cos and sin must be contiguous float32 [rows, head_dim]");
@@ -156,6 +163,14 @@ void run_decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tenso
   rms_norm(h, weights[0].data_ptr<float>(), rows, dim, static_cast<float>(eps), x.data());
   quantized_matmul(qkv, x.data(), rows, wide.data(), isa);
   lora_add(lora_qkv, lora_dtype, row_adapter, x.data(), rows, dim, wide.data(), qkv_features, qkv_offsets, avx2);
+  if (qk_norms) {  // in place: each head of q, then of k, is a row of head_dim
+    for (int64_t r = 0; r < rows; ++r) {
+      float* q = wide.data() + r * qkv_features;
+      rms_norm(q, weights[6].data_ptr<float>(), num_heads, head_dim, static_cast<float>(eps), q);
+      float* k = q + num_heads * head_dim;
+      rms_norm(k, weights[7].data_ptr<float>(), num_kv_heads, head_dim, static_cast<float>(eps), k);
+    }
+  }
   const auto attend_all = [&](auto* keys, auto* values) {
     decode_attention(wide.data(), rows, num_heads, num_kv_heads, head_dim, cos.data_ptr<float>(),
                      signed_sin.data_ptr<float>(), static_cast<float>(scale), keys, values, batch, attended.data(),
@@ -199,15 +214,17 @@ void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& c
 }
 
 // Every layer of a model through decode_layer in one call, without LoRA: weights holds each layer's
-// six in turn, key_caches and value_caches one per layer. One dispatch from Python per step rather
+// six (eight with QK norms) in turn, key_caches and value_caches one per layer. One dispatch from Python per step rather
 // than one per layer.
 void decode_layers(at::Tensor hidden, at::TensorList weights, const at::Tensor& cos, const at::Tensor& signed_sin,
                    at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& slots,
                    const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size, int64_t num_heads,
                    int64_t num_kv_heads, double eps, double scale) {
   const size_t layers = key_caches.size();
-  TORCH_CHECK(layers > 0 && value_caches.size() == layers && weights.size() == 6 * layers && hidden.dim() == 2,
-              "decode_layers: six weights and one K and V cache per layer");
+  const size_t per_layer = layers > 0 ? weights.size() / layers : 0;
+  TORCH_CHECK(layers > 0 && value_caches.size() == layers && (per_layer == 6 || per_layer == 8) &&
+                  weights.size() == per_layer * layers && hidden.dim() == 2,
+              "decode_layers: six weights (eight with QK norms) and one K and V cache per layer");
   for (size_t i = 0; i < layers; ++i) {
     TORCH_CHECK(key_caches[i].size(0) == key_caches[0].size(0), "decode_layers: every layer's cache has one size");
   }
@@ -216,7 +233,7 @@ void decode_layers(at::Tensor hidden, at::TensorList weights, const at::Tensor& 
   LayerBuffers buffers;
   run_step([&] {
     for (size_t i = 0; i < layers; ++i) {
-      run_decode_layer(hidden, weights.slice(6 * i, 6), cos, signed_sin, key_caches[i], value_caches[i], batch,
+      run_decode_layer(hidden, weights.slice(per_layer * i, per_layer), cos, signed_sin, key_caches[i], value_caches[i], batch,
                        num_heads, num_kv_heads, eps, scale, {}, at::Tensor(), buffers);
     }
   });

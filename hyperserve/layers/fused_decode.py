@@ -1,10 +1,10 @@
-"""Steps of an int4 Llama on the CPU, in native calls: one per step, or one per layer with LoRA.
+"""Steps of an int4 Llama (or Qwen3) on the CPU, in native calls: one per step, or one per layer with LoRA.
 
 At a few tokens per step a decoder layer is ~20 small PyTorch ops whose dispatch costs more than
 their arithmetic: eager decoding of SmolLM2-135M spent half its time outside the matmuls.
 `hyperserve::decode_layer` (kernels/cpu_ops.cpp) runs a whole layer (norms, int4 projections,
-rotary, the K/V write, paged attention over the block tables, SwiGLU) in one call, in float32,
-reading K/V in place; `decode_layers` runs every layer in one call where no row has an adapter.
+Qwen3's per-head QK norms, rotary, the K/V write, paged attention over the block tables, SwiGLU)
+in one call, in float32, reading K/V in place; `decode_layers` runs every layer in one call where no row has an adapter.
 The Q8_0 embedding, the final norm and the Q8_0 head run in float32 too (`logits`): as PyTorch
 ops in the model's bfloat16 they took 0.2-0.3 ms of a 6 ms token, and the float32 path scores
 closer to float32 weights (benchmarks/quality.py). Every token is a row with its own slot, block
@@ -61,7 +61,7 @@ class FusedDecode:
         self._all_layers = [w for layer in self.layers for w in layer]
         # int4 weights in the interleaved layout (norms are weights 0 and 3), on a CPU without a
         # native dense type faster than the 8-bit kernels
-        interleaved = all(w.dim() == 3 for layer in self.layers for w in layer[1:3] + layer[4:])
+        interleaved = all(w.dim() == 3 for layer in self.layers for w in layer[1:3] + layer[4:6])
         self.every_step = interleaved and dense_dtype() == torch.float32
         self.max_rows = INTERLEAVED_MAX_ROWS if interleaved else QUANTIZED_MAX_ROWS
 
@@ -84,8 +84,6 @@ class FusedDecode:
             return "an embedding or LM head not in Q8_0"
         if model.has_experts:
             return "a mixture of experts"
-        if model.model.layers[0].self_attn.q_norm is not None:
-            return "QK norms (Qwen3)"
         for layer in model.model.layers:
             linears = [unwrapped(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)]
@@ -96,9 +94,12 @@ class FusedDecode:
     @staticmethod
     def _weights(layer: torch.nn.Module) -> list[torch.Tensor]:
         attn, mlp = layer.self_attn, layer.mlp
-        return [layer.input_layernorm.weight.detach().float().contiguous(), unwrapped(attn.qkv_proj).q41,
-                unwrapped(attn.o_proj).q41, layer.post_attention_layernorm.weight.detach().float().contiguous(),
-                unwrapped(mlp.gate_up_proj).q41, unwrapped(mlp.down_proj).q41]
+        weights = [layer.input_layernorm.weight.detach().float().contiguous(), unwrapped(attn.qkv_proj).q41,
+                   unwrapped(attn.o_proj).q41, layer.post_attention_layernorm.weight.detach().float().contiguous(),
+                   unwrapped(mlp.gate_up_proj).q41, unwrapped(mlp.down_proj).q41]
+        if attn.q_norm is not None:  # Qwen3
+            weights += [norm.weight.detach().float().contiguous() for norm in (attn.q_norm, attn.k_norm)]
+        return weights
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  block_tables: torch.Tensor, lengths: torch.Tensor, kv_caches: list[KVCache],

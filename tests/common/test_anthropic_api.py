@@ -117,3 +117,29 @@ def test_errors_take_anthropic_s_shape():
     assert failed.feed({"error": {"message": "engine stopped", "type": "service_unavailable"}}) == [
         {"type": "error", "error": {"type": "overloaded_error", "message": "engine stopped"}}]
     assert failed.finish() == []
+
+
+@pytest.mark.parametrize("text, arguments", [("It is| 4.", None), ("", '{"city": "Paris"}'), ("", None)])
+def test_a_reasoning_models_thinking_is_a_thinking_block_whole_and_streamed(text, arguments):
+    finish_reason = "tool_calls" if arguments else "stop"
+    chunks = stream_of(text, arguments, finish_reason)
+    thinking = [{"model": "m", "choices": [{"index": 0, "delta": {"content": "", "reasoning_content": piece}}]}
+                for piece in ("2 + 2", " is 4")]
+    streamed = MessageBuilder([])
+    events = streamed.start()
+    for chunk in chunks[:1] + thinking + chunks[1:]:
+        events += streamed.feed(chunk)
+    events += streamed.finish()
+    message = {"role": "assistant", "content": text.replace("|", "") or None, "reasoning_content": "2 + 2 is 4"}
+    if arguments is not None:
+        call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        message["tool_calls"] = [call]
+    whole = MessageBuilder([]).from_completion({"model": "m", "usage": {"prompt_tokens": 7, "completion_tokens": 3},
+                                                "choices": [{"message": message, "finish_reason": finish_reason}]})
+    assert {**streamed.message(), "id": whole["id"]} == whole
+    assert whole["content"][0] == {"type": "thinking", "thinking": "2 + 2 is 4", "signature": ""}
+    starts = [e["index"] for e in events if e["type"] == "content_block_start"]
+    stops = [e["index"] for e in events if e["type"] == "content_block_stop"]
+    assert starts == stops == list(range(len(whole["content"])))
+    assert "".join(e["delta"]["thinking"] for e in events if e["type"] == "content_block_delta"
+                   and e["delta"]["type"] == "thinking_delta") == "2 + 2 is 4"

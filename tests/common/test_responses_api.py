@@ -229,3 +229,32 @@ def test_the_store_drops_the_least_recently_used_beyond_its_bytes():
     nothing.put(stored("", "r", None, "x"))
     with pytest.raises(APIError):
         nothing.get("", "r")
+
+
+@pytest.mark.parametrize("pieces, calls", [(["It is", " 4."], []), ([], [CALL]), ([], [])])
+def test_a_reasoning_models_thinking_is_a_reasoning_item_whole_and_streamed(pieces, calls):
+    """reasoning_content (--reasoning-parser) becomes a reasoning item before the answer, its text
+    streamed as reasoning_text deltas; streamed and whole answers agree."""
+    echo = ResponsesRequest.model_validate({"input": "hi"}).echo()
+    thinking = [{"model": "m", "choices": [{"index": 0, "delta": {"content": "", "reasoning_content": piece}}]}
+                for piece in ("2 + 2", " is 4")]
+    chunks = stream_of(pieces, calls, "tool_calls" if calls else "stop")
+    streamed = ResponseBuilder(echo)
+    events = streamed.start()
+    for chunk in chunks[:1] + thinking + chunks[1:]:
+        events += streamed.feed(chunk)
+    events += streamed.finish()
+    message = {"role": "assistant", "content": "".join(pieces) or None, "reasoning_content": "2 + 2 is 4",
+               **({"tool_calls": calls} if calls else {})}
+    whole = ResponseBuilder(echo).from_completion({
+        "model": "m", "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if calls else "stop",
+                                   "logprobs": {"content": [token_logprobs(piece) for piece in pieces]}}],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13,
+                  "prompt_tokens_details": {"cached_tokens": 2}}})
+    assert without_ids(events[-1]["response"]) == without_ids(whole)
+    reasoning = whole["output"][0]
+    assert reasoning["type"] == "reasoning" and reasoning["content"] == [{"type": "reasoning_text",
+                                                                          "text": "2 + 2 is 4"}]
+    assert [item["type"] for item in whole["output"][1:]] == ["function_call"] if calls else ["message"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "2 + 2 is 4"
+    assert [e["text"] for e in events if e["type"] == "response.reasoning_text.done"] == ["2 + 2 is 4"]

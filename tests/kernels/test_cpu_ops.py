@@ -159,6 +159,23 @@ def test_interleaved_q4_1_equals_the_dequantized_weight_against_8_bit_activation
     assert (torch.ops.hyperserve.quantized_linear(x, wrong, "q4_1", isa) - expected).norm() / expected.norm() > 0.3
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("layout", ["rows", "interleaved"])
+def test_a_projection_as_wide_as_an_8b_models_down_proj_runs_natively(isa, layout):
+    """14,336 inputs (Llama-3-8B's and Mistral-7B's down_proj; Qwen3-8B's is 12,288): more groups
+    than a row's scratch held before (256), which failed every such model in int4."""
+    runnable(isa)
+    packed, weight = quantized(16, 14336)
+    x = torch.randn(9, 14336)
+    if layout == "rows":
+        got, expected, tolerance = torch.ops.hyperserve.quantized_linear(x, packed, "q4_1", isa), x @ weight.T, 1e-4
+    else:
+        got = torch.ops.hyperserve.quantized_linear(x, interleave_q41(packed), "q4_1", isa)
+        expected, tolerance = eight_bit_product(x, packed, weight), 1e-5
+    assert got.shape == (9, 16)
+    assert (got - expected).norm() / expected.norm() < tolerance
+
+
 def test_interleaving_keeps_every_weight_in_its_place():
     packed, weight = quantized(48, 96)
     interleaved = interleave_q41(packed)

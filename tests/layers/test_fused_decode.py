@@ -46,25 +46,27 @@ def q41_layout(request, monkeypatch) -> str:
     return request.param
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "hidden"), [
-    (4, 2, 64),  # head_dim 16: the vectorized attention
-    (16, 8, 64),  # head_dim 4: the portable one
+@pytest.mark.parametrize(("arch", "num_heads", "num_kv_heads", "hidden"), [
+    ("llama", 4, 2, 64),  # head_dim 16: the vectorized attention
+    ("llama", 16, 8, 64),  # head_dim 4: the portable one
     # head_dim 64: the span kernel, its query heads reading each cached vector together: three a K/V
     # head as SmolLM2's, two, and four (a task of three and one of one)
-    (3, 1, 192),
-    (4, 2, 256),
-    (4, 1, 256),
+    ("llama", 3, 1, 192),
+    ("llama", 4, 2, 256),
+    ("llama", 4, 1, 256),
+    ("qwen3", 4, 2, 64),  # QK norms (head_dim 16, as tiny_config sets it)
 ])
-def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, num_heads, num_kv_heads, hidden,
+def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, arch, num_heads, num_kv_heads, hidden,
                                                             q41_layout):
     """With 16-bit activations the two paths differ by float rounding. With 8-bit ones such a
     difference can move an activation across a rounding boundary (a step of 1/127 of its group's
     largest value), after which every later rounding differs too: on this tiny random model (two
     groups per row) the two paths then differ by 3% of the logits' norm. Attention or the cache
     written wrongly would differ by the logits' own size."""
-    _, path = save_hf_model(tiny_config("llama", num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+    _, path = save_hf_model(tiny_config(arch, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                                         hidden_size=hidden))
     llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01)
+    assert len(llm.engine.runner.fused_decode.layers[0]) == (8 if arch == "qwen3" else 6)
     fused, plain = _decode_both_ways(llm)
     assert fused.shape == (6, 256)
     if q41_layout == "rows":

@@ -148,13 +148,26 @@ def test_chat_template_kwargs_reach_the_template(client):
         assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_the_responses_and_messages_apis_answer_with_the_content(client):
-    """They do not carry the thinking yet: their answer is the content after it."""
-    response = client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 16, "temperature": 0}).json()
-    assert response["output"][-1]["content"][0]["text"] == ANSWER
-    message = client.post("/v1/messages", json={"model": "thinker", "max_tokens": 16, "temperature": 0,
-                                                "messages": [{"role": "user", "content": "Hi"}]}).json()
-    assert message["content"] == [{"type": "text", "text": ANSWER}]
-    with client.stream("POST", "/v1/responses", json={"input": "Hi", "max_output_tokens": 16, "stream": True}) as r:
-        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-    assert events[-1]["response"]["output"][-1]["content"][0]["text"] == ANSWER
+def test_the_responses_and_messages_apis_carry_the_thinking_through_their_sdks(client):
+    """A reasoning item before the message (OpenAI's SDK, whole and streamed), a thinking block
+    before the text (Anthropic's)."""
+    import anthropic
+    import openai
+
+    responses = openai.OpenAI(base_url="http://testserver/v1", api_key="-", http_client=client).responses
+    whole = responses.create(model="thinker", input="Hi", max_output_tokens=16, temperature=0)
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == "Let me think" and whole.output_text == ANSWER
+    with responses.stream(model="thinker", input="Hi", max_output_tokens=16, temperature=0) as stream:
+        thought = "".join(event.delta for event in stream if event.type == "response.reasoning_text.delta")
+        streamed = stream.get_final_response()
+    assert thought == "Let me think" and streamed.output[0].content[0].text == thought
+    assert streamed.output_text == ANSWER
+    messages = anthropic.Anthropic(base_url="http://testserver", api_key="-", http_client=client).messages
+    answer = messages.create(model="thinker", max_tokens=16, messages=[{"role": "user", "content": "Hi"}])
+    assert [(block.type, getattr(block, "thinking", None) or getattr(block, "text", None))
+            for block in answer.content] == [("thinking", "Let me think"), ("text", ANSWER)]
+    with messages.stream(model="thinker", max_tokens=16, messages=[{"role": "user", "content": "Hi"}]) as stream:
+        final = stream.get_final_message()
+    assert [block.model_dump(include={"type", "thinking", "text"}) for block in final.content] == \
+        [block.model_dump(include={"type", "thinking", "text"}) for block in answer.content]

@@ -1,11 +1,15 @@
-"""Mixture-of-experts decode and prefill: HyperServe against transformers on the same random weights.
+"""Qwen3 and Qwen3-MoE decode and prefill: HyperServe against transformers on the same random weights.
 
-A Qwen3-MoE of a chosen shape (default: 12 layers, hidden 1024, 16 experts of width 512, 2 a token,
-vocabulary 32k: 0.35B parameters, 0.1B active a token) is saved once with random weights; each
-system then decodes 128 tokens after a 32-token prompt (1 stream, and 8 at once for HyperServe)
-and prefills one 512-token prompt. Greedy, ignore_eos; medians of --rounds.
+A model of one of SHAPES is saved once with random weights: `qwen3-0.6b` (Qwen3-0.6B's shape:
+28 layers, hidden 1024, 16 query and 8 K/V heads of 128, QK norms, vocabulary 152k, tied) or
+`qwen3-moe` (12 layers, hidden 1024, 16 experts of width 512, 2 a token, vocabulary 32k: 0.40B
+parameters, 0.13B active a token). Each system then decodes 128 tokens after a 32-token prompt
+(1 stream, and 8 at once for HyperServe) and prefills one 512-token prompt; every prompt is new
+(no prefix-cache hits). Greedy, ignore_eos; medians of --rounds. `int4-layers` is int4 with the
+native decode layers turned off: the layer-by-layer PyTorch path, for comparison.
 
-    python benchmarks/moe.py [--rounds 3] [--configs float32 int4] [--experts 16 --top-k 2]
+    python benchmarks/architectures.py --shape qwen3-0.6b [--rounds 3] [--configs float32 int4 int4-layers]
+    python benchmarks/architectures.py --shape qwen3-moe
 """
 
 from __future__ import annotations
@@ -19,19 +23,26 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3Config, Qwen3MoeConfig  # noqa: E402
 
 from hyperserve import LLM, SamplingParams  # noqa: E402
+from hyperserve.layers.fused_decode import FusedDecode  # noqa: E402
 from hyperserve.layers.quantization import cpu_flags  # noqa: E402
 
 DECODE_TOKENS, PROMPT, LONG_PROMPT = 128, 32, 512
+SHAPES = {
+    "qwen3-0.6b": lambda: Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                                      num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                                      head_dim=128, max_position_embeddings=2048, tie_word_embeddings=True),
+    "qwen3-moe": lambda: Qwen3MoeConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2048,
+                                        num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
+                                        head_dim=64, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=512,
+                                        norm_topk_prob=True, max_position_embeddings=2048, tie_word_embeddings=False),
+}
 
 
-def save_model(path: str, args) -> Qwen3MoeConfig:
-    config = Qwen3MoeConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=args.layers,
-                            num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=args.experts,
-                            num_experts_per_tok=args.top_k, moe_intermediate_size=512, norm_topk_prob=True,
-                            max_position_embeddings=2048, tie_word_embeddings=False)
+def save_model(path: str, shape: str) -> PretrainedConfig:
+    config = SHAPES[shape]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -53,9 +64,17 @@ def prompts(n: int, length: int) -> list[list[int]]:
     return [torch.randint(100, 30000, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def hyperserve_rates(path: str, quantization: str | None, rounds: int) -> dict[str, float]:
-    llm = LLM(model=path, quantization=quantization, max_model_len=1024, kv_cache_memory_gb=0.5,
-              max_num_batched_tokens=LONG_PROMPT)
+def hyperserve_rates(path: str, config_name: str, rounds: int) -> dict[str, float]:
+    quantization = None if config_name == "float32" else "int4"
+    layer_by_layer = config_name == "int4-layers"
+    unsupported = FusedDecode.unsupported
+    if layer_by_layer:
+        FusedDecode.unsupported = staticmethod(lambda model, caches: "asked for the layer-by-layer path")
+    try:
+        llm = LLM(model=path, quantization=quantization, max_model_len=1024, kv_cache_memory_gb=0.5,
+                  max_num_batched_tokens=LONG_PROMPT)
+    finally:
+        FusedDecode.unsupported = unsupported
     params = SamplingParams(temperature=0, max_tokens=DECODE_TOKENS, ignore_eos=True)
     rates: dict[str, list[float]] = {"decode 1": [], "decode 8": [], "prefill": []}
     llm.generate(prompts(1, PROMPT), params, use_tqdm=False)  # warm-up
@@ -90,27 +109,27 @@ def transformers_rates(path: str, rounds: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--configs", nargs="+", default=["float32", "int4"])
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-moe")
+    parser.add_argument("--configs", nargs="+", default=["float32", "int4", "int4-layers"],
+                        choices=["float32", "int4", "int4-layers"])
     args = parser.parse_args()
     flags = cpu_flags()
     header = (f"CPU flags: avx2={'avx2' in flags} avx512f={'avx512f' in flags} amx={'amx_tile' in flags}; "
               f"{os.cpu_count()} cores, {torch.get_num_threads()} threads")
     print(header)
     with tempfile.TemporaryDirectory() as path:
-        config = save_model(path, args)
+        config = save_model(path, args.shape)
         total = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
-        expert = 3 * config.hidden_size * config.moe_intermediate_size
-        active = total - config.num_hidden_layers * expert * (config.num_experts - config.num_experts_per_tok)
+        active = total
+        if args.shape == "qwen3-moe":
+            expert = 3 * config.hidden_size * config.moe_intermediate_size
+            active -= config.num_hidden_layers * expert * (config.num_experts - config.num_experts_per_tok)
         rows = {"transformers (float32)": transformers_rates(path, args.rounds)}
         for name in args.configs:
-            rows[f"HyperServe {name}"] = hyperserve_rates(path, None if name == "float32" else name, args.rounds)
+            rows[f"HyperServe {name}"] = hyperserve_rates(path, name, args.rounds)
     baseline = rows["transformers (float32)"]
-    print(f"\n{header}\nQwen3-MoE, random weights: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-          f"{config.num_experts} experts of width {config.moe_intermediate_size}, "
-          f"{config.num_experts_per_tok} a token: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active a token\n")
+    print(f"\n{header}\n{args.shape}, random weights: {total / 1e9:.2f}B parameters, "
+          f"{active / 1e9:.2f}B active a token\n")
     print("| system | decode tok/s, 1 stream | decode tok/s, 8 streams | prefill 512 tok/s |")
     print("|---|---|---|---|")
     for name, rate in rows.items():
