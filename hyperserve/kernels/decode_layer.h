@@ -1,5 +1,5 @@
 // One Llama decoder layer for a decode step (and all of a model's layers in one call), from the
-// quantized projections, paged attention and LoRA pieces.
+// quantized projections, paged attention and LoRA pieces; its MLP dense or a mixture of experts.
 
 #pragma once
 
@@ -47,9 +47,10 @@ void silu_mul_rows(const float* gates, int64_t rows, int64_t n, float* out, bool
   });
 }
 
-// A layer's intermediate results, allocated once for every layer of a step.
+// A layer's intermediate results, allocated once for every layer of a step; the expert_* ones hold
+// an expert's rows of x (then its SwiGLU's), its gate/up output and its down output.
 struct LayerBuffers {
-  std::vector<float> x, wide, attended, projected;
+  std::vector<float> x, wide, attended, projected, expert_in, expert_wide, expert_out;
 
   void fit(int64_t rows, int64_t dim, int64_t intermediate, int64_t wide_features, int64_t attended_features) {
     x.resize(rows * std::max(dim, intermediate));
@@ -83,10 +84,86 @@ DecodeBatch checked_batch(const at::Tensor& slots, const at::Tensor& block_table
   return batch;
 }
 
+// How many of `weights`, from `first`, belong to one layer (see run_decode_layer): 8 with a dense
+// MLP, 8 + 2 * experts with a mixture of experts (router and routing in place of gate_up and down).
+int64_t layer_weight_count(at::TensorList weights, int64_t first) {
+  TORCH_CHECK(first + 8 <= static_cast<int64_t>(weights.size()), "decode_layer: a layer takes 8 weights or more");
+  const at::Tensor& mlp = weights[first + 6];
+  return mlp.scalar_type() == at::kFloat && mlp.dim() == 2 ? 8 + 2 * mlp.size(0) : 8;
+}
+
+// h [rows, dim] += the mixture of experts' output for x [rows, dim] (normed): each row's router
+// scores (router [experts, dim] float32) through a softmax, its top_k experts (their weights
+// renormalised to sum to one where asked), then each chosen expert (gate_up and down in Q4_1, as
+// the dense MLP's) once over all of its rows, in expert order, rows in row order: the order the
+// PyTorch layer (layers/moe.py) adds them in.
+void moe_mlp(const float* x, int64_t rows, int64_t dim, const at::Tensor& router, const at::Tensor& routing,
+             at::TensorList experts, float* h, LayerBuffers& buffers, Isa isa, bool avx2) {
+  const int64_t num_experts = router.size(0);
+  TORCH_CHECK(router.is_contiguous() && router.size(1) == dim && routing.scalar_type() == at::kLong &&
+                  routing.numel() == 2 && static_cast<int64_t>(experts.size()) == 2 * num_experts,
+              "decode_layer: a mixture of experts takes its router [experts, dim], its routing (top_k, "
+              "renormalize) and each expert's gate_up and down");
+  const int64_t top_k = routing.data_ptr<int64_t>()[0];
+  const bool renormalize = routing.data_ptr<int64_t>()[1] != 0;
+  TORCH_CHECK(top_k >= 1 && top_k <= num_experts, "decode_layer: top_k out of range");
+  std::vector<float> scores(rows * num_experts);
+  const float* gate = router.data_ptr<float>();
+  parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = scores.data() + r * num_experts;
+      float top = -INFINITY, total = 0.f;
+      for (int64_t e = 0; e < num_experts; ++e) {
+        float dot = 0.f;
+        for (int64_t j = 0; j < dim; ++j) dot += x[r * dim + j] * gate[e * dim + j];
+        row[e] = dot;
+        top = std::max(top, dot);
+      }
+      for (int64_t e = 0; e < num_experts; ++e) total += row[e] = std::exp(row[e] - top);
+      for (int64_t e = 0; e < num_experts; ++e) row[e] /= total;
+    }
+  });
+  // each expert's (row, weight) pairs, rows in order
+  std::vector<std::vector<std::pair<int64_t, float>>> chosen(num_experts);
+  std::vector<int64_t> order(num_experts);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = scores.data() + r * num_experts;
+    for (int64_t e = 0; e < num_experts; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                      [&](int64_t a, int64_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+    float kept = 0.f;
+    for (int64_t i = 0; i < top_k; ++i) kept += row[order[i]];
+    for (int64_t i = 0; i < top_k; ++i) {
+      chosen[order[i]].emplace_back(r, renormalize ? row[order[i]] / kept : row[order[i]]);
+    }
+  }
+  std::vector<float> sums(rows * dim, 0.f);
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t n = static_cast<int64_t>(chosen[e].size());
+    if (n == 0) continue;
+    const QuantizedWeight gate_up = quantized_weight(experts[2 * e], dim, Format::kQ4_1);
+    const int64_t width = gate_up.out_features / 2;
+    const QuantizedWeight down = quantized_weight(experts[2 * e + 1], width, Format::kQ4_1);
+    TORCH_CHECK(down.out_features == dim, "decode_layer: an expert's down projection must give dim features");
+    std::vector<float>&in = buffers.expert_in, &wide = buffers.expert_wide, &out = buffers.expert_out;
+    in.resize(n * std::max(dim, width)), wide.resize(n * 2 * width), out.resize(n * dim);
+    for (int64_t i = 0; i < n; ++i) std::copy_n(x + chosen[e][i].first * dim, dim, in.data() + i * dim);
+    quantized_matmul(gate_up, in.data(), n, wide.data(), isa);
+    silu_mul_rows(wide.data(), n, width, in.data(), avx2);
+    quantized_matmul(down, in.data(), n, out.data(), isa);
+    for (int64_t i = 0; i < n; ++i) {
+      const auto [r, weight] = chosen[e][i];
+      for (int64_t j = 0; j < dim; ++j) sums[r * dim + j] += weight * out[i * dim + j];
+    }
+  }
+  add_rows(h, sums.data(), rows, dim);
+}
+
 // hidden [rows, dim] (float32, updated in place) through one Llama decoder layer, one new token
-// per row. weights: input norm, qkv, o, post-attention norm, gate_up, down (norms float32, the
-// projections Q4_1 as above), then for Qwen3 the q and k norms [head_dim], applied to each head
-// of q and k before rotary. K/V caches are [slots, kv_heads, head_dim] in float32, bfloat16 or
+// per row. weights: input norm, qkv, o, post-attention norm (norms float32, the projections Q4_1 as
+// above); the q and k norms [head_dim] (Qwen3: applied to each head of q and k before rotary), or two
+// empty tensors; then the MLP: gate_up and down, or a mixture of experts: its router [experts, dim]
+// (float32), its routing (int64 top_k and renormalize) and each expert's gate_up and down. K/V caches are [slots, kv_heads, head_dim] in float32, bfloat16 or
 // float16; token t of row r lives at slot block_tables[r][t / block_size] * block_size + t % block_size.
 // lora: for each adapter of the step, A and B (as LoRAWeights says) of qkv, o, gate_up and down;
 // lora_rows: each row's adapter, an index into them (-1: none). The batch is checked already.
@@ -94,8 +171,10 @@ void run_decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tenso
                       at::Tensor key_cache, at::Tensor value_cache, const DecodeBatch& batch, int64_t num_heads,
                       int64_t num_kv_heads, double eps, double scale, at::TensorList lora,
                       const at::Tensor& lora_rows, LayerBuffers& buffers) {
-  TORCH_CHECK(weights.size() == 6 || weights.size() == 8,
-              "decode_layer: expected 6 weights (norm, qkv, o, norm, gate_up, down), and the q and k norms");
+  const bool moe = layer_weight_count(weights, 0) > 8;
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layer_weight_count(weights, 0),
+              "decode_layer: expected norm, qkv, o, norm, q and k norms (or two empty tensors), then gate_up and "
+              "down or a mixture of experts");
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && hidden.dim() == 2,
               "decode_layer: hidden must be contiguous float32 [rows, dim]");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.scalar_type() == value_cache.scalar_type() &&
@@ -110,16 +189,21 @@ void run_decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tenso
   }
   const QuantizedWeight qkv = quantized_weight(weights[1], dim, Format::kQ4_1);
   const QuantizedWeight o = quantized_weight(weights[2], num_heads * head_dim, Format::kQ4_1);
-  const QuantizedWeight gate_up = quantized_weight(weights[4], dim, Format::kQ4_1);
-  const int64_t intermediate = gate_up.out_features / 2;
-  const QuantizedWeight down = quantized_weight(weights[5], intermediate, Format::kQ4_1);
+  QuantizedWeight gate_up{}, down{};
+  int64_t intermediate = 0;  // the dense MLP's; each expert's weights are read as it runs
+  if (!moe) {
+    gate_up = quantized_weight(weights[6], dim, Format::kQ4_1);
+    intermediate = gate_up.out_features / 2;
+    down = quantized_weight(weights[7], intermediate, Format::kQ4_1);
+  }
   TORCH_CHECK(head_dim % 2 == 0 && qkv.out_features == qkv_features && o.out_features == dim &&
-                  down.out_features == dim,
+                  (moe || down.out_features == dim),
               "decode_layer: weight shapes do not fit the layer");
-  const bool qk_norms = weights.size() == 8;
-  for (size_t i = 6; i < weights.size(); ++i) {
-    TORCH_CHECK(weights[i].scalar_type() == at::kFloat && weights[i].is_contiguous() && weights[i].numel() == head_dim,
-                "decode_layer: q and k norm weights must be contiguous float32 [head_dim]");
+  const bool qk_norms = weights[4].numel() > 0;
+  for (int i : {4, 5}) {
+    TORCH_CHECK(weights[i].numel() == (qk_norms ? head_dim : 0) && weights[i].scalar_type() == at::kFloat &&
+                    weights[i].is_contiguous(),
+                "decode_layer: q and k norm weights must be contiguous float32 [head_dim], or both empty");
   }
   for (const at::Tensor* t : {&cos, &signed_sin}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == rows * head_dim,
@@ -158,7 +242,8 @@ void run_decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tenso
   const bool avx2 = isa != Isa::kPortable;
   float* h = hidden.data_ptr<float>();
   buffers.fit(rows, dim, intermediate, std::max(qkv_features, 2 * intermediate), num_heads * head_dim);
-  auto& [x, wide, attended, projected] = buffers;
+  std::vector<float>&x = buffers.x, &wide = buffers.wide, &attended = buffers.attended,
+                     &projected = buffers.projected;
 
   rms_norm(h, weights[0].data_ptr<float>(), rows, dim, static_cast<float>(eps), x.data());
   quantized_matmul(qkv, x.data(), rows, wide.data(), isa);
@@ -166,9 +251,9 @@ void run_decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tenso
   if (qk_norms) {  // in place: each head of q, then of k, is a row of head_dim
     for (int64_t r = 0; r < rows; ++r) {
       float* q = wide.data() + r * qkv_features;
-      rms_norm(q, weights[6].data_ptr<float>(), num_heads, head_dim, static_cast<float>(eps), q);
+      rms_norm(q, weights[4].data_ptr<float>(), num_heads, head_dim, static_cast<float>(eps), q);
       float* k = q + num_heads * head_dim;
-      rms_norm(k, weights[7].data_ptr<float>(), num_kv_heads, head_dim, static_cast<float>(eps), k);
+      rms_norm(k, weights[5].data_ptr<float>(), num_kv_heads, head_dim, static_cast<float>(eps), k);
     }
   }
   const auto attend_all = [&](auto* keys, auto* values) {
@@ -190,6 +275,12 @@ void run_decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tenso
   add_rows(h, projected.data(), rows, dim);
 
   rms_norm(h, weights[3].data_ptr<float>(), rows, dim, static_cast<float>(eps), x.data());
+  if (moe) {
+    for (const std::vector<LoRAWeights>* adapters : {&lora_gate_up, &lora_down}) {
+      for (const LoRAWeights& w : *adapters) TORCH_CHECK(w.a == nullptr, "decode_layer: experts take no LoRA");
+    }
+    return moe_mlp(x.data(), rows, dim, weights[6], weights[7], weights.slice(8), h, buffers, isa, avx2);
+  }
   quantized_matmul(gate_up, x.data(), rows, wide.data(), isa);
   lora_add(lora_gate_up, lora_dtype, row_adapter, x.data(), rows, dim, wide.data(), 2 * intermediate,
            {0, intermediate, 2 * intermediate}, avx2);
@@ -214,17 +305,18 @@ void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& c
 }
 
 // Every layer of a model through decode_layer in one call, without LoRA: weights holds each layer's
-// six (eight with QK norms) in turn, key_caches and value_caches one per layer. One dispatch from Python per step rather
+// (as decode_layer takes them) in turn, key_caches and value_caches one per layer. One dispatch from Python per step rather
 // than one per layer.
 void decode_layers(at::Tensor hidden, at::TensorList weights, const at::Tensor& cos, const at::Tensor& signed_sin,
                    at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& slots,
                    const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size, int64_t num_heads,
                    int64_t num_kv_heads, double eps, double scale) {
   const size_t layers = key_caches.size();
-  const size_t per_layer = layers > 0 ? weights.size() / layers : 0;
-  TORCH_CHECK(layers > 0 && value_caches.size() == layers && (per_layer == 6 || per_layer == 8) &&
-                  weights.size() == per_layer * layers && hidden.dim() == 2,
-              "decode_layers: six weights (eight with QK norms) and one K and V cache per layer");
+  std::vector<int64_t> first{0};  // where each layer's weights start
+  for (size_t i = 0; i < layers; ++i) first.push_back(first.back() + layer_weight_count(weights, first.back()));
+  TORCH_CHECK(layers > 0 && value_caches.size() == layers && first.back() == static_cast<int64_t>(weights.size()) &&
+                  hidden.dim() == 2,
+              "decode_layers: each layer's weights (as decode_layer takes them) and one K and V cache per layer");
   for (size_t i = 0; i < layers; ++i) {
     TORCH_CHECK(key_caches[i].size(0) == key_caches[0].size(0), "decode_layers: every layer's cache has one size");
   }
@@ -233,7 +325,7 @@ void decode_layers(at::Tensor hidden, at::TensorList weights, const at::Tensor& 
   LayerBuffers buffers;
   run_step([&] {
     for (size_t i = 0; i < layers; ++i) {
-      run_decode_layer(hidden, weights.slice(per_layer * i, per_layer), cos, signed_sin, key_caches[i], value_caches[i], batch,
+      run_decode_layer(hidden, weights.slice(first[i], first[i + 1] - first[i]), cos, signed_sin, key_caches[i], value_caches[i], batch,
                        num_heads, num_kv_heads, eps, scale, {}, at::Tensor(), buffers);
     }
   });

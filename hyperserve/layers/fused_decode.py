@@ -1,10 +1,11 @@
-"""Steps of an int4 Llama (or Qwen3) on the CPU, in native calls: one per step, or one per layer with LoRA.
+"""Steps of an int4 Llama-family model on the CPU, in native calls: one per step, or one per layer with LoRA.
 
 At a few tokens per step a decoder layer is ~20 small PyTorch ops whose dispatch costs more than
 their arithmetic: eager decoding of SmolLM2-135M spent half its time outside the matmuls.
 `hyperserve::decode_layer` (kernels/cpu_ops.cpp) runs a whole layer (norms, int4 projections,
-Qwen3's per-head QK norms, rotary, the K/V write, paged attention over the block tables, SwiGLU)
-in one call, in float32, reading K/V in place; `decode_layers` runs every layer in one call where no row has an adapter.
+Qwen3's per-head QK norms, rotary, the K/V write, paged attention over the block tables, SwiGLU,
+or a mixture of experts: the router, each row's top k, each chosen expert once over its rows) in
+one call, in float32, reading K/V in place; `decode_layers` runs every layer in one call where no row has an adapter.
 The Q8_0 embedding, the final norm and the Q8_0 head run in float32 too (`logits`): as PyTorch
 ops in the model's bfloat16 they took 0.2-0.3 ms of a 6 ms token, and the float32 path scores
 closer to float32 weights (benchmarks/quality.py). Every token is a row with its own slot, block
@@ -30,6 +31,7 @@ import torch
 from hyperserve import kernels
 from hyperserve.layers.attention import KVCache
 from hyperserve.layers.lora import LoRABatch, unwrapped
+from hyperserve.layers.moe import SparseMoE
 from hyperserve.layers.quantization import (
     INTERLEAVED_MAX_ROWS,
     QUANTIZED_MAX_ROWS,
@@ -59,9 +61,9 @@ class FusedDecode:
         self.cos, self.signed_sin = cos.squeeze(1).contiguous(), signed_sin.squeeze(1).contiguous()
         self.layers = [self._weights(layer) for layer in model.model.layers]
         self._all_layers = [w for layer in self.layers for w in layer]
-        # int4 weights in the interleaved layout (norms are weights 0 and 3), on a CPU without a
-        # native dense type faster than the 8-bit kernels
-        interleaved = all(w.dim() == 3 for layer in self.layers for w in layer[1:3] + layer[4:6])
+        # int4 weights in the interleaved layout, on a CPU without a native dense type faster than the
+        # 8-bit kernels
+        interleaved = all(w.dim() == 3 for w in self._all_layers if w.dtype == torch.uint8)
         self.every_step = interleaved and dense_dtype() == torch.float32
         self.max_rows = INTERLEAVED_MAX_ROWS if interleaved else QUANTIZED_MAX_ROWS
 
@@ -82,24 +84,28 @@ class FusedDecode:
             return "tensor parallelism (the layer's output needs an all-reduce before the residual add)"
         if not (isinstance(model.model.embed_tokens, Q8Embedding) and isinstance(model.lm_head, Q8Head)):
             return "an embedding or LM head not in Q8_0"
-        if model.has_experts:
-            return "a mixture of experts"
         for layer in model.model.layers:
-            linears = [unwrapped(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            mlps = layer.mlp.experts if isinstance(layer.mlp, SparseMoE) else [layer.mlp]
+            linears = [unwrapped(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
+            linears += [unwrapped(m) for mlp in mlps for m in (mlp.gate_up_proj, mlp.down_proj)]
             if not all(isinstance(m, Int4Linear) and m.native and not m.has_bias for m in linears):
                 return "projections that are not bias-free native int4"
         return None
 
     @staticmethod
     def _weights(layer: torch.nn.Module) -> list[torch.Tensor]:
+        """The layer's weights as decode_layer takes them: norm, qkv, o, norm, the q and k norms
+        (empty without them), then gate_up and down, or a mixture of experts' router, routing
+        (top_k, renormalize) and every expert's gate_up and down."""
         attn, mlp = layer.self_attn, layer.mlp
         weights = [layer.input_layernorm.weight.detach().float().contiguous(), unwrapped(attn.qkv_proj).q41,
-                   unwrapped(attn.o_proj).q41, layer.post_attention_layernorm.weight.detach().float().contiguous(),
-                   unwrapped(mlp.gate_up_proj).q41, unwrapped(mlp.down_proj).q41]
-        if attn.q_norm is not None:  # Qwen3
-            weights += [norm.weight.detach().float().contiguous() for norm in (attn.q_norm, attn.k_norm)]
-        return weights
+                   unwrapped(attn.o_proj).q41, layer.post_attention_layernorm.weight.detach().float().contiguous()]
+        weights += [torch.empty(0), torch.empty(0)] if attn.q_norm is None else [
+            norm.weight.detach().float().contiguous() for norm in (attn.q_norm, attn.k_norm)]
+        if not isinstance(mlp, SparseMoE):
+            return weights + [unwrapped(mlp.gate_up_proj).q41, unwrapped(mlp.down_proj).q41]
+        weights += [mlp.gate.weight.detach().float().contiguous(), torch.tensor([mlp.top_k, int(mlp.renormalize)])]
+        return weights + [unwrapped(p).q41 for expert in mlp.experts for p in (expert.gate_up_proj, expert.down_proj)]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  block_tables: torch.Tensor, lengths: torch.Tensor, kv_caches: list[KVCache],

@@ -55,6 +55,8 @@ def q41_layout(request, monkeypatch) -> str:
     ("llama", 4, 2, 256),
     ("llama", 4, 1, 256),
     ("qwen3", 4, 2, 64),  # QK norms (head_dim 16, as tiny_config sets it)
+    ("mixtral", 4, 2, 64),  # a mixture of 4 experts, 2 a token
+    ("qwen3_moe", 4, 2, 64),  # a dense layer, then a mixture with QK norms
 ])
 def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, arch, num_heads, num_kv_heads, hidden,
                                                             q41_layout):
@@ -63,10 +65,11 @@ def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, arch,
     largest value), after which every later rounding differs too: on this tiny random model (two
     groups per row) the two paths then differ by 3% of the logits' norm. Attention or the cache
     written wrongly would differ by the logits' own size."""
+    moe = {"moe_intermediate_size": 64, "mlp_only_layers": [0]} if arch == "qwen3_moe" else {}
     _, path = save_hf_model(tiny_config(arch, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                                        hidden_size=hidden))
+                                        hidden_size=hidden, **moe))
     llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01)
-    assert len(llm.engine.runner.fused_decode.layers[0]) == (8 if arch == "qwen3" else 6)
+    assert (llm.engine.runner.fused_decode.layers[0][4].numel() > 0) == arch.startswith("qwen3")
     fused, plain = _decode_both_ways(llm)
     assert fused.shape == (6, 256)
     if q41_layout == "rows":
@@ -167,8 +170,12 @@ def test_fused_decode_reads_a_bfloat16_cache(save_hf_model, q41_layout):
     assert (fused - plain).norm() / plain.norm() < (0.02 if q41_layout == "rows" else 0.1)
 
 
-def test_greedy_generation_is_the_same_batched_or_alone(save_hf_model, q41_layout):
-    _, path = save_hf_model(tiny_config("llama"))
+MOE = {"moe_intermediate_size": 64}  # int4 takes widths in groups of 32
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_greedy_generation_is_the_same_batched_or_alone(save_hf_model, q41_layout, arch):
+    _, path = save_hf_model(tiny_config(arch, **MOE))
     llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [[1, 5, 9], [2, 200, 17, 33, 4, 8], [250]]
@@ -181,7 +188,8 @@ def test_greedy_generation_is_the_same_batched_or_alone(save_hf_model, q41_layou
         assert plain == together
 
 
-def test_where_every_step_is_fused_a_request_is_the_same_cached_chunked_or_batched(save_hf_model, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_where_every_step_is_fused_a_request_is_the_same_cached_chunked_or_batched(save_hf_model, monkeypatch, arch):
     """With the interleaved layout (the AVX2-only class) every token runs the fused layers' 8-bit
     kernels however it is scheduled, so a request's tokens and logprobs are the same bit for bit
     computed whole, in chunks, after a prefix-cache hit (its last tokens are a step of a few rows),
@@ -191,7 +199,8 @@ def test_where_every_step_is_fused_a_request_is_the_same_cached_chunked_or_batch
         pytest.skip("the interleaved layout is chosen only where the CPU has AVX2")
     monkeypatch.setattr(quantization, "interleaves_q41", lambda: True)
     monkeypatch.setattr(fused_decode, "dense_dtype", lambda: torch.float32)  # no native bfloat16, as on AVX2
-    _, path = save_hf_model(tiny_config("llama", hidden_size=192, num_attention_heads=3, num_key_value_heads=1))
+    _, path = save_hf_model(tiny_config(arch, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
+                                        head_dim=64))
     generator = torch.Generator().manual_seed(1)
     prompt, *others = (torch.randint(0, 256, (n,), generator=generator).tolist() for n in (70, 45, 30))
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
