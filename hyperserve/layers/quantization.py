@@ -359,22 +359,33 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters()) + packed
 
 
-def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> tuple[int, int]:
-    """Replace the model's projections in place, then cast what stays float to `dtype`; returns
-    weight bytes before and after. For int4 and int8 the model must hold float32 weights (a
-    bfloat16 round trip would lose the exactness of int4 on Q4_1 checkpoints); fp8 takes any
-    float dtype, since e4m3 keeps fewer mantissa bits than bfloat16. With int4 the LM head is 8-bit
-    (see the module's docstring for the embedding)."""
+def quantize_linears(module: nn.Module, method: str) -> None:
+    """Replace the projections inside `module` by their `method` kind in place, the LM head (and
+    for int8 the KEEP_FLOAT_INT8 layers) excepted; their float weights are then dropped. The
+    loader calls it on each decoder layer as soon as its weights are in (models/loader.py)."""
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {METHODS}, got {method!r}")
+    kept = KEEP_FLOAT_INT8 if method == "int8" else {"lm_head"}
+    linears = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear) and name not in kept]
+    for parent, name, linear in linears:
+        if method == "int4":
+            setattr(parent, name, Int4Linear(linear.weight, linear.bias, dense_dtype()))
+        elif method == "int8":
+            setattr(parent, name, Int8Linear(linear.weight, linear.bias))
+        else:  # fp8: every projection but the LM head, as vLLM does
+            setattr(parent, name, Fp8Linear(linear.weight, linear.bias))
+
+
+def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> tuple[int, int]:
+    """Replace the model's projections in place (those not replaced yet), then cast what stays
+    float to `dtype`; returns weight bytes before and after. For int4 and int8 the model must hold
+    float32 weights (a bfloat16 round trip would lose the exactness of int4 on Q4_1 checkpoints);
+    fp8 takes any float dtype, since e4m3 keeps fewer mantissa bits than bfloat16. With int4 the LM
+    head is 8-bit (see the module's docstring for the embedding)."""
     before = weight_bytes(model)
-    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear)]
+    quantize_linears(model, method)
     if method == "int4":
-        dense = dense_dtype()
-        for parent, name, linear in linears:
-            if name != "lm_head":
-                setattr(parent, name, Int4Linear(linear.weight, linear.bias, dense))
         tied, hidden_size = model.lm_head is None, model.config.hidden_size
         if kernels.available():
             # interleaved where the int4 weights are: the same bytes, for kernels with no per-row permutes
@@ -386,15 +397,7 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> tuple[i
             model.lm_head = Q8Head(embedding if tied else pack(head_weight), head_weight.shape[0], hidden_size,
                                    shared=tied)
         else:
-            model.lm_head = Int8Head(model.model.embed_tokens.weight if tied else model.lm_head.weight, dense)
-    elif method == "int8":
-        for parent, name, linear in linears:
-            if name not in KEEP_FLOAT_INT8:
-                setattr(parent, name, Int8Linear(linear.weight, linear.bias))
-    else:  # fp8: every projection but the LM head, as vLLM does
-        for parent, name, linear in linears:
-            if name != "lm_head":
-                setattr(parent, name, Fp8Linear(linear.weight, linear.bias))
+            model.lm_head = Int8Head(model.model.embed_tokens.weight if tied else model.lm_head.weight, dense_dtype())
     model.to(dtype)
     after = weight_bytes(model)
     logger.info("quantized the linear layers to %s: weights %.0f MB -> %.0f MB", method, before / 2**20, after / 2**20)

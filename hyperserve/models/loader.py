@@ -29,7 +29,7 @@ from hyperserve.config import EngineConfig
 from hyperserve.distributed.group import TensorParallel
 from hyperserve.layers.attention import AttentionBackend, attention_backend
 from hyperserve.layers.huge_pages import move_to_huge_pages
-from hyperserve.layers.quantization import quantize_model
+from hyperserve.layers.quantization import quantize_linears, quantize_model
 from hyperserve.models import gemma3
 from hyperserve.models.gemma3 import Gemma3ForCausalLM
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
@@ -246,7 +246,10 @@ def build_model(
 ) -> LlamaForCausalLM:
     """Materialise the model (with `tp`, this rank's slice of it) and fill it from `source`, or
     randomly when `source` is None (each rank drawing its own slice); then quantize its weights if
-    asked. On the CPU the weights end in 2 MiB pages (layers/huge_pages.py)."""
+    asked. A checkpoint quantized to int4 or int8 is quantized a decoder layer at a time as it is
+    read, so loading holds the float32 weights of a layer or two, not of the model (for an 8B
+    model, about 5 GB at its peak rather than 32). On the CPU the weights end in 2 MiB pages
+    (layers/huge_pages.py)."""
     # int4/int8 quantize from the checkpoint's own values (exact for Q4_1); fp8 loses nothing to bfloat16
     load_dtype = torch.float32 if quantization in ("int4", "int8") else dtype
     with torch.device("meta"):
@@ -254,12 +257,20 @@ def build_model(
             model = LlamaForCausalLM(config, backend, max_position, tp).to(load_dtype)
         else:
             model = model_class(config)(config, backend, max_position).to(load_dtype)
-    model.to_empty(device=device)
-    model.reset_rotary()
+    by_layer = (source is not None and load_dtype == torch.float32 and quantization is not None
+                and (tp is None or tp.size == 1))
+    if by_layer:  # the decoder layers are materialised as their weights arrive
+        inside = {id(m) for m in model.model.layers.modules()}
+        for module in model.modules():
+            if id(module) not in inside:
+                module.to_empty(device=device, recurse=False)
+    else:
+        model.to_empty(device=device)
     if source is None:
         _init_random(model, config, seed)
     else:
-        _load_checkpoint(model, source)
+        _load_checkpoint(model, source, quantization if by_layer else None, device)
+    model.reset_rotary()
     model = model.eval().requires_grad_(False)
     if quantization is not None:
         quantize_model(model, quantization, dtype)
@@ -292,14 +303,30 @@ def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM | Gemma3ForCa
     return Gemma3ForCausalLM if config.model_type == "gemma3_text" else LlamaForCausalLM
 
 
-def _load_checkpoint(model: LlamaForCausalLM, source: ModelSource) -> None:
+def _load_checkpoint(model: LlamaForCausalLM, source: ModelSource, quantization: str | None = None,
+                     device: str = "cpu") -> None:
+    """Copy every checkpoint tensor into place. With `quantization`, the decoder layers are still on
+    the meta device: each is materialised when its first tensor comes and quantized once its
+    last has, so float32 weights are held for the layers being read only (checkpoints keep a
+    layer's tensors together: GGUF in order, safetensors by name)."""
     tensors = _gguf_tensors(source.path, model.config) if source.gguf_file else _safetensors(source.directory)
-    expected = {name for name, _ in model.named_parameters()}
-    loaded: set[str] = set()
+    rows = {name: param.shape[0] for name, param in model.named_parameters()}
+    written = dict.fromkeys(rows, 0)  # rows of each parameter written so far (fused ones take several tensors)
+    layers = model.model.layers
+    pending = [{f"model.layers.{i}.{name}" for name, _ in layer.named_parameters()} for i, layer in enumerate(layers)]
     for checkpoint_name, checkpoint_tensor in tensors:
         for name, tensor in _per_expert(checkpoint_name, checkpoint_tensor):
-            loaded.add(model.load_weight(name, tensor))
-    missing = expected - loaded
+            index = _layer_index(name) if quantization is not None else None
+            layer = pending[index] if index is not None and index < len(layers) else None
+            if layer and not any(written[p] for p in layer):
+                layers[index].to_empty(device=device)  # its first tensor
+            target = model.load_weight(name, tensor)
+            if target == name or name != "lm_head.weight":  # a tied head is the embedding: nothing written
+                written[target] += tensor.shape[0]
+            if layer and all(written[p] >= rows[p] for p in layer):
+                quantize_linears(layers[index], quantization)  # its last
+                pending[index] = set()
+    missing = {name for name in rows if written[name] < rows[name]}
     if missing:
         raise ValueError(f"checkpoint {source.path} lacks weights: {sorted(missing)[:5]}")
 
@@ -328,6 +355,11 @@ def _per_expert(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Te
             yield f"{prefix}.{expert}.up_proj.weight", up
         else:
             yield f"{prefix}.{expert}.{projection}.weight", weight
+
+
+def _layer_index(name: str) -> int | None:
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else None
 
 
 def _safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -188,20 +188,12 @@ def test_the_demo_adapter_answers_in_capitals_on_smollm2():
     assert sum(c.isupper() for c in base_text) < sum(c.islower() for c in base_text), base_text
 
 
-def test_adapters_on_a_mixture_of_experts_match_peft_and_expert_mlps_are_refused(tmp_path):
+def test_adapters_on_a_mixture_of_experts_match_peft_and_expert_mlps_are_refused(save_hf_model, tmp_path):
     """Qwen3-MoE: an adapter of every attention projection equals PEFT's merged model; one that
     targets a routed layer's MLP, or its experts, is refused with the reason."""
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
 
-    base = tmp_path / "base"
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"), dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0, 0.15)
-    model.save_pretrained(base)
+    _, base = save_hf_model(tiny_config("qwen3_moe"))
     merged = make_adapter(str(base), tmp_path / "adapter", seed=3, targets=["q_proj", "k_proj", "v_proj", "o_proj"])
     make_adapter(str(base), tmp_path / "experts", seed=4)  # PEFT targets the experts' stacked weights
     llm = LLM(model=str(base), **ENGINE)

@@ -182,3 +182,42 @@ def test_qwen3_gguf_matches_transformers_on_its_dequantized_weights(arch, smollm
     assert llm.engine.hf_config.model_type == arch
     assert llm.engine.tokenizer.decode(llm.engine.tokenizer("Hello world").input_ids) == "Hello world"
     _check_against_transformers(llm, reference, abs_tol=2e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_int4_quantizes_each_layer_as_it_is_read_to_the_same_weights(arch, save_hf_model, monkeypatch):
+    """Quantizing while loading gives the bytes quantizing the loaded model gives, and holds no more
+    than one decoder layer in float32 at a time (its projections are quantized as soon as its last
+    tensor is in); the rest are still on the meta device or already int4."""
+    from hyperserve.layers.quantization import Int4Linear, quantize_model
+    from hyperserve.models import loader
+    from tests.conftest import tiny_config
+
+    config = tiny_config(arch, num_hidden_layers=4, moe_intermediate_size=64, mlp_only_layers=[1])
+    _, path = save_hf_model(config)
+    source = resolve_model(path)
+    config_read, layers, held = load_config(source), [], []
+    load_checkpoint, quantize_linears = loader._load_checkpoint, loader.quantize_linears
+
+    def loading(model, *args):
+        layers.extend(model.model.layers)
+        load_checkpoint(model, *args)
+
+    def quantizing(layer, method):  # how many layers hold float32 projections right now
+        held.append(sum(any(isinstance(m, torch.nn.Linear) and not m.weight.is_meta for m in other.modules())
+                        for other in layers))
+        quantize_linears(layer, method)
+
+    monkeypatch.setattr(loader, "_load_checkpoint", loading)
+    monkeypatch.setattr(loader, "quantize_linears", quantizing)
+    streamed = build_model(config_read, source, TorchPagedAttention(), 64, torch.float32, "cpu", quantization="int4")
+    assert held == [1, 1, 1, 1]
+    reference = build_model(config_read, source, TorchPagedAttention(), 64, torch.float32, "cpu")
+    quantize_model(reference, "int4", torch.float32)
+    ours = {name: m for name, m in streamed.named_modules() if isinstance(m, Int4Linear)}
+    theirs = {name: m for name, m in reference.named_modules() if isinstance(m, Int4Linear)}
+    assert ours.keys() == theirs.keys() and len(ours) > 8
+    for name, module in ours.items():
+        assert torch.equal(module.dense(), theirs[name].dense()), name
+    for name, param in reference.named_parameters():
+        assert torch.equal(param, streamed.get_parameter(name)), name
