@@ -148,9 +148,10 @@ def tiny_config(arch: str, **overrides):
         common.update(overrides)
     if arch == "qwen3":
         common.update(head_dim=16)
-    if arch in ("mixtral", "qwen3_moe"):  # 4 experts, 2 a token; a Qwen3-MoE layer may stay dense
-        common.update(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                      norm_topk_prob=True, head_dim=16)
+    if arch == "mixtral":  # 4 experts, 2 a token
+        common.update(num_local_experts=4, num_experts_per_tok=2, head_dim=16)
+    if arch == "qwen3_moe":  # the same; a Qwen3-MoE layer may stay dense
+        common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, head_dim=16)
     common.update(overrides)
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "gemma3": Gemma3TextConfig,
                "qwen3": Qwen3Config, "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig}

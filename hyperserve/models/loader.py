@@ -23,7 +23,14 @@ import numpy as np
 import torch
 import transformers
 from tqdm import tqdm
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    GenerationConfig,
+    MixtralConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 
 from hyperserve.config import EngineConfig
 from hyperserve.distributed.group import TensorParallel
@@ -94,14 +101,17 @@ def _read_gguf_index(path: Path) -> dict:
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
+    architecture = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else ""
+    used = f"{architecture}.expert_used_count"
     return {
         "tensors": [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in reversed(t.shape)],
                      "offset": int(t.data_offset), "bytes": int(t.n_bytes)} for t in reader.tensors],
         "eos_token_ids": [int(reader.fields[key].contents()) for key in _GGUF_EOS_KEYS if key in reader.fields],
+        "experts_per_token": int(reader.fields[used].contents()) if used in reader.fields else None,
     }
 
 
-_GGUF_METADATA_VERSION = 1  # of what save_gguf_metadata writes
+_GGUF_METADATA_VERSION = 2  # of what save_gguf_metadata writes
 
 
 @functools.lru_cache(maxsize=4)
@@ -158,7 +168,7 @@ def load_config(source: ModelSource) -> PretrainedConfig:
     directory, gguf_file = _metadata_source(source)
     config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
     if source.gguf_file:
-        _complete_gguf_config(config, {t["name"]: t["shape"] for t in gguf_index(source.path)["tensors"]})
+        config = _complete_gguf_config(config, gguf_index(source.path))
     if config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"architecture {config.model_type!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
@@ -166,16 +176,24 @@ def load_config(source: ModelSource) -> PretrainedConfig:
     return config
 
 
-def _complete_gguf_config(config: PretrainedConfig, shapes: dict[str, list[int]]) -> None:
+def _complete_gguf_config(config: PretrainedConfig, index: dict) -> PretrainedConfig:
     """What transformers' GGUF config leaves at its class defaults, read from the tensors' shapes:
     Qwen3's head size (it does not map attention.key_length), Qwen3-MoE's expert width (nor
-    expert_feed_forward_length), and whether the LM head is the embedding (no output.weight)."""
+    expert_feed_forward_length), whether the LM head is the embedding (no output.weight); and
+    Mixtral, which llama.cpp writes as a `llama` with experts and transformers reads as a dense
+    Llama."""
+    shapes = {t["name"]: t["shape"] for t in index["tensors"]}
     if "blk.0.attn_k.weight" in shapes:
         config.head_dim = shapes["blk.0.attn_k.weight"][0] // config.num_key_value_heads
     experts = next((shape for name, shape in shapes.items() if name.endswith("ffn_down_exps.weight")), None)
     if experts is not None and config.model_type == "qwen3_moe":
         config.moe_intermediate_size = experts[-1]  # [E, hidden, width]
+    if experts is not None and config.model_type == "llama":
+        fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+        config = MixtralConfig(**{**fields, "num_local_experts": experts[0], "intermediate_size": experts[-1],
+                                  "num_experts_per_tok": index.get("experts_per_token") or 2})
     config.tie_word_embeddings = "output.weight" not in shapes
+    return config
 
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:
@@ -380,7 +398,7 @@ def _gguf_tensors(path: Path, config: PretrainedConfig) -> Iterator[tuple[str, t
     from gguf.quants import dequantize
 
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    permuted = config.model_type in ("llama", "mistral")  # llama.cpp permutes Q/K rows for these
+    permuted = config.model_type in ("llama", "mistral", "mixtral")  # llama.cpp permutes Q/K rows for these
     gemma = config.model_type == "gemma3_text"
     for tensor in tqdm(gguf_index(path)["tensors"], desc="Loading weights", unit="tensor", leave=False):
         name = _hf_name(tensor["name"], config.model_type)

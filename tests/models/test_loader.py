@@ -89,15 +89,17 @@ def test_gguf_metadata_is_parsed_once_into_files_that_read_back_the_same(smollm2
         loader.gguf_index.cache_clear()
 
 
-def _write_gguf(hf_model, path, tokenizer_gguf) -> None:
-    """hf_model (Qwen3 or Qwen3-MoE) as llama.cpp's converter writes it: its names, its metadata,
-    the experts stacked per layer, weights in Q8_0 (norms and the router in float32), and the
-    tokenizer of `tokenizer_gguf`."""
+def _write_gguf(hf_model, path, tokenizer_gguf, q8_0: bool = True) -> None:
+    """hf_model (Qwen3, Qwen3-MoE or Mixtral) as llama.cpp's converter writes it: its names, its
+    metadata, the experts stacked per layer, weights in Q8_0 or float32 (norms and the router in
+    float32), Mixtral as a `llama` with experts and its Q/K rows permuted, and the tokenizer of
+    `tokenizer_gguf`."""
     import gguf
     from gguf.quants import quantize
 
-    config, moe = hf_model.config, hf_model.config.model_type == "qwen3_moe"
-    arch = "qwen3moe" if moe else "qwen3"
+    config = hf_model.config
+    moe = config.model_type in ("qwen3_moe", "mixtral")
+    arch = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}[config.model_type]
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -110,9 +112,9 @@ def _write_gguf(hf_model, path, tokenizer_gguf) -> None:
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if moe:
-        writer.add_expert_count(config.num_experts)
+        writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_feed_forward_length(getattr(config, "moe_intermediate_size", config.intermediate_size))
     reader = gguf.GGUFReader(tokenizer_gguf)
     writer.add_tokenizer_model(reader.fields["tokenizer.ggml.model"].contents())
     writer.add_token_list(reader.fields["tokenizer.ggml.tokens"].contents())
@@ -125,8 +127,15 @@ def _write_gguf(hf_model, path, tokenizer_gguf) -> None:
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
              "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp", "mlp.gate_proj": "ffn_gate",
              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+    def permuted(array, heads):  # llama.cpp's row order of each head's rotary halves (the loader undoes it)
+        halves = array.reshape(heads, 2, array.shape[0] // heads // 2, array.shape[-1])
+        return halves.swapaxes(1, 2).reshape(array.shape)
+
     for name, tensor in hf_model.state_dict().items():
         array = tensor.float().numpy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            array = permuted(array, config.num_attention_heads if "q_proj" in name else config.num_key_value_heads)
         if name.endswith("experts.gate_up_proj"):  # transformers' [E, 2I, H] -> ffn_gate_exps, ffn_up_exps
             gate, up = array[:, : array.shape[1] // 2], array[:, array.shape[1] // 2 :]
             stacked = {"ffn_gate_exps": gate, "ffn_up_exps": up}
@@ -137,8 +146,11 @@ def _write_gguf(hf_model, path, tokenizer_gguf) -> None:
         layer = name.split(".")[2] if ".layers." in name else None
         if stacked is not None:
             for base, part in stacked.items():
-                writer.add_tensor(f"blk.{layer}.{base}.weight", quantize(part.copy(), gguf.GGMLQuantizationType.Q8_0),
-                                  raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                if q8_0:
+                    writer.add_tensor(f"blk.{layer}.{base}.weight", quantize(part.copy(),
+                                      gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                else:
+                    writer.add_tensor(f"blk.{layer}.{base}.weight", part.copy())
             continue
         if name == "lm_head.weight":
             gguf_name = "output.weight"
@@ -146,7 +158,7 @@ def _write_gguf(hf_model, path, tokenizer_gguf) -> None:
             module = name.removeprefix("model.").removesuffix(".weight")
             module = module.split(".", 2)[2] if layer is not None else module
             gguf_name = f"blk.{layer}.{names[module]}.weight" if layer is not None else f"{names[module]}.weight"
-        if array.ndim == 2 and "ffn_gate_inp" not in gguf_name:
+        if q8_0 and array.ndim == 2 and "ffn_gate_inp" not in gguf_name:
             writer.add_tensor(gguf_name, quantize(array, gguf.GGMLQuantizationType.Q8_0),
                               raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
@@ -221,3 +233,28 @@ def test_int4_quantizes_each_layer_as_it_is_read_to_the_same_weights(arch, save_
         assert torch.equal(module.dense(), theirs[name].dense()), name
     for name, param in reference.named_parameters():
         assert torch.equal(param, streamed.get_parameter(name)), name
+
+
+def test_a_mixtral_gguf_is_read_as_mixtral(smollm2_source, tmp_path, monkeypatch):
+    """llama.cpp writes Mixtral as a `llama` with experts (transformers then reads a dense Llama):
+    ours is a Mixtral of the GGUF's expert count and width, experts per token from its metadata,
+    Q/K rows un-permuted; in float32 its answers are the original model's."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import tiny_config
+    from tests.models.test_llama import _check_against_transformers
+
+    monkeypatch.setenv("HYPERSERVE_GGUF_CACHE", str(tmp_path / "cache"))
+    config = tiny_config("mixtral", vocab_size=49152, num_local_experts=6, num_experts_per_tok=3,
+                         max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if "norm" in name else torch.randn_like(p) * 0.15)
+    _write_gguf(model, tmp_path / "mixtral.gguf", smollm2_source.path, q8_0=False)
+    llm = LLM(model=str(tmp_path / "mixtral.gguf"), num_kv_blocks=64, block_size=4, max_model_len=128,
+              dtype="float32")
+    read = llm.engine.hf_config
+    assert (read.model_type, read.num_local_experts, read.num_experts_per_tok) == ("mixtral", 6, 3)
+    _check_against_transformers(llm, model, abs_tol=2e-4)
