@@ -229,9 +229,10 @@ def usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
     if not chat_usage:
         return None
     cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    thinking = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
     return {"input_tokens": chat_usage.get("prompt_tokens", 0), "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": chat_usage.get("completion_tokens", 0),
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": chat_usage.get("total_tokens", 0)}
+            "output_tokens_details": {"reasoning_tokens": thinking}, "total_tokens": chat_usage.get("total_tokens", 0)}
 
 
 @dataclass

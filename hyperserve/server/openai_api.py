@@ -75,6 +75,8 @@ class OpenAIServing:
         tokenizer = engine.engine.tokenizer
         self.native_tools = template_calls_tools(getattr(tokenizer, "chat_template", None))
         self.tool_open_is_special = tokenizer is not None and tools.OPEN in tokenizer.get_added_vocab()
+        # </think> as one token: usage then counts a reasoning model's thinking tokens
+        self.think_end_id = tokenizer.get_added_vocab().get(reasoning.END) if tokenizer is not None else None
         self.remote_prefill = None
         if settings.role in ("prefill", "decode"):
             reason = engine.engine.kv_transfer.unsupported()
@@ -410,10 +412,15 @@ class OpenAIServing:
         completion_tokens = sum(len(c.token_ids) for f in job.finals if f for c in f.outputs)
         cached_tokens = sum(f.metrics.num_cached_tokens for f in job.finals if f)
         disk_tokens = sum(f.metrics.num_disk_cached_tokens for f in job.finals if f)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                # cached_tokens as OpenAI reports it; disk_cached_tokens: the part the disk tier served
-                "prompt_tokens_details": {"cached_tokens": cached_tokens, "disk_cached_tokens": disk_tokens}}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens,
+                 # cached_tokens as OpenAI reports it; disk_cached_tokens: the part the disk tier served
+                 "prompt_tokens_details": {"cached_tokens": cached_tokens, "disk_cached_tokens": disk_tokens}}
+        if job.reasoning_parser is not None and self.think_end_id is not None:
+            thinking = sum(reasoning.num_tokens(job.reasoning_parser, c.text, c.token_ids, self.think_end_id)
+                           for f in job.finals if f for c in f.outputs)
+            usage["completion_tokens_details"] = {"reasoning_tokens": thinking}
+        return usage
 
     # ---- formatting ----------------------------------------------------------------------------
 

@@ -11,7 +11,9 @@ markers; they differ in where an answer starts:
 An answer that ends while thinking has its whole text as reasoning and no content.
 
 Whole answers go through the same stream as streamed ones (`split`), so the two never differ.
-Newlines right after a marker and before </think> are dropped, as the templates write them.
+Newlines right after a marker and before </think> are dropped, as the templates write them. Where
+</think> is one token of the vocabulary, usage counts the thinking's tokens (`num_tokens`) as
+OpenAI's `completion_tokens_details.reasoning_tokens`.
 """
 
 from __future__ import annotations
@@ -81,6 +83,14 @@ def stream(parser: str) -> ReasoningStream:
     if parser not in PARSERS:
         raise ValueError(f"reasoning parser must be one of {PARSERS}, got {parser!r}")
     return ReasoningStream(starts_thinking=parser == "deepseek_r1")
+
+
+def num_tokens(parser: str, text: str, token_ids: list[int], end_id: int) -> int:
+    """How many of an answer's tokens are its thinking, </think> (token `end_id`, one token of the
+    vocabulary in Qwen3's and DeepSeek-R1's) included: all of them if it never closed."""
+    if split(parser, text)[0] is None:
+        return 0
+    return token_ids.index(end_id) + 1 if end_id in token_ids else len(token_ids)
 
 
 def split(parser: str, text: str) -> tuple[str | None, str]:

@@ -51,6 +51,16 @@ def test_thinking_streams_as_it_comes_holding_back_only_a_possible_marker():
     assert stream.feed("ink>\n\nDone") == ("", "Done")
 
 
+@pytest.mark.parametrize(("parser", "text", "token_ids", "expected"), [
+    ("qwen3", "<think>a b</think>Hi", [7, 1, 2, 9, 5], 4),  # 9 is </think>: it counts as thinking
+    ("qwen3", "Hi there", [5, 6], 0),  # no thinking
+    ("qwen3", "<think>a b c", [7, 1, 2, 3], 4),  # cut off while thinking
+    ("deepseek_r1", "a</think>Hi", [1, 9, 5], 2),
+])
+def test_the_thinking_tokens_are_counted_up_to_the_closing_marker(parser, text, token_ids, expected):
+    assert reasoning.num_tokens(parser, text, token_ids, end_id=9) == expected
+
+
 def test_an_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="qwen3"):
         reasoning.stream("o1")
@@ -126,9 +136,12 @@ def test_the_thinking_of_an_answer_is_its_reasoning_content(client):
     raw = client.post("/v1/completions", json={"prompt": client.post("/tokenize", json=CHAT).json()["tokens"],
                                                "max_tokens": 16, "temperature": 0}).json()
     assert raw["choices"][0]["text"] == "".join(THOUGHT) + ANSWER  # the model's own text: the parser splits it
-    whole = client.post("/v1/chat/completions", json=CHAT).json()["choices"][0]
+    answer = client.post("/v1/chat/completions", json=CHAT).json()
+    whole = answer["choices"][0]
     assert whole["message"]["reasoning_content"] == "Let me think"
     assert whole["message"]["content"] == ANSWER and whole["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] == len(THOUGHT) + 2  # the answer, and <|im_end|>
+    assert answer["usage"]["completion_tokens_details"] == {"reasoning_tokens": len(THOUGHT)}
     thought, content = "", ""
     with client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as response:
         for line in response.iter_lines():
@@ -141,8 +154,10 @@ def test_the_thinking_of_an_answer_is_its_reasoning_content(client):
 
 def test_chat_template_kwargs_reach_the_template(client):
     body = {**CHAT, "chat_template_kwargs": {"enable_thinking": False}}
-    message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    answer = client.post("/v1/chat/completions", json=body).json()
+    message = answer["choices"][0]["message"]
     assert message["content"] == ANSWER and "reasoning_content" not in message
+    assert answer["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
     for kwargs in ({"tokenize": True}, {"chat_template": "{{ 1 }}"}, {"not a name": 1}):
         response = client.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": kwargs})
         assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
@@ -158,6 +173,7 @@ def test_the_responses_and_messages_apis_carry_the_thinking_through_their_sdks(c
     whole = responses.create(model="thinker", input="Hi", max_output_tokens=16, temperature=0)
     assert [item.type for item in whole.output] == ["reasoning", "message"]
     assert whole.output[0].content[0].text == "Let me think" and whole.output_text == ANSWER
+    assert whole.usage.output_tokens_details.reasoning_tokens == len(THOUGHT)
     with responses.stream(model="thinker", input="Hi", max_output_tokens=16, temperature=0) as stream:
         thought = "".join(event.delta for event in stream if event.type == "response.reasoning_text.delta")
         streamed = stream.get_final_response()
