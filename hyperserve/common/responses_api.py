@@ -367,23 +367,21 @@ class ResponseBuilder:
     def _open_message(self) -> list[dict[str, Any]]:
         self._message = {"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant",
                          "content": []}
-        self.output.append(self._message)
-        added = self._event("response.output_item.added", output_index=len(self.output) - 1, item=self._message)
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        self._message["content"].append(part)
-        return [added, self._event("response.content_part.added", **self._where(self._message), content_index=0,
-                                   part=part)]
+        return self._open_with_part(self._message, {"type": "output_text", "text": "", "annotations": [],
+                                                    "logprobs": []})
 
     def _open_reasoning(self) -> list[dict[str, Any]]:
         """The thinking as OpenAI gives open-weight models': a reasoning item whose content is the text."""
         self._reasoning = {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": [],
                            "status": "in_progress"}
-        self.output.append(self._reasoning)
-        added = self._event("response.output_item.added", output_index=len(self.output) - 1, item=self._reasoning)
-        part = {"type": "reasoning_text", "text": ""}
-        self._reasoning["content"].append(part)
-        return [added, self._event("response.content_part.added", **self._where(self._reasoning), content_index=0,
-                                   part=part)]
+        return self._open_with_part(self._reasoning, {"type": "reasoning_text", "text": ""})
+
+    def _open_with_part(self, item: dict[str, Any], part: dict[str, Any]) -> list[dict[str, Any]]:
+        """An item added to the output with its one content part, and the two events saying so."""
+        self.output.append(item)
+        added = self._event("response.output_item.added", output_index=len(self.output) - 1, item=item)
+        item["content"].append(part)
+        return [added, self._event("response.content_part.added", **self._where(item), content_index=0, part=part)]
 
     def _open_call(self, index: int, call: dict[str, Any]) -> list[dict[str, Any]]:
         item = {"type": "function_call", "id": new_id("fc"), "call_id": call.get("id") or new_id("call"),

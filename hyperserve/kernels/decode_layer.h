@@ -137,7 +137,8 @@ void moe_mlp(const float* x, int64_t rows, int64_t dim, const at::Tensor& router
       chosen[order[i]].emplace_back(r, renormalize ? row[order[i]] / kept : row[order[i]]);
     }
   }
-  std::vector<float> sums(rows * dim, 0.f);
+  float* sums = buffers.projected.data();  // [rows, dim], free once attention's output is added
+  std::fill_n(sums, rows * dim, 0.f);
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t n = static_cast<int64_t>(chosen[e].size());
     if (n == 0) continue;
@@ -156,7 +157,7 @@ void moe_mlp(const float* x, int64_t rows, int64_t dim, const at::Tensor& router
       for (int64_t j = 0; j < dim; ++j) sums[r * dim + j] += weight * out[i * dim + j];
     }
   }
-  add_rows(h, sums.data(), rows, dim);
+  add_rows(h, sums, rows, dim);
 }
 
 // hidden [rows, dim] (float32, updated in place) through one Llama decoder layer, one new token

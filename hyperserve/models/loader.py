@@ -331,19 +331,24 @@ def _load_checkpoint(model: LlamaForCausalLM, source: ModelSource, quantization:
     rows = {name: param.shape[0] for name, param in model.named_parameters()}
     written = dict.fromkeys(rows, 0)  # rows of each parameter written so far (fused ones take several tensors)
     layers = model.model.layers
-    pending = [{f"model.layers.{i}.{name}" for name, _ in layer.named_parameters()} for i, layer in enumerate(layers)]
+    unfilled = [sum(1 for _ in layer.parameters()) for layer in layers]  # each layer's parameters not yet whole
+    materialised: set[int] = set()
     for checkpoint_name, checkpoint_tensor in tensors:
         for name, tensor in _per_expert(checkpoint_name, checkpoint_tensor):
             index = _layer_index(name) if quantization is not None else None
-            layer = pending[index] if index is not None and index < len(layers) else None
-            if layer and not any(written[p] for p in layer):
-                layers[index].to_empty(device=device)  # its first tensor
+            by_layer = index is not None and index < len(layers)
+            if by_layer and index not in materialised:  # its first tensor
+                layers[index].to_empty(device=device)
+                materialised.add(index)
             target = model.load_weight(name, tensor)
-            if target == name or name != "lm_head.weight":  # a tied head is the embedding: nothing written
-                written[target] += tensor.shape[0]
-            if layer and all(written[p] >= rows[p] for p in layer):
-                quantize_linears(layers[index], quantization)  # its last
-                pending[index] = set()
+            if target != name and name == "lm_head.weight":
+                continue  # a tied head is the embedding: nothing written
+            was_whole = written[target] >= rows[target]
+            written[target] += tensor.shape[0]
+            if by_layer and not was_whole and written[target] >= rows[target]:
+                unfilled[index] -= 1
+                if unfilled[index] == 0:
+                    quantize_linears(layers[index], quantization)  # its last
     missing = {name for name in rows if written[name] < rows[name]}
     if missing:
         raise ValueError(f"checkpoint {source.path} lacks weights: {sorted(missing)[:5]}")

@@ -31,6 +31,7 @@ class ReasoningStream:
 
     starts_thinking: bool
     state: str = "start"  # "start" (an opening <think> may come), "thinking", "answer"
+    thought: bool = False  # whether the answer began in thinking (a whole answer's reasoning is then not None)
     held: str = ""
     at_section_start: bool = True  # nothing of the current section emitted yet: newlines dropped
 
@@ -46,6 +47,7 @@ class ReasoningStream:
                     break  # could still become <think>
                 else:
                     self.state = "thinking" if self.starts_thinking else "answer"
+                self.thought = self.state == "thinking"
                 continue
             if self.state == "thinking":
                 end = self.held.find(END)
@@ -95,6 +97,6 @@ def num_tokens(parser: str, text: str, token_ids: list[int], end_id: int) -> int
 
 def split(parser: str, text: str) -> tuple[str | None, str]:
     """(reasoning, or None where the answer had none; content) of a whole answer."""
-    reasoning, content = stream(parser).feed(text, final=True)
-    thought = parser == "deepseek_r1" or text.lstrip().startswith(START)
-    return (reasoning if thought else None), content
+    whole = stream(parser)
+    reasoning, content = whole.feed(text, final=True)
+    return (reasoning if whole.thought else None), content
