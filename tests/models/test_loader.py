@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -258,3 +260,19 @@ def test_a_mixtral_gguf_is_read_as_mixtral(smollm2_source, tmp_path, monkeypatch
     read = llm.engine.hf_config
     assert (read.model_type, read.num_local_experts, read.num_experts_per_tok) == ("mixtral", 6, 3)
     _check_against_transformers(llm, model, abs_tol=2e-4)
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_a_checkpoint_missing_one_part_of_a_fused_projection_is_refused(save_hf_model, quantization):
+    """k_proj of one layer gone: q and v still fill part of qkv_proj, which must not count as loaded."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.conftest import tiny_config
+
+    _, path = save_hf_model(tiny_config("llama"))
+    weights = Path(path) / "model.safetensors"
+    save_file({k: v for k, v in load_file(weights).items() if k != "model.layers.1.self_attn.k_proj.weight"}, weights)
+    source = resolve_model(path)
+    with pytest.raises(ValueError, match="lacks weights.*layers.1.self_attn.qkv_proj"):
+        build_model(load_config(source), source, TorchPagedAttention(), 64, torch.float32, "cpu",
+                    quantization=quantization)
