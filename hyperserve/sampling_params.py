@@ -8,12 +8,24 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class Thinking:
+    """A reasoning model's thinking, which a constraint lets through before it applies: free text up
+    to the token `end_id` (</think>). `open`: the prompt opened it, so the output starts inside it;
+    otherwise the first token may open it (`start_id`, <think>) or begin the constrained answer."""
+
+    start_id: int
+    end_id: int
+    open: bool = False
+
+
+@dataclass(frozen=True)
 class StructuredOutputs:
     """A constraint on the output, enforced token by token (engine/structured_output.py).
 
     Exactly one of: `json` (a JSON schema, as a dict or its text), `json_object` (any JSON
     object), `regex`, `choice` (one of these strings), `grammar` (GBNF, as llama.cpp writes it, or
-    Lark as llguidance reads it). The names are vLLM's `guided_*` without the prefix.
+    Lark as llguidance reads it). The names are vLLM's `guided_*` without the prefix. `thinking`:
+    where a reasoning model thinks first, the constraint applies from after its thinking.
     """
 
     json: dict[str, Any] | str | None = None
@@ -21,6 +33,7 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    thinking: Thinking | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]

@@ -17,10 +17,14 @@ digits until max_tokens.
 Masks are computed in a worker thread while the forward pass runs (llguidance releases the GIL).
 For speculative decoding a draft row's mask is the grammar's state after the drafts before it;
 rows after a draft the grammar rejects (or an EOS) get any mask, since no token is taken from them.
+
+A reasoning model's constraint waits for its thinking (`Thinking`): rows inside it get any mask, and
+the matcher starts at the token after </think>.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import threading
 from collections import OrderedDict
@@ -33,7 +37,7 @@ import llguidance
 import llguidance.hf
 import torch
 
-from hyperserve.sampling_params import StructuredOutputs
+from hyperserve.sampling_params import StructuredOutputs, Thinking
 
 MAX_GRAMMAR_CHARS = 256 * 1024  # a schema or grammar's text
 CACHED_GRAMMARS = 256
@@ -41,32 +45,66 @@ MAX_SAFE_INTEGER = 2**53 - 1
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+class Phase(enum.Enum):
+    """Where a reasoning model's output stands against its constraint (StructuredOutputs.thinking)."""
+
+    MAY_THINK = "may_think"  # the first token: <think>, or the constrained answer's first token
+    THINKING = "thinking"  # free text up to </think>
+    ANSWER = "answer"  # the constraint applies
+
+
 @dataclass(eq=False)
 class Grammar:
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar, after the thinking that a reasoning model may do
+    first (free text, with the matcher left at its start until </think>)."""
 
     matcher: llguidance.LLMatcher
     eos_token_id: int | None  # the end token the grammar allows once complete
+    thinking: Thinking | None = None
+    phase: Phase = Phase.ANSWER
+
+    def __post_init__(self) -> None:
+        if self.thinking is not None:
+            self.phase = Phase.THINKING if self.thinking.open else Phase.MAY_THINK
 
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar does not allow it (then the matcher
         is in its error state for good)."""
+        before, self.phase = self.phase, self._after(self.phase, token_id)
+        if before is Phase.THINKING or self.phase is Phase.THINKING:
+            return True
         return self.matcher.consume_token(token_id)
+
+    def _after(self, phase: Phase, token_id: int) -> Phase:
+        """The phase after `token_id`; the matcher consumes it unless either phase is THINKING."""
+        if phase is Phase.THINKING:
+            return Phase.ANSWER if token_id == self.thinking.end_id else Phase.THINKING
+        if phase is Phase.MAY_THINK and token_id == self.thinking.start_id:
+            return Phase.THINKING
+        return Phase.ANSWER
 
     @property
     def is_finished(self) -> bool:
         """Nothing can follow but the end: the sequence may stop here."""
-        return self.matcher.is_stopped()
+        return self.phase is Phase.ANSWER and self.matcher.is_stopped()
 
     def fill_masks(self, bitmask: torch.Tensor, first_row: int, drafts: list[int]) -> None:
-        """Rows first_row..first_row + len(drafts): the mask after each prefix of the drafts."""
-        consumed = 0
+        """Rows first_row..first_row + len(drafts): the mask after each prefix of the drafts (all
+        allowed while thinking)."""
+        consumed, phase = 0, self.phase
         for j in range(len(drafts) + 1):
             row = bitmask[first_row + j]
-            self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+            if phase is not Phase.THINKING:
+                self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+                if phase is Phase.MAY_THINK:
+                    start = self.thinking.start_id
+                    row[start // 32] |= _bit(start % 32)
             if j == len(drafts):
                 break
-            token = drafts[j]
+            token, before = drafts[j], phase
+            phase = self._after(phase, token)
+            if before is Phase.THINKING or phase is Phase.THINKING:
+                continue
             if token == self.eos_token_id:  # the sequence ends there (and rollback does not count an EOS)
                 break
             if not (int(row[token // 32]) >> (token % 32)) & 1 or not self.matcher.consume_token(token):
@@ -74,6 +112,11 @@ class Grammar:
             consumed += 1
         if consumed:
             self.matcher.rollback(consumed)
+
+
+def _bit(position: int) -> int:
+    """Bit `position` of an int32 mask word, as the signed value torch stores."""
+    return -(2**31) if position == 31 else 1 << position
 
 
 class GrammarCompiler:
@@ -122,7 +165,7 @@ class GrammarCompiler:
         return matcher
 
     def grammar(self, constraint: StructuredOutputs) -> Grammar:
-        return Grammar(self.compile(constraint).deep_copy(), self.eos_token_id)
+        return Grammar(self.compile(constraint).deep_copy(), self.eos_token_id, constraint.thinking)
 
     def start_masks(self, rows: list[tuple[Grammar | None, list[int]]]) -> Future | None:
         """Bitmasks [len(rows), ceil(V / 32)] int32 for rows (a grammar or None, and the drafts

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hyperserve.common.errors import APIError, unavailable
@@ -75,8 +75,10 @@ class OpenAIServing:
         tokenizer = engine.engine.tokenizer
         self.native_tools = template_calls_tools(getattr(tokenizer, "chat_template", None))
         self.tool_open_is_special = tokenizer is not None and tools.OPEN in tokenizer.get_added_vocab()
-        # </think> as one token: usage then counts a reasoning model's thinking tokens
-        self.think_end_id = tokenizer.get_added_vocab().get(reasoning.END) if tokenizer is not None else None
+        # <think> and </think> as single tokens: usage then counts a reasoning model's thinking tokens, and
+        # constraints apply after the thinking
+        added = tokenizer.get_added_vocab() if tokenizer is not None else {}
+        self.think_start_id, self.think_end_id = added.get(reasoning.START), added.get(reasoning.END)
         self.remote_prefill = None
         if settings.role in ("prefill", "decode"):
             reason = engine.engine.kv_transfer.unsupported()
@@ -116,6 +118,8 @@ class OpenAIServing:
                                                self.tool_open_is_special)
         ids = await asyncio.to_thread(self._chat_ids, request.messages, True, offered, request.chat_template_kwargs)
         prompts = [self._prompt_ids(ids, "messages")]
+        if constraint is not None:
+            constraint = self._after_thinking(constraint, ids)
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is None:  # bounded, so a forgotten max_tokens cannot hold a slot for the whole context
             max_tokens = min(self.settings.default_max_tokens, self.max_model_len - len(ids))
@@ -227,6 +231,14 @@ class OpenAIServing:
                                                           template_kwargs)
         except ValueError as error:  # no template, unsupported content, roles the template rejects
             raise APIError(400, str(error), param="messages") from error
+
+    def _after_thinking(self, constraint: StructuredOutputs, prompt_ids: list[int]) -> StructuredOutputs:
+        """With a reasoning parser, the constraint lets the answer think first (reasoning.py)."""
+        parser, start, end = self.settings.reasoning_parser, self.think_start_id, self.think_end_id
+        if parser is None or start is None or end is None:
+            return constraint
+        thinking = reasoning.thinking_before(parser, prompt_ids, start, end, self.engine.engine.tokenizer.decode)
+        return replace(constraint, thinking=thinking)
 
     @staticmethod
     def _constraint(request) -> StructuredOutputs | None:

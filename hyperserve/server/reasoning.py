@@ -10,6 +10,11 @@ markers; they differ in where an answer starts:
   the prompt), which an opening <think> may repeat.
 An answer that ends while thinking has its whole text as reasoning and no content.
 
+A constraint (`response_format`, a required tool call) applies from after the thinking: the
+answer thinks freely, then writes what the constraint allows (`thinking_before`). Where the prompt
+has closed the thinking (`enable_thinking: false`), or the markers are not single tokens, it
+applies from the first token.
+
 Whole answers go through the same stream as streamed ones (`split`), so the two never differ.
 Newlines right after a marker and before </think> are dropped, as the templates write them. Where
 </think> is one token of the vocabulary, usage counts the thinking's tokens (`num_tokens`) as
@@ -18,10 +23,14 @@ OpenAI's `completion_tokens_details.reasoning_tokens`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from hyperserve.sampling_params import Thinking
 
 START, END = "<think>", "</think>"
 PARSERS = ("qwen3", "deepseek_r1")
+CLOSING_TAIL_TOKENS = 8  # a prompt's thinking is closed if at most these many tokens, blank, follow </think>
 
 
 @dataclass
@@ -100,3 +109,20 @@ def split(parser: str, text: str) -> tuple[str | None, str]:
     whole = stream(parser)
     reasoning, content = whole.feed(text, final=True)
     return (reasoning if whole.thought else None), content
+
+
+def thinking_before(parser: str, prompt_ids: list[int], start_id: int, end_id: int,
+                    decode: Callable[[list[int]], str]) -> Thinking | None:
+    """How a constrained answer to this prompt may think first: None where the prompt closed the
+    thinking (</think> and blank text at its end, as Qwen3's template writes for
+    enable_thinking false); opened by the prompt where its last marker is <think> (DeepSeek-R1's
+    template), or where the parser says answers start thinking."""
+    for position in range(len(prompt_ids) - 1, -1, -1):
+        if prompt_ids[position] == start_id:
+            return Thinking(start_id, end_id, open=True)
+        if prompt_ids[position] == end_id:
+            tail = prompt_ids[position + 1:]
+            if len(tail) <= CLOSING_TAIL_TOKENS and not decode(tail).strip():
+                return None
+            break
+    return Thinking(start_id, end_id, open=parser == "deepseek_r1")

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import jsonschema
 import pytest
 import torch
 
 from hyperserve.engine.sampler import apply_token_bitmask
-from hyperserve.engine.structured_output import GrammarCompiler
+from hyperserve.engine.structured_output import GrammarCompiler, Phase
 from hyperserve.llm import LLM
-from hyperserve.sampling_params import SamplingParams, StructuredOutputs
+from hyperserve.sampling_params import SamplingParams, StructuredOutputs, Thinking
 from tests.conftest import EXACT, SMOLLM2
 from tests.engine.schemas import schemas
 
@@ -70,6 +71,29 @@ def test_trying_drafts_up_to_an_eos_leaves_the_grammar_where_it_was(compiler, sm
     drafts = tokens + [compiler.eos_token_id, tokens[0]]
     compiler.start_masks([(grammar, drafts[:j]) for j in range(len(drafts) + 1)]).result()
     assert all(grammar.accept(token) for token in tokens) and grammar.is_finished
+
+
+def test_a_reasoning_models_thinking_is_free_and_the_constraint_applies_after_it(compiler, smollm2_tokenizer):
+    """Row masks across the thinking: the first row allows <think> besides the answer's first
+    tokens, rows inside the thinking allow everything, and the row after </think> is the
+    constraint's start; trying the drafts leaves the grammar where it was."""
+    start, end, word = smollm2_tokenizer.encode(" start end word", add_special_tokens=False)
+    yes = smollm2_tokenizer.encode("yes", add_special_tokens=False)
+    constraint = StructuredOutputs(choice=["yes", "no"])
+    grammar = compiler.grammar(replace(constraint, thinking=Thinking(start, end)))
+    drafts = [start, word, yes[0], end, *yes]
+    masks = compiler.start_masks([(grammar, drafts[:j]) for j in range(len(drafts) + 1)]).result()
+    fresh = compiler.start_masks([(compiler.grammar(constraint), [])]).result()[0]
+    assert allowed(masks[0]) == allowed(fresh) | {start}
+    assert (masks[1:4] == -1).all()  # inside the thinking, after <think>, the word and a "yes"
+    assert torch.equal(masks[4], fresh)  # after </think>: the constraint from its start
+    assert allowed(masks[5]) != allowed(fresh) and not (masks[5] == -1).all()
+    assert grammar.phase is Phase.MAY_THINK
+    assert all(grammar.accept(token) for token in drafts) and grammar.is_finished
+    direct = compiler.grammar(replace(constraint, thinking=Thinking(start, end)))
+    assert not direct.accept(word)  # no <think> first: the constraint applies from the first token
+    opened = compiler.grammar(replace(constraint, thinking=Thinking(start, end, open=True)))
+    assert opened.accept(word) and opened.accept(start) and not opened.is_finished  # thinking: anything goes
 
 
 def _nested(depth: int) -> dict:

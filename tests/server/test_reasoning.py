@@ -187,3 +187,40 @@ def test_the_responses_and_messages_apis_carry_the_thinking_through_their_sdks(c
         final = stream.get_final_message()
     assert [block.model_dump(include={"type", "thinking", "text"}) for block in final.content] == \
         [block.model_dump(include={"type", "thinking", "text"}) for block in answer.content]
+
+
+def test_a_constrained_answer_thinks_first_then_follows_its_constraint(client):
+    """The script answers "Hello"; the constraint allows "Bye" alone. It applies after </think>:
+    the thinking stays, and the content is the constraint's. With the thinking closed in the prompt,
+    from the first token."""
+    body = {**CHAT, "guided_choice": ["Bye"]}
+    message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Let me think", "Bye")
+    thought, content = "", ""
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    thought += choice["delta"].get("reasoning_content") or ""
+                    content += choice["delta"].get("content") or ""
+    assert (thought, content) == ("Let me think", "Bye")
+    schema = {"type": "object", "properties": {"word": {"enum": ["Bye"]}}, "required": ["word"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}
+    message = client.post("/v1/chat/completions", json={**CHAT, "response_format": fmt}).json()["choices"][0]["message"]
+    assert message["reasoning_content"] == "Let me think" and json.loads(message["content"]) == {"word": "Bye"}
+    closed = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+    message = client.post("/v1/chat/completions", json=closed).json()["choices"][0]["message"]
+    assert message["content"] == "Bye" and "reasoning_content" not in message
+
+
+@pytest.mark.parametrize(("parser", "prompt", "expected"), [
+    ("qwen3", [1, 2, 3], (False,)),  # no marker: the answer may open its thinking
+    ("deepseek_r1", [1, 2, 3], (True,)),  # ... or starts in it
+    ("qwen3", [1, 7, 5], (True,)),  # the prompt opened it
+    ("qwen3", [1, 7, 5, 9, 0], None),  # and closed it: only blank text follows
+    ("qwen3", [7, 5, 9, 4, 1], (False,)),  # an earlier turn's thinking, closed: the answer may think again
+])
+def test_where_a_constrained_answer_starts_is_read_from_the_prompt(parser, prompt, expected):
+    decode = {0: "\n\n", 1: "Hi", 4: "It is 4.", 5: "hmm"}.__getitem__
+    thinking = reasoning.thinking_before(parser, prompt, 7, 9, lambda ids: "".join(map(decode, ids)))
+    assert (thinking if thinking is None else (thinking.open,)) == expected
