@@ -200,7 +200,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                               prefill_api_key=args.prefill_api_key, disagg_min_tokens=args.disagg_min_tokens,
                               prefill_timeout_s=args.prefill_timeout_s,
                               responses_store_bytes=int(args.responses_store_mb * 2**20),
-                              reasoning_parser=args.reasoning_parser)
+                              reasoning_parser=args.reasoning_parser, files_dir=args.files_dir,
+                              batch_concurrency=args.batch_concurrency)
     failed: list[str] = []
 
     def stop(reason: str) -> None:
@@ -234,6 +235,31 @@ def cmd_serve(args: argparse.Namespace) -> None:
     server.run()
     if failed:
         sys.exit(f"error: {failed[0]}")
+
+
+def cmd_run_batch(args: argparse.Namespace) -> None:
+    import asyncio
+
+    from hyperserve.config import EngineConfig, engine_kwargs_from_args
+    from hyperserve.engine.engine import LLMEngine
+    from hyperserve.server.app import build_app
+    from hyperserve.server.model_pool import ModelEntry
+    from hyperserve.server.run_batch import run_batch
+    from hyperserve.server.settings import ServerSettings
+
+    config = EngineConfig.from_kwargs(**engine_kwargs_from_args(args))
+    name = args.served_model_name or args.model
+    entry = ModelEntry(name, functools.partial(LLMEngine, config), adapters=_lora_modules(args.lora_modules))
+    settings = ServerSettings(model_name=name, max_queue=max(256, 2 * args.max_concurrency),
+                              default_max_tokens=args.default_max_tokens, reasoning_parser=args.reasoning_parser,
+                              batch_concurrency=args.max_concurrency)
+    app = build_app([entry], settings, embedding_model=args.embedding_model, idle_unload_s=None)
+    try:
+        counts = asyncio.run(run_batch(app, Path(args.input), Path(args.output)))
+    except RuntimeError as error:
+        sys.exit(f"error: {error}")
+    print(f"{counts['completed']} of {counts['total']} requests answered, {counts['failed']} failed: {args.output}",
+          file=sys.stderr)
 
 
 def _lora_modules(specs: list[str]) -> dict:
@@ -319,6 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="memory for stored /v1/responses answers (previous_response_id); 0 stores none")
     serve.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
                        help="put a reasoning model's <think>...</think> in chat answers' reasoning_content")
+    serve.add_argument("--files-dir", default=None,
+                       help="where the Batch API keeps /v1/files (default: a temporary directory, gone at exit)")
+    serve.add_argument("--batch-concurrency", type=int, default=16,
+                       help="requests of all /v1/batches in the engine at once (they run at low priority)")
     serve.add_argument("--shutdown-grace-s", type=float, default=30.0,
                        help="on SIGTERM, how long running requests may take to finish")
     disagg = serve.add_argument_group("disaggregated prefill (long prompts computed by another server)")
@@ -359,6 +389,22 @@ def build_parser() -> argparse.ArgumentParser:
     _security_args(serve)
     add_engine_args(serve, repeatable=("model",))
     serve.set_defaults(func=cmd_serve)
+
+    batch = commands.add_parser("run-batch", help="an OpenAI batch file (JSONL) through the model, offline")
+    batch.add_argument("-i", "--input", required=True, help="the requests: OpenAI's batch input lines")
+    batch.add_argument("-o", "--output", required=True, help="the results: OpenAI's batch output lines, in order")
+    batch.add_argument("--max-concurrency", type=int, default=64, help="requests in the engine at once")
+    batch.add_argument("--served-model-name", default=None, help="the name the lines' `model` may give")
+    batch.add_argument("--default-max-tokens", type=int, default=2048,
+                       help="the most tokens a chat request that sets no max_tokens generates")
+    batch.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
+                       help="put a reasoning model's <think>...</think> in chat answers' reasoning_content")
+    batch.add_argument("--embedding-model", default=None, metavar="NAME",
+                       help="serve /v1/embeddings lines with this sentence encoder")
+    batch.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help="LoRA adapters, each served as model NAME")
+    add_engine_args(batch)
+    batch.set_defaults(func=cmd_run_batch)
 
     gateway = commands.add_parser("gateway", help="OpenAI-compatible gateway: caching, routing, fallback, cascades")
     gateway.add_argument("--config", required=True, help="gateway YAML (see examples/gateway.yaml)")

@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hyperserve.common.affinity import affinity_text
 from hyperserve.common.anthropic_api import AnthropicAPI
+from hyperserve.common.batch_api import BatchAPI
 from hyperserve.common.body_limit import BodyLimit
 from hyperserve.common.errors import APIError, install_error_handlers
 from hyperserve.common.request_log import RequestLog
@@ -359,6 +360,8 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
     app.add_middleware(ResponsesAPI, governor=governor)  # /v1/responses over the chat route, keys and all
     app.add_middleware(AnthropicAPI)  # and /v1/messages
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    # /v1/files and /v1/batches, each line through the routes (no `priority`: not every backend takes one)
+    app.add_middleware(BatchAPI, governor=governor, priority=None)
     install_error_handlers(app)
     app.include_router(routes)
     install_web_ui(app, gateway.metrics.registry, "gateway", gateway.refresh_backend_health,

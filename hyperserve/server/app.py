@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from hyperserve.common.anthropic_api import AnthropicAPI
+from hyperserve.common.batch_api import BatchAPI
 from hyperserve.common.body_limit import BodyLimit
 from hyperserve.common.errors import APIError, install_error_handlers, unavailable, validation_body
 from hyperserve.common.responses_api import ResponsesAPI
@@ -115,7 +116,10 @@ def build_app(
     add_security(app, governor)
     app.add_middleware(ResponsesAPI, governor=governor, store_bytes=settings.responses_store_bytes)
     app.add_middleware(AnthropicAPI)  # /v1/messages over the chat route too
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)  # added last: outermost
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    # outermost: uploads may exceed max_body_bytes; each batch line goes through everything above
+    app.add_middleware(BatchAPI, governor=governor, files_dir=settings.files_dir and Path(settings.files_dir),
+                       concurrency=settings.batch_concurrency)
 
     async def serving(model: str | None) -> OpenAIServing:
         if state.shutting_down:

@@ -17,6 +17,8 @@ class ServerSettings:
     max_pin_ttl_s: float = 3600.0  # the longest `ttl` a /v1/cache pin may ask for
     responses_store_bytes: int = 64 * 2**20  # stored /v1/responses answers (as JSON) beyond which the oldest go
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: chat answers' thinking to reasoning_content
+    files_dir: str | None = None  # where /v1/files keeps the Batch API's files (None: a temporary directory)
+    batch_concurrency: int = 16  # lines of all batches in the engine at once (common/batch_api.py)
     # One request fans out into at most this many sequences (prompts x n), as a multiple of
     # max_num_seqs: a single request may fill the batch twice over, never more.
     max_fanout_factor: int = 2
@@ -29,8 +31,8 @@ class ServerSettings:
     prefill_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.max_queue < 1 or self.default_max_tokens < 1 or self.max_pin_ttl_s <= 0:
-            raise ValueError("max_queue, default_max_tokens and max_pin_ttl_s must be positive")
+        if self.max_queue < 1 or self.default_max_tokens < 1 or self.max_pin_ttl_s <= 0 or self.batch_concurrency < 1:
+            raise ValueError("max_queue, default_max_tokens, max_pin_ttl_s and batch_concurrency must be positive")
         if self.responses_store_bytes < 0:
             raise ValueError("responses_store_bytes must be 0 (store nothing) or more")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:

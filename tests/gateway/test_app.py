@@ -245,3 +245,25 @@ def test_a_cascade_over_two_models_of_one_local_server(tmp_path):
             assert reply.json()["choices"][0]["message"] == direct[answered_by]["choices"][0]["message"]
             assert reply.headers["x-hyperserve-cascade"].startswith(f"{stages[0]}:")
             assert (stages[1] in reply.headers["x-hyperserve-cascade"]) == (answered_by == stages[1])
+
+
+def test_a_batch_through_the_gateway_takes_its_routes(stubs, tmp_path):
+    """OpenAI's Batch API on the gateway: each line is routed (a backend killed is bypassed) and
+    answered as alone."""
+    import openai
+
+    stubs[1].kill()
+    with start_gateway(_config(stubs, tmp_path, cache={"enabled": False}), tmp_path) as gateway:
+        api = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+        data = "".join(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+                                   "body": {"model": "m", "messages": [{"role": "user", "content": f"question {i}"}]}})
+                       + "\n" for i in range(3))
+        batch = api.batches.create(input_file_id=api.files.create(file=("q.jsonl", data.encode()), purpose="batch").id,
+                                   endpoint="/v1/chat/completions", completion_window="24h")
+        deadline = time.time() + 60
+        while (batch := api.batches.retrieve(batch.id)).status != "completed":
+            assert time.time() < deadline, batch.status
+            time.sleep(0.05)
+        output = [json.loads(line) for line in api.files.content(batch.output_file_id).text.splitlines()]
+        assert [line["response"]["body"]["choices"][0]["message"]["content"] for line in output] == \
+            [f"a says: question {i}" for i in range(3)]
