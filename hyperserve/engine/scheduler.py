@@ -5,8 +5,10 @@ each) and prefill chunks, running requests first, so a long prompt is prefilled 
 beside ongoing decodes. While any request decodes, prompts take at most
 `max_prefill_tokens_while_decoding` of a step: each decoding request waits for the whole step.
 When the KV pool runs short, the least important running request (highest priority value, latest
-admitted) is preempted: its blocks are freed and it goes back to waiting to be recomputed. Plain
-Python over ids and counts: no tensors here.
+admitted) is preempted: its blocks are freed and it goes back to waiting to be recomputed. When
+every sequence slot is taken, a waiting request more important than a running one takes the least
+important one's slot the same way (batch jobs yield to interactive requests). Plain Python over ids
+and counts: no tensors here.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.kv_cache.expire_pins(time.time())
         out = SchedulerOutput()
+        self._yield_slots(out)
         budget = self.config.max_num_batched_tokens
         prefill_budget = budget
         cap = self.config.max_prefill_tokens_while_decoding
@@ -91,7 +94,7 @@ class Scheduler:
             prefill_budget = min(budget, cap)
 
         # Running requests first, most important first; the least important yields its blocks.
-        i = 0
+        i, short_of_blocks = 0, False
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
@@ -108,6 +111,7 @@ class Scheduler:
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
+                short_of_blocks = True
                 if victim is request:
                     break
             else:
@@ -125,7 +129,7 @@ class Scheduler:
         adapters = {r.lora_request.lora_name for r in self.running if r.lora_request is not None}
         adapter_waiting = False
         for request in list(self.waiting):
-            if out.preempted or min(budget, prefill_budget) <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if short_of_blocks or min(budget, prefill_budget) <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if _waits_for_sibling(request):
                 continue
@@ -160,6 +164,18 @@ class Scheduler:
         if self.config.num_scheduler_steps > 1 and out.requests and not out.preempted:
             self._run_steps_together(out)
         return out
+
+    def _yield_slots(self, out: SchedulerOutput) -> None:
+        """While every sequence slot is taken and the first waiting request is more important than the
+        least important running one, that one is preempted for it. Not for a request that would not
+        start at once: one waiting for its first sample's prompt, or for a LoRA adapter's slot or load."""
+        while self.waiting and self.running and len(self.running) >= self.config.max_num_seqs:
+            head, tail = self.waiting[0], self.running[-1]
+            if head.priority >= tail.priority or _waits_for_sibling(head) or head.lora_request is not None:
+                return
+            self.running.pop()
+            self._preempt(tail)
+            out.preempted.append(tail)
 
     def _run_steps_together(self, out: SchedulerOutput) -> None:
         """Make a step in which every request decodes one plain token (no drafts, no grammar, whose

@@ -238,3 +238,22 @@ def test_the_scheduler_and_the_kv_cache_manager_load_without_pytorch():
     code = ("import sys, hyperserve.engine.scheduler, hyperserve.engine.kv_cache_manager; "
             "assert 'torch' not in sys.modules, 'plain Python over ids and counts'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_more_important_request_takes_the_slot_of_the_least_important_running_one():
+    """Every slot taken by batch-like requests (priority 100): an interactive one (0) starts at once
+    in the least important's slot, which is recomputed later; one as important as the running ones
+    waits for a slot."""
+    s = make_scheduler(max_num_seqs=2)
+    s.add_request(make_request("batch-1", 4, priority=100))
+    s.add_request(make_request("batch-2", 4, priority=100))
+    run_step(s)
+    s.add_request(make_request("batch-3", 4, priority=100))
+    out = run_step(s)
+    assert not out.preempted and [r.request_id for r in s.waiting] == ["batch-3"]
+    s.add_request(make_request("chat", 4, priority=0))
+    out = run_step(s)
+    assert [r.request_id for r in out.preempted] == ["batch-2"]
+    assert "chat" in [r.request_id for r in out.requests] and "batch-1" in [r.request_id for r in out.requests]
+    assert [r.request_id for r in s.waiting] == ["batch-2", "batch-3"]  # FCFS among the batch ones
+    assert s.requests["batch-2"].num_computed_tokens == 0 and s.requests["batch-2"].metrics.num_preemptions == 1
