@@ -1,14 +1,15 @@
 """Batch jobs beside interactive traffic: what a running /v1/batches job costs a chat user, and what
-the job gets done, for each --batch-concurrency, with the batch lines at their default priority
-(100) or at the chat's own (0).
+the job gets done, for pairs of --batch-concurrency (lines at once while nothing else runs) and
+--batch-concurrency-busy (while chat runs, and 5 s after).
 
-For each setting a fresh `hyperserve serve --batch-concurrency C` (default flags otherwise) runs:
+For each pair a fresh `hyperserve serve` (default flags otherwise) runs:
 - chat alone: `hyperserve bench`, one stream (64-token prompts, 64 greedy tokens, ignore_eos);
 - the batch alone: B chat lines of 64 tokens each, timed from creation to completion;
-- both: the batch is created, and the same chat load runs while it is in progress.
+- both: the batch is created, and the same chat load runs while it is in progress; the batch's rate
+  is the lines it finished during the chat load (in whole lines, so coarse).
 Then `hyperserve run-batch` on the same lines (in process, no port), against a script of `LLM.chat`.
 
-    python benchmarks/batch_api.py [--lines 256] [--concurrency 4 16 64] [--requests 8]
+    python benchmarks/batch_api.py [--lines 256] [--pairs 16:16 16:2 64:64 64:2] [--requests 8]
 """
 
 from __future__ import annotations
@@ -36,15 +37,14 @@ from tests.server.conftest import free_port  # noqa: E402
 TOPICS = ["rivers", "colours", "planets", "fruits", "mountains", "cities", "birds", "trees", "metals", "oceans",
           "languages", "instruments"]
 OUTPUT_TOKENS = 64
+QUIET_S = 5  # the server's: batch lines stay at the busy limit this long after other requests
 
 
-def batch_lines(count: int, priority: int | None) -> bytes:
+def batch_lines(count: int) -> bytes:
     lines = []
     for i in range(count):
         body = {"messages": [{"role": "user", "content": f"Write about {TOPICS[i % len(TOPICS)]}, part {i}."}],
                 "max_tokens": OUTPUT_TOKENS, "temperature": 0, "ignore_eos": True}
-        if priority is not None:
-            body["priority"] = priority
         lines.append(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/chat/completions",
                                  "body": body}))
     return ("\n".join(lines) + "\n").encode()
@@ -87,6 +87,9 @@ class BatchJob:
             time.sleep(0.05)
         time.sleep(1.0)
 
+    def completed(self) -> int:
+        return self.state.get("request_counts", {}).get("completed", 0)
+
     def tokens_per_s(self) -> float:
         self.done.wait()
         assert self.state["status"] == "completed", self.state
@@ -95,20 +98,23 @@ class BatchJob:
         return tokens / self.seconds
 
 
-def serve_and_measure(concurrency: int, lines: int, requests: int, priority: int | None) -> dict:
+def serve_and_measure(idle: int, busy: int, lines: int, requests: int) -> dict:
     port = free_port()
-    server = start_server(port, ["--batch-concurrency", str(concurrency)])
+    server = start_server(port, ["--batch-concurrency", str(idle), "--batch-concurrency-busy", str(busy)])
     try:
         chat_load(port, 2)  # warm up
+        time.sleep(QUIET_S + 1)  # the server's batch lines take their idle limit again
+        batch_alone = BatchJob(port, batch_lines(lines)).tokens_per_s()
         alone = chat_load(port, requests)
-        job = BatchJob(port, batch_lines(lines, priority))
-        batch_alone = job.tokens_per_s()
-        job = BatchJob(port, batch_lines(lines, priority))
+        time.sleep(QUIET_S + 1)
+        job = BatchJob(port, batch_lines(lines))
         job.wait_running()
+        started, lines_before = time.perf_counter(), job.completed()
         beside = chat_load(port, requests)
+        batch_beside = (job.completed() - lines_before) * OUTPUT_TOKENS / (time.perf_counter() - started)
         if job.done.is_set():
             raise RuntimeError("the batch ended before the chat load did: give it more --lines")
-        batch_beside = job.tokens_per_s()
+        job.done.wait()
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -132,7 +138,7 @@ def offline(lines: int) -> tuple[float, float]:
     in its own process (imports and the model's load included, as a user waits for them)."""
     with tempfile.TemporaryDirectory() as directory:
         source, target = Path(directory) / "in.jsonl", Path(directory) / "out.jsonl"
-        source.write_bytes(batch_lines(lines, None))
+        source.write_bytes(batch_lines(lines))
         commands = ([sys.executable, "-m", "hyperserve.cli", "run-batch", "-i", str(source), "-o", str(target)],
                     [sys.executable, "-c", LLM_SCRIPT, str(source), str(OUTPUT_TOKENS)])
         seconds = []
@@ -145,26 +151,31 @@ def offline(lines: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lines", type=int, default=256, help="lines per batch")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[4, 16, 64])
+    parser.add_argument("--lines", type=int, default=256,
+                        help="lines per batch, times busy concurrency / 16 above 16 (so the batch outlasts the chat)")
+    parser.add_argument("--pairs", nargs="+", default=["4:4", "16:16", "16:2", "64:64", "64:2"],
+                        help="IDLE:BUSY, --batch-concurrency and --batch-concurrency-busy")
     parser.add_argument("--requests", type=int, default=8, help="chat requests per measurement")
     args = parser.parse_args()
     rows = []
-    for concurrency in args.concurrency:
-        for priority, label in ((None, "100 (default)"), (0, "0 (as chat)")):
-            print(f"--batch-concurrency {concurrency}, lines at priority {label}", flush=True)
-            rows.append((concurrency, label, serve_and_measure(concurrency, args.lines, args.requests, priority)))
+    for pair in args.pairs:
+        idle, busy = map(int, pair.split(":"))
+        print(f"--batch-concurrency {idle} --batch-concurrency-busy {busy}", flush=True)
+        lines = args.lines * max(1, busy // 16)
+        rows.append((idle, busy, serve_and_measure(idle, busy, lines, args.requests)))
+        print(rows[-1], flush=True)
     run_batch_s, llm_s = offline(args.lines)
     import torch
 
     print(f"\n{cpu_header(torch.get_num_threads())}")
-    print(f"Batches of {args.lines} chat lines of {OUTPUT_TOKENS} tokens; chat: 1 stream, {args.requests} requests "
+    print(f"Batches of {args.lines} chat lines of {OUTPUT_TOKENS} tokens (x busy concurrency / 16 above 16); "
+          f"chat: 1 stream, {args.requests} requests "
           f"of {OUTPUT_TOKENS} tokens; default `hyperserve serve` flags besides --batch-concurrency.\n")
-    print("| --batch-concurrency | batch lines' priority | chat TTFT p50 ms alone / beside the batch | "
-          "chat ITL p50 ms alone / beside | batch output tok/s alone / beside chat |")
+    print("| --batch-concurrency | --batch-concurrency-busy | chat TTFT p50 ms alone / beside the batch | "
+          "chat ITL p50 ms alone / beside | batch output tok/s alone / while chat runs |")
     print("|---|---|---|---|---|")
-    for concurrency, label, r in rows:
-        print(f"| {concurrency} | {label} | {r['ttft_alone']:.0f} / {r['ttft_beside']:.0f} | "
+    for idle, busy, r in rows:
+        print(f"| {idle} | {busy} | {r['ttft_alone']:.0f} / {r['ttft_beside']:.0f} | "
               f"{r['itl_alone']:.1f} / {r['itl_beside']:.1f} | {r['batch_alone']:.1f} / {r['batch_beside']:.1f} |")
     print(f"\nOffline, the same {args.lines} lines, start to exit (imports and the model's load included): "
           f"`hyperserve run-batch` {run_batch_s:.1f} s, a script of `LLM.chat` {llm_s:.1f} s "

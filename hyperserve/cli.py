@@ -201,7 +201,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                               prefill_timeout_s=args.prefill_timeout_s,
                               responses_store_bytes=int(args.responses_store_mb * 2**20),
                               reasoning_parser=args.reasoning_parser, files_dir=args.files_dir,
-                              batch_concurrency=args.batch_concurrency)
+                              batch_concurrency=args.batch_concurrency,
+                              batch_concurrency_busy=args.batch_concurrency_busy)
     failed: list[str] = []
 
     def stop(reason: str) -> None:
@@ -252,7 +253,7 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
     entry = ModelEntry(name, functools.partial(LLMEngine, config), adapters=_lora_modules(args.lora_modules))
     settings = ServerSettings(model_name=name, max_queue=max(256, 2 * args.max_concurrency),
                               default_max_tokens=args.default_max_tokens, reasoning_parser=args.reasoning_parser,
-                              batch_concurrency=args.max_concurrency)
+                              batch_concurrency=args.max_concurrency, batch_concurrency_busy=args.max_concurrency)
     app = build_app([entry], settings, embedding_model=args.embedding_model, idle_unload_s=None)
     try:
         counts = asyncio.run(run_batch(app, Path(args.input), Path(args.output)))
@@ -348,7 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--files-dir", default=None,
                        help="where the Batch API keeps /v1/files (default: a temporary directory, gone at exit)")
     serve.add_argument("--batch-concurrency", type=int, default=16,
-                       help="requests of all /v1/batches in the engine at once (they run at low priority)")
+                       help="requests of all /v1/batches in the engine at once while it serves nothing else")
+    serve.add_argument("--batch-concurrency-busy", type=int, default=2,
+                       help="... while it serves other requests, and for 5 s after the last")
     serve.add_argument("--shutdown-grace-s", type=float, default=30.0,
                        help="on SIGTERM, how long running requests may take to finish")
     disagg = serve.add_argument_group("disaggregated prefill (long prompts computed by another server)")

@@ -7,7 +7,8 @@ endpoint="/v1/chat/completions", completion_window="24h")`, `client.files.conten
 
 Each line re-enters the app at its endpoint with the batch creator's API key, so keys, rate limits,
 guardrails and validation apply to it as to any request, and its answer or error is what that request
-would get. Lines run in the background, a few at a time (`concurrency`, shared by all batches). In
+would get. Lines run in the background, a few at a time (`LineSlots`, shared by all batches): many
+while the app serves nothing else, two while it does and for a few seconds after. In
 the server they run at a low priority (BATCH_PRIORITY): its engine schedules interactive requests
 first and preempts batch ones first. The gateway sets none, since OpenAI's API and vLLM's default
 scheduler take no `priority`. A line answered 429 or 503 waits its Retry-After and tries again until
@@ -18,7 +19,9 @@ the ones in progress.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import math
 import os
 import secrets
 import tempfile
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.requests import Request
 
 from hyperserve.common.asgi import send_json
@@ -40,9 +44,11 @@ PRIORITY_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")  # those whose 
 BATCH_PRIORITY = 100  # lower runs first; interactive requests default to 0
 WINDOW_S = 24 * 3600  # completion_window "24h", the only one OpenAI offers
 MAX_LINES = 50_000  # per batch, as OpenAI's
+QUIET_S = 5.0  # after the last other request, how long batch lines stay at the busy limit
 MAX_ACTIVE_BATCHES = 64  # running at once on a server, all owners together
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 MAX_FILE_BYTES = 200 * 2**20
+MAX_CREATE_BYTES = 64 * 1024  # a batch's own request (the file id, the endpoint, metadata)
 CHUNK_BYTES = 2**20
 FORWARDED_HEADERS = (b"authorization", b"x-api-key")  # a line is sent with its batch creator's key
 
@@ -177,20 +183,77 @@ def read_lines(data: bytes, endpoint: str) -> tuple[list[dict[str, Any]], list[d
     return requests, errors
 
 
+class LineSlots:
+    """How many batch lines may be in the app at once: `idle` while no other request is, `busy`
+    while one is and for QUIET_S after the last ends. Interactive traffic so gets the engine back
+    within a line's time, and batches fill it when nobody else uses it."""
+
+    def __init__(self, idle: int, busy: int) -> None:
+        self.idle, self.busy = idle, busy
+        self.taken = 0
+        self.others = 0  # requests in the app now that are not batch lines
+        self.last_other = -math.inf  # when the last of them ended (time.monotonic)
+        self._changed = asyncio.Condition()
+
+    def _quiet_in(self) -> float | None:
+        """Seconds until the idle limit applies (0: it does now; None: not while others run)."""
+        if self.others:
+            return None
+        return max(QUIET_S - (time.monotonic() - self.last_other), 0.0)
+
+    def limit(self) -> int:
+        return self.idle if self._quiet_in() == 0 else self.busy
+
+    @contextlib.asynccontextmanager
+    async def line(self):
+        """Around one batch line in the app."""
+        async with self._changed:
+            while self.taken >= self.limit():
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=self._quiet_in() or None)
+                except TimeoutError:
+                    pass
+            self.taken += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.taken -= 1
+                self._changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def other(self):
+        """Around any other request in the app."""
+        self.others += 1
+        try:
+            yield
+        finally:
+            self.others -= 1
+            self.last_other = time.monotonic()
+            async with self._changed:
+                self._changed.notify_all()  # the waiters time their wait for the quiet period
+
+
 class BatchAPI:
     """/v1/files and /v1/batches in front of `app`. `governor`: the app's API keys, which own files
-    and batches; `concurrency`: how many lines of all batches are in the app at once; `priority`: the
-    one their bodies get where they set none (None: none, for backends that take no `priority`)."""
+    and batches; `concurrency` and `busy_concurrency`: how many lines of all batches are in the app at
+    once while it serves nothing else, and while it does (LineSlots); `priority`: the
+    one their bodies get where they set none (None: none, for backends that take no `priority`);
+    `registry`: where the batch metrics go."""
 
     def __init__(self, app, governor=None, files_dir: Path | None = None, max_file_bytes: int = MAX_FILE_BYTES,
-                 max_stored_bytes: int = 4 * 2**30, concurrency: int = 16, priority: int | None = BATCH_PRIORITY,
-                 ) -> None:
+                 max_stored_bytes: int = 4 * 2**30, concurrency: int = 16, busy_concurrency: int = 2,
+                 priority: int | None = BATCH_PRIORITY, registry: CollectorRegistry | None = None) -> None:
         self.app, self.governor, self.priority = app, governor, priority
+        self.lines_done = Counter("hyperserve:batch_requests", "Batch lines ended, by outcome: answered (2xx), "
+                                  "failed (any other status), not_run (the batch was cancelled or expired)",
+                                  ["outcome"], registry=registry)
+        Gauge("hyperserve:batches_running", "Batches validating, in progress, finalizing or cancelling",
+              registry=registry).set_function(lambda: sum(b.status in ACTIVE for b in self.batches.values()))
         self.max_file_bytes = max_file_bytes
         self.store = FileStore(files_dir, max_stored_bytes)
         self.batches: dict[str, Batch] = {}
-        self.concurrency = concurrency
-        self._slots: asyncio.Semaphore | None = None  # made on the serving loop
+        self.slots = LineSlots(concurrency, min(busy_concurrency, concurrency))
         self._tasks: set[asyncio.Task] = set()
 
     async def __call__(self, scope, receive, send) -> None:
@@ -198,7 +261,10 @@ class BatchAPI:
         kind = FILES if path == FILES or path.startswith(FILES + "/") else \
             BATCHES if path == BATCHES or path.startswith(BATCHES + "/") else None
         if scope["type"] != "http" or kind is None:
-            return await self.app(scope, receive, send)
+            if scope["type"] == "lifespan" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+                return await self.app(scope, receive, send)  # pages, health, metrics: no engine work
+            async with self.slots.other():
+                return await self.app(scope, receive, send)
         try:
             headers = dict(scope["headers"])
             key = self.governor.authenticate(headers) if self.governor is not None else None
@@ -232,18 +298,10 @@ class BatchAPI:
 
     async def _upload(self, scope, receive, owner: str) -> StoredFile:
         """A multipart upload (`file`, `purpose`), refused past max_file_bytes as it arrives."""
-        received = 0
-
-        async def counted():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_file_bytes + 64 * 1024:  # the form's own fields besides the file
-                raise APIError(413, f"files take at most {self.max_file_bytes} bytes", code="file_too_large")
-            return message
-
-        try:
-            form = await Request(scope, counted).form(max_files=1, max_fields=8)
+        too_large = APIError(413, f"files take at most {self.max_file_bytes} bytes", code="file_too_large")
+        try:  # the form's own fields come besides the file
+            form = await Request(scope, _limited(receive, self.max_file_bytes + 64 * 1024, too_large)).form(
+                max_files=1, max_fields=8)
         except APIError:
             raise
         except Exception as error:  # noqa: BLE001 - a malformed body from the client: say why
@@ -256,7 +314,7 @@ class BatchAPI:
         data = await upload.read()
         await form.close()
         if len(data) > self.max_file_bytes:
-            raise APIError(413, f"files take at most {self.max_file_bytes} bytes", code="file_too_large")
+            raise too_large
         return self.store.add(owner, upload.filename or "upload.jsonl", purpose, data)
 
     # ---- batches -------------------------------------------------------------------------------
@@ -281,7 +339,7 @@ class BatchAPI:
         raise APIError(404 if method == "GET" else 405, f"no route {method} {scope['path']}")
 
     async def _create(self, scope, receive, owner: str) -> Batch:
-        body = await read_json(receive)
+        body = await read_json(_limited(receive, MAX_CREATE_BYTES, APIError(413, "the request body is too large")))
         endpoint, window = body.get("endpoint"), body.get("completion_window")
         if endpoint not in ENDPOINTS:
             raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint")
@@ -318,8 +376,6 @@ class BatchAPI:
             batch.enter("failed")
 
     async def _process(self, batch: Batch, source: StoredFile, scope, headers: list[tuple[bytes, bytes]]) -> None:
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.concurrency)
         requests, errors = read_lines(await asyncio.to_thread(source.path.read_bytes), batch.endpoint)
         if errors:
             batch.errors = errors[:100]
@@ -347,7 +403,7 @@ class BatchAPI:
         line_id, body = _new_id("batch_req"), {**request["body"], "stream": False}
         if self.priority is not None and batch.endpoint in PRIORITY_ENDPOINTS:
             body.setdefault("priority", self.priority)
-        async with self._slots:
+        async with self.slots.line():
             while True:
                 if batch.cancelled.is_set() or time.time() >= batch.expires_at:
                     result = {"id": line_id, "custom_id": request["custom_id"], "response": None,
@@ -364,10 +420,12 @@ class BatchAPI:
                 result = {"id": line_id, "custom_id": request["custom_id"],
                           "response": {"status_code": status, "request_id": line_id, "body": answer}, "error": None}
                 break
-        if _succeeded(result):
+        outcome = "answered" if _succeeded(result) else "failed" if result["response"] else "not_run"
+        if outcome == "answered":
             batch.completed += 1
         else:
             batch.failed += 1
+        self.lines_done.labels(outcome).inc()
         return result
 
     async def _post(self, batch: Batch, scope, headers, body: dict[str, Any]) -> tuple[int, dict, Any]:
@@ -401,6 +459,21 @@ class BatchAPI:
         except Exception as error:  # noqa: BLE001 - one line's failure is that line's error, not the batch's
             return 500, {}, {"error": {"message": f"{type(error).__name__}: {error}", "type": "api_error"}}
         return start.get("status", 500), dict(start.get("headers", [])), answer
+
+
+def _limited(receive, max_bytes: int, error: APIError):
+    """`receive` that raises `error` once the body passes max_bytes."""
+    received = 0
+
+    async def counted():
+        nonlocal received
+        message = await receive()
+        received += len(message.get("body", b""))
+        if received > max_bytes:
+            raise error
+        return message
+
+    return counted
 
 
 def _succeeded(result: dict[str, Any]) -> bool:

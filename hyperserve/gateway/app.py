@@ -361,7 +361,7 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
     app.add_middleware(AnthropicAPI)  # and /v1/messages
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     # /v1/files and /v1/batches, each line through the routes (no `priority`: not every backend takes one)
-    app.add_middleware(BatchAPI, governor=governor, priority=None)
+    app.add_middleware(BatchAPI, governor=governor, priority=None, registry=gateway.metrics.registry)
     install_error_handlers(app)
     app.include_router(routes)
     install_web_ui(app, gateway.metrics.registry, "gateway", gateway.refresh_backend_health,

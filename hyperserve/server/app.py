@@ -119,7 +119,8 @@ def build_app(
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     # outermost: uploads may exceed max_body_bytes; each batch line goes through everything above
     app.add_middleware(BatchAPI, governor=governor, files_dir=settings.files_dir and Path(settings.files_dir),
-                       concurrency=settings.batch_concurrency)
+                       concurrency=settings.batch_concurrency, busy_concurrency=settings.batch_concurrency_busy,
+                       registry=metrics.registry)
 
     async def serving(model: str | None) -> OpenAIServing:
         if state.shutting_down:

@@ -18,7 +18,8 @@ class ServerSettings:
     responses_store_bytes: int = 64 * 2**20  # stored /v1/responses answers (as JSON) beyond which the oldest go
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: chat answers' thinking to reasoning_content
     files_dir: str | None = None  # where /v1/files keeps the Batch API's files (None: a temporary directory)
-    batch_concurrency: int = 16  # lines of all batches in the engine at once (common/batch_api.py)
+    batch_concurrency: int = 16  # lines of all batches in the engine at once while it serves nothing else
+    batch_concurrency_busy: int = 2  # ... and while it does (common/batch_api.py's LineSlots)
     # One request fans out into at most this many sequences (prompts x n), as a multiple of
     # max_num_seqs: a single request may fill the batch twice over, never more.
     max_fanout_factor: int = 2
@@ -31,8 +32,9 @@ class ServerSettings:
     prefill_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.max_queue < 1 or self.default_max_tokens < 1 or self.max_pin_ttl_s <= 0 or self.batch_concurrency < 1:
-            raise ValueError("max_queue, default_max_tokens, max_pin_ttl_s and batch_concurrency must be positive")
+        counts = (self.max_queue, self.default_max_tokens, self.batch_concurrency, self.batch_concurrency_busy)
+        if min(counts) < 1 or self.max_pin_ttl_s <= 0:
+            raise ValueError("max_queue, default_max_tokens, max_pin_ttl_s and batch concurrencies must be positive")
         if self.responses_store_bytes < 0:
             raise ValueError("responses_store_bytes must be 0 (store nothing) or more")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:

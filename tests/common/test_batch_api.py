@@ -12,6 +12,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
 
 from hyperserve.common.batch_api import BATCH_PRIORITY, BatchAPI
 from hyperserve.security.config import SecurityConfig, hash_key
@@ -44,8 +45,9 @@ def client(tmp_path):
             app.state.aborted += 1
         return {"echo": body}
 
+    app.state.registry = CollectorRegistry()
     app.add_middleware(BatchAPI, governor=governor, files_dir=tmp_path / "files", max_file_bytes=4096,
-                       concurrency=2)
+                       concurrency=2, registry=app.state.registry)
     with TestClient(app) as client:
         yield client
 
@@ -95,6 +97,9 @@ def test_a_batch_answers_each_line_through_the_app_in_order(client):
     assert error["response"]["body"]["error"]["message"] == "bad"
     assert api.files.retrieve(batch.output_file_id).purpose == "batch_output"
     assert [b.id for b in api.batches.list()] == [batch.id]
+    metric = client.app.state.registry.get_sample_value
+    assert [metric("hyperserve:batch_requests_total", {"outcome": o}) for o in ("answered", "failed")] == [3, 1]
+    assert metric("hyperserve:batches_running") == 0
 
 
 def test_an_invalid_input_file_fails_the_batch_saying_which_lines(client):
@@ -128,6 +133,7 @@ def test_a_cancelled_batch_aborts_its_running_lines_and_keeps_what_finished(clie
     errors = lines(api, batch.error_file_id)
     assert len(errors) == 4 and client.app.state.aborted == 2  # two ran (concurrency 2) and were disconnected
     assert {e["error"]["code"] for e in errors if e["response"] is None} == {"batch_cancelled"}
+    assert client.app.state.registry.get_sample_value("hyperserve:batch_requests_total", {"outcome": "not_run"}) == 4
 
 
 def test_files_and_batches_are_their_owners_alone_and_need_a_key(client):
@@ -180,3 +186,47 @@ def test_a_batch_whose_results_cannot_be_stored_fails_saying_why():
         batch = finished(api, api.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
                                                  completion_window="24h").id)
     assert batch.status == "failed" and "delete some first" in batch.errors.data[0].message
+
+
+def test_a_batch_request_body_is_bounded(client):
+    headers = {"Authorization": f"Bearer {KEYS['alice']}"}
+    response = client.post("/v1/batches", headers=headers, content=b'{"metadata": "' + b"x" * 100_000 + b'"}')
+    assert response.status_code == 413 and "too large" in response.json()["error"]["message"]
+
+
+def test_batch_lines_yield_to_other_requests_and_come_back_after_a_quiet_while(monkeypatch):
+    """Idle: 3 lines at once. While another request runs, and for QUIET_S after it ends, one at a
+    time (the busy limit); after that, 3 at once again."""
+    from hyperserve.common import batch_api
+
+    monkeypatch.setattr(batch_api, "QUIET_S", 0.3)
+
+    async def scenario() -> list[list[int]]:
+        slots = batch_api.LineSlots(idle=3, busy=1)
+
+        async def lines() -> list[int]:
+            """Three lines of 20 ms started together: how many were in the app as each entered."""
+            taken = []
+
+            async def line() -> None:
+                async with slots.line():
+                    taken.append(slots.taken)
+                    await asyncio.sleep(0.02)
+
+            await asyncio.gather(*(line() for _ in range(3)))
+            return taken
+
+        async def other() -> None:
+            async with slots.other():
+                await asyncio.sleep(0.1)
+
+        idle = await lines()
+        chat = asyncio.create_task(other())
+        await asyncio.sleep(0)
+        during = await lines()
+        await chat
+        after = await lines()  # within the quiet while
+        await asyncio.sleep(0.3)
+        return [idle, during, after, await lines()]
+
+    assert asyncio.run(scenario()) == [[1, 2, 3], [1, 1, 1], [1, 1, 1], [1, 2, 3]]

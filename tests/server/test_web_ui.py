@@ -122,6 +122,40 @@ def test_the_dashboard_charts_move_under_load(server, page):
     page.screenshot(path=SCREENSHOTS / "dashboard.png")
 
 
+def test_the_batches_page_runs_a_file_and_downloads_its_results(server, page, tmp_path):
+    """Upload, start, follow to completed, download the output: the server's own answers."""
+    import json
+
+    questions = ["Name a colour.", "Name a fruit.", "Name a river."]
+    source = tmp_path / "questions.jsonl"
+    source.write_text("".join(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
+                                          "body": {"prompt": q, "max_tokens": 8, "temperature": 0}}) + "\n"
+                              for i, q in enumerate(questions)))
+    page.goto(f"{server.url}/ui/batches.html")
+    playwright_api.expect(page.locator("#none")).to_be_visible()
+    page.set_input_files("#file", str(source))
+    page.select_option("#endpoint", "/v1/completions")
+    page.click("#start")
+    row = page.locator("#batches tr").first
+    playwright_api.expect(row).to_have_attribute("data-status", "completed", timeout=60_000)
+    playwright_api.expect(row.locator("td").nth(3)).to_contain_text("3 / 3")
+    with page.expect_download() as download:
+        row.get_by_role("button", name="Output").click()
+    lines = [json.loads(line) for line in Path(download.value.path()).read_text().splitlines()]
+    for line, question in zip(lines, questions):
+        alone = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                           json={"prompt": question, "max_tokens": 8, "temperature": 0}).json()
+        assert line["response"]["body"]["choices"][0]["text"] == alone["choices"][0]["text"]
+    page.set_input_files("#file", str(tmp_path / "questions.jsonl"))
+    page.select_option("#endpoint", "/v1/embeddings")  # the file's lines name another endpoint
+    page.click("#start")
+    failed = page.locator("#batches tr").first
+    playwright_api.expect(failed).to_have_attribute("data-status", "failed", timeout=30_000)
+    assert "url must be the batch's endpoint" in failed.locator("td").nth(2).get_attribute("title")
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=SCREENSHOTS / "batches.png")
+
+
 def test_with_keys_on_the_pages_ask_for_one_and_stream_with_it(browser):
     keyed = start_server("--kv-cache-memory-gb", "0.25", "--api-key", "browser-secret", log_name="ui-keys")
     context = browser.new_context()

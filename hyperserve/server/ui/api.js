@@ -42,17 +42,32 @@ function headers(extra = {}) {
   return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
 }
 
-/** GET path as JSON; on 401 asks for a key and tries again. */
-export async function getJSON(path) {
+/** fetch(path, options) with the key; on 401 asks for a key and tries again; throws the error's message. */
+export async function request(path, options = {}) {
   for (;;) {
-    const response = await fetch(path, { headers: headers() });
+    const response = await fetch(path, { ...options, headers: headers(options.headers) });
     if (response.status === 401) {
       await askForKey((await errorMessage(response)) || "This server needs an API key.");
       continue;
     }
     if (!response.ok) throw new Error(`${path}: ${response.status} ${await errorMessage(response)}`);
-    return response.json();
+    return response;
   }
+}
+
+/** GET path as JSON. */
+export async function getJSON(path) {
+  return (await request(path)).json();
+}
+
+/** POST a JSON body (or a FormData) to path; the answer as JSON. */
+export async function postJSON(path, body) {
+  const form = body instanceof FormData;
+  return (await request(path, {
+    method: "POST",
+    headers: form ? {} : { "Content-Type": "application/json" },
+    body: form ? body : JSON.stringify(body),
+  })).json();
 }
 
 async function errorMessage(response) {

@@ -67,6 +67,7 @@ const SERVER = {
     ["TTFT p50", () => quantile("hyperserve:time_to_first_token_seconds", 0.5), 0, " ms"],
     ["ITL p50", () => quantile("hyperserve:inter_token_latency_seconds", 0.5), 1, " ms"],
     ["requests done", () => total(snapshots.at(-1), "hyperserve:request_success_total"), 0],
+    ["batches running", () => total(snapshots.at(-1), "hyperserve:batches_running"), 0],
   ],
   charts: [
     ["Time to first token (ms)", ["p50", () => quantile("hyperserve:time_to_first_token_seconds", 0.5)],
@@ -93,6 +94,7 @@ const GATEWAY = {
     ["cache hits/s", () => rate(REQUESTS, 3, cacheIs("hit")), 1],
     ["backends up", () => total(snapshots.at(-1), "hyperserve:gateway_backend_up"), 0],
     ["backend p50", () => quantile("hyperserve:gateway_backend_latency_seconds", 0.5), 0, " ms"],
+    ["batches running", () => total(snapshots.at(-1), "hyperserve:batches_running"), 0],
   ],
   charts: [
     ["Requests/s by cache outcome", ["exact hit", () => rate(REQUESTS, 3, cacheIs("hit-exact"))],
