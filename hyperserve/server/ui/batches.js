@@ -58,7 +58,13 @@ function render(batches) {
     cell(row, batch.id);
     cell(row, batch.endpoint);
     const status = cell(row, batch.status);
-    if (batch.errors) status.title = batch.errors.data.map((e) => (e.line ? `line ${e.line}: ` : "") + e.message).join("\n");
+    if (batch.errors) {
+      const reasons = batch.errors.data.map((e) => (e.line ? `line ${e.line}: ` : "") + e.message);
+      status.title = reasons.join("\n");
+      status.append(Object.assign(document.createElement("div"), {
+        className: "stats", textContent: reasons[0] + (reasons.length > 1 ? ` (and ${reasons.length - 1} more)` : ""),
+      }));
+    }
     const { total, completed, failed } = batch.request_counts;
     const bar = Object.assign(document.createElement("progress"), { max: total || 1, value: completed + failed });
     cell(row, bar, ` ${completed + failed} / ${total}` + (failed ? ` (${failed} failed)` : ""));
