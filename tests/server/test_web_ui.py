@@ -132,11 +132,14 @@ def test_the_batches_page_runs_a_file_and_downloads_its_results(server, page, tm
                                           "body": {"prompt": q, "max_tokens": 8, "temperature": 0}}) + "\n"
                               for i, q in enumerate(questions)))
     page.goto(f"{server.url}/ui/batches.html")
-    playwright_api.expect(page.locator("#none")).to_be_visible()
+    playwright_api.expect(page.locator("#updated")).not_to_be_empty()
+    rows = page.locator("#batches tr")
+    before = rows.count()  # the shared server may hold other tests' batches: the newest row is first
     page.set_input_files("#file", str(source))
     page.select_option("#endpoint", "/v1/completions")
     page.click("#start")
-    row = page.locator("#batches tr").first
+    playwright_api.expect(rows).to_have_count(before + 1)
+    row = rows.first
     playwright_api.expect(row).to_have_attribute("data-status", "completed", timeout=60_000)
     playwright_api.expect(row.locator("td").nth(3)).to_contain_text("3 / 3")
     with page.expect_download() as download:
@@ -149,7 +152,8 @@ def test_the_batches_page_runs_a_file_and_downloads_its_results(server, page, tm
     page.set_input_files("#file", str(tmp_path / "questions.jsonl"))
     page.select_option("#endpoint", "/v1/embeddings")  # the file's lines name another endpoint
     page.click("#start")
-    failed = page.locator("#batches tr").first
+    playwright_api.expect(rows).to_have_count(before + 2)
+    failed = rows.first
     playwright_api.expect(failed).to_have_attribute("data-status", "failed", timeout=30_000)
     assert "url must be the batch's endpoint" in failed.locator("td").nth(2).get_attribute("title")
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
