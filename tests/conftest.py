@@ -128,6 +128,7 @@ def tiny_config(arch: str, **overrides):
     """A small random-weight config of one of the supported architectures."""
     from transformers import (
         Gemma3TextConfig,
+        GraniteConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -150,11 +151,13 @@ def tiny_config(arch: str, **overrides):
         common.update(head_dim=16)
     if arch == "mixtral":  # 4 experts, 2 a token
         common.update(num_local_experts=4, num_experts_per_tok=2, head_dim=16)
+    if arch == "granite":  # multipliers far from 1 (Granite 3's are 12, 0.22, 1/64 and 8)
+        common.update(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=3.0)
     if arch == "qwen3_moe":  # the same; a Qwen3-MoE layer may stay dense
         common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, head_dim=16)
     common.update(overrides)
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "gemma3": Gemma3TextConfig,
-               "qwen3": Qwen3Config, "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig}
+               "qwen3": Qwen3Config, "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig, "granite": GraniteConfig}
     return classes[arch](**common)
 
 

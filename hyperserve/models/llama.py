@@ -1,6 +1,6 @@
 """The Llama family decoder: Llama 2/3, Mistral (sliding window), Qwen2 (QKV bias), Qwen3 (QK
-norms), SmolLM2, and the mixture-of-experts members Mixtral and Qwen3-MoE (layers/moe.py in place
-of the MLP).
+norms), SmolLM2, Granite (its multipliers folded into the weights as they load), and the
+mixture-of-experts members Mixtral and Qwen3-MoE (layers/moe.py in place of the MLP).
 
 Inputs are flat: every scheduled token of every sequence in one [T] tensor with its position, no
 padding. Q/K/V and gate/up projections are fused into one matmul each; `load_weight` takes
@@ -69,7 +69,7 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = heads.num_kv_heads
         self.head_dim = head_dim_of(config)
         self.tp = tp
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_multiplier if config.model_type == "granite" else self.head_dim**-0.5
         self.shard_sizes = [
             self.num_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
@@ -250,6 +250,8 @@ class LlamaForCausalLM(nn.Module):
         tensor parallelism; returns the parameter name."""
         if name == "lm_head.weight" and self.lm_head is None:
             return "model.embed_tokens.weight"  # tied: the embedding already holds it
+        if self.config.model_type == "granite":
+            tensor = tensor * granite_factor(self.config, name, self.tie_word_embeddings)
         module_name, _, leaf = name.rpartition(".")
         parent, _, proj = module_name.rpartition(".")
         if self.tp.size > 1:
@@ -284,6 +286,21 @@ class LlamaForCausalLM(nn.Module):
             part = tensor[start : start + self.vocab_shard]
             return F.pad(part, (0, 0, 0, self.vocab_shard - part.shape[0]))
         return tensor
+
+
+def granite_factor(config: PretrainedConfig, name: str, tied: bool) -> float:
+    """What Granite's multipliers make of tensor `name`, folded in as it loads so that the layers run
+    as Llama's: the embedding times embedding_multiplier; each layer's o and down projections (weight
+    and bias) times residual_multiplier, the scale of what they add to the residual stream; the final
+    norm divided by logits_scaling, and by embedding_multiplier where the LM head is the embedding."""
+    if name == "model.embed_tokens.weight":
+        return config.embedding_multiplier
+    if name.endswith(("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight",
+                      "mlp.down_proj.bias")):
+        return config.residual_multiplier
+    if name == "model.norm.weight":
+        return 1 / (config.logits_scaling * (config.embedding_multiplier if tied else 1))
+    return 1.0
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "granite", "gemma3_text")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ ARCHS = {
     "mixtral": {},  # 4 experts, 2 a token
     "qwen3_moe": {"mlp_only_layers": [0]},  # a dense layer, then a sparse one
     "qwen3_moe-unnormalized": {"norm_topk_prob": False},
+    "granite": {},  # embedding, residual, attention and logits multipliers
+    "granite-tied": {"tie_word_embeddings": True},
     "gemma3": {},  # a sliding-window layer (8 tokens) and a global one, QK norms, four norms per layer
 }
 
