@@ -135,6 +135,7 @@ def tiny_config(arch: str, **overrides):
         Qwen2Config,
         Qwen3Config,
         Qwen3MoeConfig,
+        SmolLM3Config,
     )
 
     common = dict(
@@ -153,11 +154,14 @@ def tiny_config(arch: str, **overrides):
         common.update(num_local_experts=4, num_experts_per_tok=2, head_dim=16)
     if arch == "granite":  # multipliers far from 1 (Granite 3's are 12, 0.22, 1/64 and 8)
         common.update(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=3.0)
+    if arch == "smollm3":  # its second layer does not rotate (SmolLM3's every fourth)
+        common.update(no_rope_layers=[1, 0], pad_token_id=None, bos_token_id=1, eos_token_id=2)
     if arch == "qwen3_moe":  # the same; a Qwen3-MoE layer may stay dense
         common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, head_dim=16)
     common.update(overrides)
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "gemma3": Gemma3TextConfig,
-               "qwen3": Qwen3Config, "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig, "granite": GraniteConfig}
+               "qwen3": Qwen3Config, "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig, "granite": GraniteConfig,
+               "smollm3": SmolLM3Config}
     return classes[arch](**common)
 
 

@@ -60,6 +60,7 @@ class FusedDecode:
         cos, signed_sin = rotary.cos_sin_for(torch.arange(rotary.max_position), torch.float32)
         self.cos, self.signed_sin = cos.squeeze(1).contiguous(), signed_sin.squeeze(1).contiguous()
         self.layers = [self._weights(layer) for layer in model.model.layers]
+        self.rotates = [layer.self_attn.rotary is not None for layer in model.model.layers]  # SmolLM3's NoPE: not
         self._all_layers = [w for layer in self.layers for w in layer]
         # int4 weights in the interleaved layout, on a CPU without a native dense type faster than the
         # 8-bit kernels
@@ -117,13 +118,18 @@ class FusedDecode:
         cos, signed_sin = self.cos[positions], self.signed_sin[positions]
         shared = (slots, block_tables, lengths, kv_caches[0].block_size, self.num_heads, self.num_kv_heads, self.eps,
                   self.scale)
-        if lora is None or not lora.adapters:
+        with_lora = lora is not None and bool(lora.adapters)
+        if not with_lora and all(self.rotates):
             torch.ops.hyperserve.decode_layers(hidden, self._all_layers, cos, signed_sin, [c.key for c in kv_caches],
                                                [c.value for c in kv_caches], *shared)
             return hidden
+        unrotated = (torch.ones_like(cos), torch.zeros_like(signed_sin))  # a layer without rotary: cos 1, sin 0
+        no_lora = torch.empty(0, dtype=torch.long)
         for index, (layer, weights, cache) in enumerate(zip(self.model.model.layers, self.layers, kv_caches)):
-            torch.ops.hyperserve.decode_layer(hidden, weights, cos, signed_sin, cache.key, cache.value, *shared,
-                                              lora.native(index, layer), lora.rows)
+            rotation = (cos, signed_sin) if self.rotates[index] else unrotated
+            torch.ops.hyperserve.decode_layer(hidden, weights, *rotation, cache.key, cache.value, *shared,
+                                              lora.native(index, layer) if with_lora else [],
+                                              lora.rows if with_lora else no_lora)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

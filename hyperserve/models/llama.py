@@ -1,5 +1,6 @@
 """The Llama family decoder: Llama 2/3, Mistral (sliding window), Qwen2 (QKV bias), Qwen3 (QK
-norms), SmolLM2, Granite (its multipliers folded into the weights as they load), and the
+norms), SmolLM2, SmolLM3 (layers without rotary), Granite (its multipliers folded into the weights as
+they load), and the
 mixture-of-experts members Mixtral and Qwen3-MoE (layers/moe.py in place of the MLP).
 
 Inputs are flat: every scheduled token of every sequence in one [T] tensor with its position, no
@@ -62,7 +63,8 @@ class RMSNorm(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 tp: TensorParallel):
+                 tp: TensorParallel, use_rope: bool = True):
+        """use_rope: False for SmolLM3's NoPE layers, whose q and k are not rotated."""
         super().__init__()
         heads = tp.head_slice(config.num_attention_heads, config.num_key_value_heads)
         self.num_heads = heads.num_heads  # this rank's
@@ -87,12 +89,13 @@ class LlamaAttention(nn.Module):
         if config.model_type in QK_NORM_TYPES:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary = rotary
+        self.rotary = rotary if use_rope else None
         self.backend = backend
 
     def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # x [T, hidden]
-        if on_triton(qkv) and self.head_dim & (self.head_dim - 1) == 0 and self.q_norm is None:
+        if (on_triton(qkv) and self.head_dim & (self.head_dim - 1) == 0 and self.q_norm is None
+                and self.rotary is not None):
             from hyperserve.layers.triton_elementwise import rotary_and_cache
 
             q, k, v = rotary_and_cache(qkv, cos_sin, meta.slot_mapping, kv_cache, self.num_heads, self.num_kv_heads)
@@ -103,7 +106,8 @@ class LlamaAttention(nn.Module):
             if self.q_norm is not None:
                 q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
                 qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-            qk = self.rotary(cos_sin, qk)
+            if self.rotary is not None:
+                qk = self.rotary(cos_sin, qk)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
             out = self.backend(q, k, v.unflatten(-1, (-1, self.head_dim)), kv_cache, meta, self.scale)  # [T, H, D]
         return self.tp.all_reduce(self.o_proj(out.flatten(1)))
@@ -146,7 +150,8 @@ def sparse_moe(config: PretrainedConfig, tp: TensorParallel) -> SparseMoE:
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, rotary, backend, tp, index: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, backend, tp)
+        rope = getattr(config, "no_rope_layers", None)  # SmolLM3: 1 where a layer rotates, 0 where not
+        self.self_attn = LlamaAttention(config, rotary, backend, tp, use_rope=rope is None or bool(rope[index]))
         self.mlp = sparse_moe(config, tp) if is_sparse_layer(config, index) else LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -58,6 +58,7 @@ def q41_layout(request, monkeypatch) -> str:
     ("mixtral", 4, 2, 64),  # a mixture of 4 experts, 2 a token
     ("qwen3_moe", 4, 2, 64),  # a dense layer, then a mixture with QK norms
     ("granite", 4, 2, 64),  # its multipliers: the attention's scale, and folded into the weights
+    ("smollm3", 4, 2, 64),  # a layer without rotary
 ])
 def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, arch, num_heads, num_kv_heads, hidden,
                                                             q41_layout):

@@ -25,6 +25,7 @@ ARCHS = {
     "qwen3_moe-unnormalized": {"norm_topk_prob": False},
     "granite": {},  # embedding, residual, attention and logits multipliers
     "granite-tied": {"tie_word_embeddings": True},
+    "smollm3": {},  # a layer that rotates, then one that does not
     "gemma3": {},  # a sliding-window layer (8 tokens) and a global one, QK norms, four norms per layer
 }
 
