@@ -87,6 +87,14 @@ def cmd_chat(args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": answer})
 
 
+def _answer_args(parser: argparse.ArgumentParser) -> None:
+    """What `serve` and `run-batch` decide of chat answers above the engine."""
+    parser.add_argument("--default-max-tokens", type=int, default=2048,
+                        help="the most tokens a chat request that sets no max_tokens generates")
+    parser.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
+                        help="put a reasoning model's <think>...</think> in chat answers' reasoning_content")
+
+
 def _security_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("security (API keys, limits, guardrails)")
     group.add_argument("--api-key", default=os.environ.get("HYPERSERVE_API_KEY"),
@@ -339,13 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     serve.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
-    serve.add_argument("--default-max-tokens", type=int, default=2048,
-                       help="the most tokens a chat request that sets no max_tokens generates")
     serve.add_argument("--max-pin-ttl-s", type=float, default=3600.0, help="the longest ttl of a /v1/cache pin")
     serve.add_argument("--responses-store-mb", type=float, default=64.0,
                        help="memory for stored /v1/responses answers (previous_response_id); 0 stores none")
-    serve.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
-                       help="put a reasoning model's <think>...</think> in chat answers' reasoning_content")
+    _answer_args(serve)
     serve.add_argument("--files-dir", default=None,
                        help="where the Batch API keeps /v1/files (default: a temporary directory, gone at exit)")
     serve.add_argument("--batch-concurrency", type=int, default=16,
@@ -398,10 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("-o", "--output", required=True, help="the results: OpenAI's batch output lines, in order")
     batch.add_argument("--max-concurrency", type=int, default=64, help="requests in the engine at once")
     batch.add_argument("--served-model-name", default=None, help="the name the lines' `model` may give")
-    batch.add_argument("--default-max-tokens", type=int, default=2048,
-                       help="the most tokens a chat request that sets no max_tokens generates")
-    batch.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
-                       help="put a reasoning model's <think>...</think> in chat answers' reasoning_content")
+    _answer_args(batch)
     batch.add_argument("--embedding-model", default=None, metavar="NAME",
                        help="serve /v1/embeddings lines with this sentence encoder")
     batch.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",

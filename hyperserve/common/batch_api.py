@@ -34,7 +34,7 @@ from urllib.parse import parse_qs
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.requests import Request
 
-from hyperserve.common.asgi import send_json
+from hyperserve.common.asgi import replay, send_json
 from hyperserve.common.chat_translation import read_json
 from hyperserve.common.errors import APIError
 
@@ -432,18 +432,14 @@ class BatchAPI:
         """(status, headers, JSON body) of POSTing `body` to the batch's endpoint through the app; a
         cancelled batch disconnects, which aborts the request in the engine."""
         data = json.dumps(body).encode()
-        path, sent = batch.endpoint, False
+        path = batch.endpoint
         inner = {**scope, "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"",
                  "headers": headers + [(b"content-type", b"application/json"),
                                        (b"content-length", str(len(data)).encode())]}
         start: dict[str, Any] = {}
         chunks: list[bytes] = []
 
-        async def receive():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": data, "more_body": False}
+        async def disconnect_once_cancelled():
             await batch.cancelled.wait()
             return {"type": "http.disconnect"}
 
@@ -454,7 +450,7 @@ class BatchAPI:
                 chunks.append(message.get("body", b""))
 
         try:
-            await self.app(inner, receive, collect)
+            await self.app(inner, replay(data, disconnect_once_cancelled), collect)
             answer = json.loads(b"".join(chunks) or b"null")
         except Exception as error:  # noqa: BLE001 - one line's failure is that line's error, not the batch's
             return 500, {}, {"error": {"message": f"{type(error).__name__}: {error}", "type": "api_error"}}

@@ -1,11 +1,13 @@
-"""Steps of an int4 Llama-family model on the CPU, in native calls: one per step, or one per layer with LoRA.
+"""Steps of an int4 Llama-family model on the CPU, in native calls: one per step, or one per layer
+with LoRA or with layers that do not rotate (SmolLM3's, given cos 1 and sin 0).
 
 At a few tokens per step a decoder layer is ~20 small PyTorch ops whose dispatch costs more than
 their arithmetic: eager decoding of SmolLM2-135M spent half its time outside the matmuls.
 `hyperserve::decode_layer` (kernels/cpu_ops.cpp) runs a whole layer (norms, int4 projections,
 Qwen3's per-head QK norms, rotary, the K/V write, paged attention over the block tables, SwiGLU,
 or a mixture of experts: the router, each row's top k, each chosen expert once over its rows) in
-one call, in float32, reading K/V in place; `decode_layers` runs every layer in one call where no row has an adapter.
+one call, in float32, reading K/V in place; `decode_layers` runs every layer in one call where no
+row has an adapter and every layer rotates.
 The Q8_0 embedding, the final norm and the Q8_0 head run in float32 too (`logits`): as PyTorch
 ops in the model's bfloat16 they took 0.2-0.3 ms of a 6 ms token, and the float32 path scores
 closer to float32 weights (benchmarks/quality.py). Every token is a row with its own slot, block
@@ -60,7 +62,7 @@ class FusedDecode:
         cos, signed_sin = rotary.cos_sin_for(torch.arange(rotary.max_position), torch.float32)
         self.cos, self.signed_sin = cos.squeeze(1).contiguous(), signed_sin.squeeze(1).contiguous()
         self.layers = [self._weights(layer) for layer in model.model.layers]
-        self.rotates = [layer.self_attn.rotary is not None for layer in model.model.layers]  # SmolLM3's NoPE: not
+        self.rotates = [layer.self_attn.rotary is not None for layer in model.model.layers]
         self._all_layers = [w for layer in self.layers for w in layer]
         # int4 weights in the interleaved layout, on a CPU without a native dense type faster than the
         # 8-bit kernels
@@ -123,7 +125,7 @@ class FusedDecode:
             torch.ops.hyperserve.decode_layers(hidden, self._all_layers, cos, signed_sin, [c.key for c in kv_caches],
                                                [c.value for c in kv_caches], *shared)
             return hidden
-        unrotated = (torch.ones_like(cos), torch.zeros_like(signed_sin))  # a layer without rotary: cos 1, sin 0
+        unrotated = None if all(self.rotates) else (torch.ones_like(cos), torch.zeros_like(signed_sin))
         no_lora = torch.empty(0, dtype=torch.long)
         for index, (layer, weights, cache) in enumerate(zip(self.model.model.layers, self.layers, kv_caches)):
             rotation = (cos, signed_sin) if self.rotates[index] else unrotated

@@ -1,7 +1,7 @@
 """The Llama family decoder: Llama 2/3, Mistral (sliding window), Qwen2 (QKV bias), Qwen3 (QK
-norms), SmolLM2, SmolLM3 (layers without rotary), Granite (its multipliers folded into the weights as
-they load), and the
-mixture-of-experts members Mixtral and Qwen3-MoE (layers/moe.py in place of the MLP).
+norms), SmolLM2, SmolLM3 (layers without rotary), Granite (its multipliers folded into the weights
+as they load), and the mixture-of-experts members Mixtral and Qwen3-MoE (layers/moe.py in place of
+the MLP).
 
 Inputs are flat: every scheduled token of every sequence in one [T] tensor with its position, no
 padding. Q/K/V and gate/up projections are fused into one matmul each; `load_weight` takes

@@ -117,12 +117,18 @@ def thinking_before(parser: str, prompt_ids: list[int], start_id: int, end_id: i
     thinking (</think> and blank text at its end, as Qwen3's template writes for
     enable_thinking false); opened by the prompt where its last marker is <think> (DeepSeek-R1's
     template), or where the parser says answers start thinking."""
-    for position in range(len(prompt_ids) - 1, -1, -1):
-        if prompt_ids[position] == start_id:
-            return Thinking(start_id, end_id, open=True)
-        if prompt_ids[position] == end_id:
-            tail = prompt_ids[position + 1:]
-            if len(tail) <= CLOSING_TAIL_TOKENS and not decode(tail).strip():
-                return None
-            break
+    opened, closed = _last_index(prompt_ids, start_id), _last_index(prompt_ids, end_id)
+    if opened > closed:
+        return Thinking(start_id, end_id, open=True)
+    tail = prompt_ids[closed + 1:]
+    if closed >= 0 and len(tail) <= CLOSING_TAIL_TOKENS and not decode(tail).strip():
+        return None
     return Thinking(start_id, end_id, open=parser == "deepseek_r1")
+
+
+def _last_index(ids: list[int], token: int) -> int:
+    """Where `token` last occurs in ids (-1: nowhere), searched at C speed from the end."""
+    try:
+        return len(ids) - 1 - ids[::-1].index(token)
+    except ValueError:
+        return -1

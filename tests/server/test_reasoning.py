@@ -132,6 +132,18 @@ def client(scripted_model):
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, "temperature": 0}
 
 
+def streamed(client, body: dict) -> tuple[str, str]:
+    """(reasoning_content, content) of a chat answer, streamed."""
+    thought, content = "", ""
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    thought += choice["delta"].get("reasoning_content") or ""
+                    content += choice["delta"].get("content") or ""
+    return thought, content
+
+
 def test_the_thinking_of_an_answer_is_its_reasoning_content(client):
     raw = client.post("/v1/completions", json={"prompt": client.post("/tokenize", json=CHAT).json()["tokens"],
                                                "max_tokens": 16, "temperature": 0}).json()
@@ -142,14 +154,7 @@ def test_the_thinking_of_an_answer_is_its_reasoning_content(client):
     assert whole["message"]["content"] == ANSWER and whole["finish_reason"] == "stop"
     assert answer["usage"]["completion_tokens"] == len(THOUGHT) + 2  # the answer, and <|im_end|>
     assert answer["usage"]["completion_tokens_details"] == {"reasoning_tokens": len(THOUGHT)}
-    thought, content = "", ""
-    with client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                for choice in json.loads(line[6:])["choices"]:
-                    thought += choice["delta"].get("reasoning_content") or ""
-                    content += choice["delta"].get("content") or ""
-    assert (thought, content) == ("Let me think", ANSWER)
+    assert streamed(client, CHAT) == ("Let me think", ANSWER)
 
 
 def test_chat_template_kwargs_reach_the_template(client):
@@ -196,14 +201,7 @@ def test_a_constrained_answer_thinks_first_then_follows_its_constraint(client):
     body = {**CHAT, "guided_choice": ["Bye"]}
     message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == ("Let me think", "Bye")
-    thought, content = "", ""
-    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                for choice in json.loads(line[6:])["choices"]:
-                    thought += choice["delta"].get("reasoning_content") or ""
-                    content += choice["delta"].get("content") or ""
-    assert (thought, content) == ("Let me think", "Bye")
+    assert streamed(client, body) == ("Let me think", "Bye")
     schema = {"type": "object", "properties": {"word": {"enum": ["Bye"]}}, "required": ["word"]}
     fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}
     message = client.post("/v1/chat/completions", json={**CHAT, "response_format": fmt}).json()["choices"][0]["message"]
