@@ -93,6 +93,9 @@ def _answer_args(parser: argparse.ArgumentParser) -> None:
                         help="the most tokens a chat request that sets no max_tokens generates")
     parser.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
                         help="put a reasoning model's <think>...</think> in chat answers' reasoning_content")
+    parser.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral", "granite"], default=None,
+                        help="how the model writes tool calls (default: as its chat template renders them, "
+                             "else hermes)")
 
 
 def _security_args(parser: argparse.ArgumentParser) -> None:
@@ -208,7 +211,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                               prefill_api_key=args.prefill_api_key, disagg_min_tokens=args.disagg_min_tokens,
                               prefill_timeout_s=args.prefill_timeout_s,
                               responses_store_bytes=int(args.responses_store_mb * 2**20),
-                              reasoning_parser=args.reasoning_parser, files_dir=args.files_dir,
+                              reasoning_parser=args.reasoning_parser,
+                              tool_call_parser=args.tool_call_parser, files_dir=args.files_dir,
                               batch_concurrency=args.batch_concurrency,
                               batch_concurrency_busy=args.batch_concurrency_busy)
     failed: list[str] = []
@@ -261,6 +265,7 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
     entry = ModelEntry(name, functools.partial(LLMEngine, config), adapters=_lora_modules(args.lora_modules))
     settings = ServerSettings(model_name=name, max_queue=max(256, 2 * args.max_concurrency),
                               default_max_tokens=args.default_max_tokens, reasoning_parser=args.reasoning_parser,
+                              tool_call_parser=args.tool_call_parser,
                               batch_concurrency=args.max_concurrency, batch_concurrency_busy=args.max_concurrency)
     app = build_app([entry], settings, embedding_model=args.embedding_model, idle_unload_s=None)
     try:

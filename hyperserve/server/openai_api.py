@@ -34,7 +34,6 @@ from hyperserve.server.protocol import (
     now,
 )
 from hyperserve.server.settings import ServerSettings
-from hyperserve.server.tools import template_calls_tools
 
 KV_PIN_TTL_S = 60.0  # a prefill server's pin lives until its blocks are read; this bounds a stuck one
 
@@ -73,11 +72,17 @@ class OpenAIServing:
         self.max_model_len = engine.engine.max_model_len
         self.max_sequences = settings.max_fanout_factor * engine.engine.config.scheduler.max_num_seqs
         tokenizer = engine.engine.tokenizer
-        self.native_tools = template_calls_tools(getattr(tokenizer, "chat_template", None))
-        self.tool_open_is_special = tokenizer is not None and tools.OPEN in tokenizer.get_added_vocab()
+        added = tokenizer.get_added_vocab() if tokenizer is not None else {}
+        native = tools.detect_format(getattr(tokenizer, "chat_template", None))
+        parser = settings.tool_call_parser
+        self.tool_format = tools.FORMATS[parser] if parser is not None else native or tools.HERMES
+        self.native_tools = native is self.tool_format  # else the fallback prompt describes the format
+        self.tool_marker_id = added.get(self.tool_format.marker)
+        # a special token is left out of the answer's text unless asked for, and the parser reads the marker there
+        self.tool_marker_special = (self.tool_marker_id is not None
+                                    and tokenizer.added_tokens_decoder[self.tool_marker_id].special)
         # <think> and </think> as single tokens: usage then counts a reasoning model's thinking tokens, and
         # constraints apply after the thinking
-        added = tokenizer.get_added_vocab() if tokenizer is not None else {}
         self.think_start_id, self.think_end_id = added.get(reasoning.START), added.get(reasoning.END)
         self.remote_prefill = None
         if settings.role in ("prefill", "decode"):
@@ -115,7 +120,7 @@ class OpenAIServing:
                                 "set tool_choice to 'none' or drop the constraint", param="response_format")
         if offered:
             constraint = tools.tool_constraint(offered, request.tool_choice, request.parallel_tool_calls,
-                                               self.tool_open_is_special)
+                                               self.tool_format, self.tool_marker_id)
         ids = await asyncio.to_thread(self._chat_ids, request.messages, True, offered, request.chat_template_kwargs)
         prompts = [self._prompt_ids(ids, "messages")]
         if constraint is not None:
@@ -125,12 +130,15 @@ class OpenAIServing:
             max_tokens = min(self.settings.default_max_tokens, self.max_model_len - len(ids))
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = await self._params(request, max_tokens, logprobs, prompts, constraint)
+        if offered and self.tool_marker_special:
+            params = replace(params, skip_special_tokens=False)
         await self._prefill_remotely(prompts, lora)
         return Job("chat", new_id("chatcmpl"), request.model or self.model_name, prompts, params, request.priority,
                    bool(request.stream_options and request.stream_options.include_usage),
                    chat_logprobs=request.logprobs,
-                   tool_calls=tools.CallParser(frozenset(tool.function.name for tool in offered), request.calls_only)
-                   if offered else None, reasoning_parser=self.settings.reasoning_parser, lora=lora)
+                   tool_calls=tools.CallParser(frozenset(tool.function.name for tool in offered), request.calls_only,
+                                               self.tool_format) if offered else None,
+                   reasoning_parser=self.settings.reasoning_parser, lora=lora)
 
     async def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
         """The ids the request would run (longer than the context is fine: this only counts)."""
@@ -225,7 +233,7 @@ class OpenAIServing:
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
                   offered: list[Tool] | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         rendered, tool_specs = tools.render_messages([m.for_template() for m in messages], offered,
-                                                     self.native_tools)
+                                                     self.native_tools, self.tool_format)
         try:
             return self.engine.engine.apply_chat_template(rendered, add_generation_prompt, tool_specs,
                                                           template_kwargs)

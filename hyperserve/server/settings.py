@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hyperserve.server.reasoning import PARSERS as REASONING_PARSERS
+from hyperserve.server.tools import FORMATS as TOOL_FORMATS
 
 
 @dataclass
@@ -17,6 +18,7 @@ class ServerSettings:
     max_pin_ttl_s: float = 3600.0  # the longest `ttl` a /v1/cache pin may ask for
     responses_store_bytes: int = 64 * 2**20  # stored /v1/responses answers (as JSON) beyond which the oldest go
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: chat answers' thinking to reasoning_content
+    tool_call_parser: str | None = None  # a tools.FORMATS name; None: the chat template's format, else hermes
     files_dir: str | None = None  # where /v1/files keeps the Batch API's files (None: a temporary directory)
     batch_concurrency: int = 16  # lines of all batches in the engine at once while it serves nothing else
     batch_concurrency_busy: int = 2  # ... and while it does (common/batch_api.py's LineSlots)
@@ -39,6 +41,8 @@ class ServerSettings:
             raise ValueError("responses_store_bytes must be 0 (store nothing) or more")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_FORMATS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_FORMATS)}, got {self.tool_call_parser!r}")
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
         if (self.role == "decode") != (self.prefill_url is not None):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -127,3 +128,92 @@ def test_a_tool_result_goes_back_in(client):
                                        temperature=0, max_tokens=30)
     assert r.choices[0].message.content and not r.choices[0].message.tool_calls
     assert r.usage.prompt_tokens > 100  # the fallback prompt, the call and its result are in the prompt
+
+
+# ---- other models' call formats: Llama 3's bare JSON on SmolLM2 (--tool-call-parser), and a
+# Mistral-style model whose chat template renders tools itself and whose marker is a special token
+
+MISTRAL_TEMPLATE = (  # Mistral 7B v0.3's layout, abridged; it rejects call ids that are not 9 characters
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}"
+    "{%- if loop.last and tools %}[AVAILABLE_TOOLS] {{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "[INST] {{ message.content }}[/INST]"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}[TOOL_CALLS] ["
+    "{%- for call in message.tool_calls %}"
+    "{%- if call.id|length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9') }}"
+    "{%- endif %}"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments|tojson }}, "id": "{{ call.id }}"}'
+    "{%- if not loop.last %}, {% endif %}{%- endfor %}]</s>"
+    "{%- elif message.role == 'assistant' %} {{ message.content }}</s>"
+    "{%- elif message.role == 'tool' %}[TOOL_RESULTS] {\"content\": {{ message.content|tojson }}, "
+    "\"call_id\": \"{{ message.tool_call_id }}\"}[/TOOL_RESULTS]"
+    "{%- endif %}{%- endfor %}"
+)
+
+
+@pytest.fixture(scope="module", params=["llama3_json", "mistral"])
+def format_server(request, tmp_path_factory, smollm2_tokenizer):
+    """(server, model name, format name): SmolLM2 told to write Llama 3's calls, or a random-weight
+    Mistral-shaped model with SmolLM2's vocabulary plus the special token [TOOL_CALLS]."""
+    from tests.conftest import tiny_config
+    from tests.server.conftest import start_server, stop_server
+
+    if request.param == "llama3_json":
+        flags, model = ("--model", MODEL, "--tool-call-parser", "llama3_json"), MODEL
+    else:
+        import copy
+
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        directory = tmp_path_factory.mktemp("mistral-tools")
+        tokenizer = copy.deepcopy(smollm2_tokenizer)
+        tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+        tokenizer.chat_template = MISTRAL_TEMPLATE
+        tokenizer.save_pretrained(directory)
+        torch.manual_seed(0)
+        config = tiny_config("mistral", vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2)
+        AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+        flags, model = ("--model", str(directory)), str(directory)
+    server = start_server(*flags, "--kv-cache-memory-gb", "0.25", "--max-num-seqs", "2",
+                          log_name=f"tools-{request.param}")
+    yield server, model, request.param
+    stop_server(server)
+
+
+def test_other_call_formats_are_written_parsed_and_streamed(format_server):
+    server, model, name = format_server
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    kwargs = dict(model=model, messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="required",
+                  parallel_tool_calls=False, temperature=0, max_tokens=150)
+    r = client.chat.completions.create(**kwargs)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [(tool, arguments)] = _calls(choice.message.tool_calls)
+    jsonschema.validate(arguments, {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}[tool])
+    call = choice.message.tool_calls[0]
+    assert (len(call.id) == 9 and call.id.isalnum()) if name == "mistral" else call.id.startswith("call_")
+
+    deltas, content = [], ""
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        deltas += chunk.choices[0].delta.tool_calls or []
+        content += chunk.choices[0].delta.content or ""
+    assert _calls(deltas) == [(tool, arguments)] and content == ""
+
+    # the prompt: Mistral's own template renders the tools; SmolLM2's gets them described in Llama 3's format
+    ids = httpx.post(f"{server.url}/tokenize", json={"model": model, "messages": ASK_WEATHER,
+                                                     "tools": [WEATHER]}).json()["tokens"]
+    prompt = httpx.post(f"{server.url}/detokenize", json={"model": model, "tokens": ids}).json()["prompt"]
+    if name == "mistral":
+        assert "[AVAILABLE_TOOLS]" in prompt and "You can call functions" not in prompt
+    else:
+        assert '{"name": "function_name", "parameters": {"argument": "value"}}' in prompt
+
+    # the call and its result go back in, through the template (Mistral's checks the id)
+    messages = ASK_WEATHER + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18})}]
+    r = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice="none",
+                                       temperature=0, max_tokens=5)
+    assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls
+    server.wait_idle()
