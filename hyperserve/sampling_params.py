@@ -82,6 +82,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N log-probabilities per generated token (the sampled one too)
+    # top-N log-probabilities per prompt token after the first (the prompt's own token too): its prompt is
+    # computed whole, not read from the prefix cache, and only the first of n samples reports them
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, as OpenAI's
@@ -112,8 +115,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= self.MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {self.MAX_LOGPROBS}], got {value}")
         if self.seed is not None and not 0 <= self.seed < self.MAX_SEED:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.top_k < -1:

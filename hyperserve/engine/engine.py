@@ -36,6 +36,7 @@ from hyperserve.engine.lora_manager import LoRAManager
 from hyperserve.engine.memory import kv_groups, num_kv_blocks, return_freed_heap
 from hyperserve.engine.model_runner import ModelRunner, StepResult
 from hyperserve.engine.request import Request, RequestStatus
+from hyperserve.engine.sampler import SamplerOutput
 from hyperserve.engine.scheduler import Scheduler, SchedulerOutput
 from hyperserve.engine.speculative import build_proposer, num_tokens_to_propose
 from hyperserve.engine.structured_output import GrammarCompiler
@@ -325,6 +326,11 @@ class LLMEngine:
 
     def _process_outputs(self, updated: list[Request], result: StepResult, num_before: dict[str, int]) -> None:
         now = time.time()
+        for chunk in result.prompt_logprobs:
+            request, num = chunk.request, chunk.request.sampling_params.prompt_logprobs
+            for i in range(len(chunk.output.token_ids)):
+                if chunk.position + i == len(request.prompt_logprobs):  # not yet known (a recomputed prompt's are)
+                    request.prompt_logprobs.append(self._logprobs(chunk.output, i, num))
         first_row, row = {}, 0
         for request, tokens in zip(result.requests, result.token_ids):
             first_row[request.request_id] = row
@@ -335,7 +341,8 @@ class LLMEngine:
             start = num_before[request.request_id]
             for i, token_id in enumerate(request.output_token_ids[start:]):
                 if request.logprobs is not None:
-                    request.logprobs.append(self._logprobs(result, first_row[request.request_id] + i, request))
+                    request.logprobs.append(self._logprobs(result.logprobs, first_row[request.request_id] + i,
+                                                           request.sampling_params.logprobs or 0))
                 if request.detokenizer is None or request.is_stop_token(token_id):
                     continue
                 if request.detokenizer.add_token(token_id):
@@ -384,9 +391,8 @@ class LLMEngine:
             request.spec_acceptance = proposal.acceptance or request.acceptance
             request.acceptance.steps_without = 0
 
-    def _logprobs(self, result: StepResult, row: int, request: Request) -> dict[int, Logprob]:
-        out = result.logprobs
-        num = request.sampling_params.logprobs or 0
+    def _logprobs(self, out: SamplerOutput, row: int, num: int) -> dict[int, Logprob]:
+        """Row `row`'s token and the top `num` of its row, each with its log-probability and rank."""
         token_id = int(out.token_ids[row])
         entries = {token_id: (float(out.sampled_logprobs[row]), int(out.sampled_ranks[row]))}
         top_ids = out.top_token_ids[row, :num].tolist()
@@ -425,7 +431,8 @@ class LLMEngine:
         metrics = first.metrics
         if len(group.samples) > 1:  # the group's first token and last finish
             metrics = _merge_metrics([r.metrics for r in group.samples])
-        return RequestOutput(group_id, group.prompt, first.prompt_token_ids, completions, finished, metrics)
+        return RequestOutput(group_id, group.prompt, first.prompt_token_ids, completions, finished, metrics,
+                             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None)
 
     def check_lora(self, lora_request: LoRARequest) -> bytes:
         """Load the adapter now (ValueError if it is unusable); its prefix-cache salt."""

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -80,10 +80,20 @@ class ForwardBatch:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """SamplingParams.prompt_logprobs of a prefill chunk: rows of the prompt's tokens from `position` on."""
+
+    request: Request
+    position: int
+    output: SamplerOutput
+
+
+@dataclass(slots=True)
 class StepResult:
     requests: list[Request]  # those that received tokens, in order
     token_ids: list[list[int]]  # the tokens each received: one, or with speculation up to k + 1
     logprobs: SamplerOutput | None  # one row per received token, in the same order; None: not asked for
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
     def token_ids_by_request(self) -> dict[str, list[int]]:
         return {r.request_id: t for r, t in zip(self.requests, self.token_ids)}
@@ -242,6 +252,7 @@ class ModelRunner:
         if out.num_steps > 1:
             return self._execute_steps(out, kv_cache)
         chunks, rows, sampled = [], [], []
+        prompt_rows, sample_rows, row = [], [], 0  # prompt logprobs: (request, first logits row, rows, position)
         for request, num_new in zip(out.requests, out.num_new_tokens):
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
             tokens = request.all_token_ids[start:end]
@@ -249,21 +260,39 @@ class ModelRunner:
             num_logits = num_drafts + 1 if end >= request.num_tokens else 0
             if num_drafts:
                 tokens += request.spec_token_ids[:num_drafts]
-            chunks.append(SeqChunk(tokens, start, kv_cache.block_table(request.request_id), num_logits,
+            num_prompt = max(0, min(end, request.num_prompt_tokens - 1) - start) if request.needs_prompt_logprobs else 0
+            if num_prompt:  # the rows whose next token is the prompt's come first, then the sampled one if any
+                prompt_rows.append((request, row, num_prompt, start))
+            sample_rows.extend(range(row + num_prompt, row + num_prompt + num_logits))
+            row += num_prompt + num_logits
+            chunks.append(SeqChunk(tokens, start, kv_cache.block_table(request.request_id), num_prompt + num_logits,
                                    request.lora_request, kv_cache.window_block_table(request.request_id)))
             rows.extend((request, request.spec_token_ids[:j]) for j in range(num_logits))
             if num_logits:
                 sampled.append((request, num_drafts))
         masks = self.grammars.start_masks([(r.grammar, d) for r, d in rows]) if self.grammars else None
         logits = self.forward(chunks)  # while the grammars' masks are computed
+        prompt_logprobs = [self._prompt_logprobs(logits[first : first + count], request, position)
+                           for request, first, count, position in prompt_rows]
+        if prompt_rows:
+            logits = logits[sample_rows]
         if not sampled:
-            return StepResult([], [], None)
+            return StepResult([], [], None, prompt_logprobs)
         batch = self.sampling_batch(rows, None if masks is None else masks.result())
         if len(rows) == len(sampled):  # no drafts: one batched sample
             output = sample(logits, batch, self.shared_generator)
             token_ids = [[t] for t in output.token_ids.tolist()]
-            return StepResult([r for r, _ in sampled], token_ids, output if batch.num_logprobs is not None else None)
+            return StepResult([r for r, _ in sampled], token_ids, output if batch.num_logprobs is not None else None,
+                              prompt_logprobs)
         return self._verify(logits, batch, sampled)
+
+    def _prompt_logprobs(self, logits: torch.Tensor, request: Request, position: int) -> PromptLogprobs:
+        """The model's own log-probabilities (no sampling parameters) of the prompt tokens after
+        `position`, one logits row each, and the top prompt_logprobs of each row."""
+        targets = torch.tensor(request.prompt_token_ids[position + 1 : position + 1 + len(logits)], device=self.device)
+        raw = torch.log_softmax(logits.float(), dim=-1)
+        return PromptLogprobs(request, position + 1,
+                              gather_logprobs(targets, raw, request.sampling_params.prompt_logprobs))
 
     def _execute_steps(self, out: SchedulerOutput, kv_cache: KVCacheManager) -> StepResult:
         """out.num_steps decode steps back to back, each step's sampled tokens the next one's

@@ -94,6 +94,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token; the first has none
     detokenizer: IncrementalDetokenizer | None = None
     grammar: Grammar | None = None  # structured output: where the output stands in its grammar
     metrics: RequestMetrics = field(init=False)
@@ -112,6 +113,14 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
+        if self.sampling_params.prompt_logprobs is not None and self.index == 0:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt tokens' log-probabilities are still to come: the prompt is then computed,
+        not read from the prefix cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

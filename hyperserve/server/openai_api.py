@@ -53,6 +53,8 @@ class Job:
     tool_calls: tools.CallParser | None = None  # chat with tools: how its answers are parsed for calls
     reasoning_parser: str | None = None  # chat: the answer's thinking goes to reasoning_content (reasoning.py)
     lora: LoRARequest | None = None  # the adapter `model` named
+    echo: list[str] | None = None  # completions with `echo`: each prompt's text, which its answers start with
+    prompt_logprobs: bool = False  # the response carries vLLM's `prompt_logprobs`
     finals: list[RequestOutput | None] = field(default_factory=list)
     streams: list[RequestStream] = field(default_factory=list)
 
@@ -106,9 +108,16 @@ class OpenAIServing:
         prompts = await asyncio.to_thread(lambda: [self._prompt_ids(p, "prompt") for p in texts])
         params = await self._params(request, request.max_tokens if request.max_tokens is not None else 16,
                                     request.logprobs, prompts, self._constraint(request))
+        echo = None
+        if request.echo:  # the prompt's tokens get logprobs as the answer's do
+            tokenizer = self._tokenizer(request.model)
+            echo = [t if isinstance(t, str) else tokenizer.decode(t) for t in texts]
+            if request.logprobs is not None:
+                params = replace(params, prompt_logprobs=max(request.logprobs, params.prompt_logprobs or 0))
         await self._prefill_remotely(prompts, lora)
         return Job("completion", new_id("cmpl"), request.model or self.model_name, prompts, params, request.priority,
-                   bool(request.stream_options and request.stream_options.include_usage), lora=lora)
+                   bool(request.stream_options and request.stream_options.include_usage), lora=lora, echo=echo,
+                   prompt_logprobs=request.prompt_logprobs is not None)
 
     async def prepare_chat(self, request: ChatCompletionRequest) -> Job:
         lora = await self._adapter(request.model)
@@ -138,7 +147,8 @@ class OpenAIServing:
                    chat_logprobs=request.logprobs,
                    tool_calls=tools.CallParser(frozenset(tool.function.name for tool in offered), request.calls_only,
                                                self.tool_format) if offered else None,
-                   reasoning_parser=self.settings.reasoning_parser, lora=lora)
+                   reasoning_parser=self.settings.reasoning_parser, lora=lora,
+                   prompt_logprobs=request.prompt_logprobs is not None)
 
     async def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
         """The ids the request would run (longer than the context is fine: this only counts)."""
@@ -379,9 +389,18 @@ class OpenAIServing:
         for prompt_index, final in enumerate(job.finals):
             for c in final.outputs:
                 index = prompt_index * job.params.n + c.index
-                choices.append(self._choice(job, index, c, c.text, c.logprobs or [], final=True))
-        return {"id": job.id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
+                choice = self._choice(job, index, c, c.text, c.logprobs or [], final=True,
+                                      text_offset=len(job.echo[prompt_index]) if job.echo else 0)
+                if job.echo:
+                    self._echo(job, choice, prompt_index, final)
+                if job.prompt_logprobs and job.kind == "completion":
+                    choice["prompt_logprobs"] = _prompt_logprobs(final)
+                choices.append(choice)
+        body = {"id": job.id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
                 "created": now(), "model": job.model, "choices": choices, "usage": self.usage(job)}
+        if job.prompt_logprobs and job.kind == "chat":
+            body["prompt_logprobs"] = _prompt_logprobs(job.finals[0])
+        return body
 
     async def stream_chunks(self, job: Job) -> AsyncIterator[dict[str, Any]]:
         sent_text: dict[int, int] = {}
@@ -401,6 +420,7 @@ class OpenAIServing:
             for c in output.outputs:
                 index = prompt_index * job.params.n + c.index
                 text_from, token_from = sent_text.get(index, 0), sent_tokens.get(index, 0)
+                first = index not in sent_text
                 if len(c.text) == text_from and len(c.token_ids) == token_from and not c.finished:
                     continue
                 new_logprobs = (c.logprobs or [])[token_from:]
@@ -416,8 +436,11 @@ class OpenAIServing:
                 held = job.tool_calls is not None or job.reasoning_parser is not None
                 if held and not (thought or text or calls or c.finished or job.chat_logprobs):
                     continue  # all held back (a call or a marker in the making): nothing to send yet
+                echo = job.echo[prompt_index] if job.echo else ""
                 choice = self._choice(job, index, c, text, new_logprobs, final=False, calls=calls, called=called,
-                                      text_offset=text_offsets.get(index, 0), thought=thought)
+                                      text_offset=text_offsets.get(index, len(echo)), thought=thought)
+                if first and job.echo:  # the prompt comes first
+                    self._echo(job, choice, prompt_index, output)
                 if job.kind == "completion" and choice["logprobs"] and choice["logprobs"]["tokens"]:
                     lp = choice["logprobs"]
                     text_offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
@@ -494,23 +517,47 @@ class OpenAIServing:
         return {"content": content}
 
     def _completion_logprobs(
-        self, token_ids: list[int], logprobs: list[TokenLogprobs], num_top: int, offset: int = 0
+        self, token_ids: list[int], logprobs: list[TokenLogprobs | None], num_top: int, offset: int = 0
     ) -> dict[str, Any]:
+        """OpenAI's legacy logprobs. An entry is None for a prompt's first token, which nothing predicts."""
         tokens, values, tops, offsets = [], [], [], []
         for token_id, entries in zip(token_ids, logprobs):
-            sampled = entries[token_id]
-            tokens.append(sampled.decoded_token)
-            values.append(sampled.logprob)
-            top = self._top(entries, num_top)
-            tops.append({e.decoded_token: e.logprob for e in top})
+            if entries is None:
+                tokens.append(self.engine.engine.tokenizer.decode([token_id]))
+                values.append(None)
+                tops.append(None)
+            else:
+                sampled = entries[token_id]
+                tokens.append(sampled.decoded_token)
+                values.append(sampled.logprob)
+                tops.append({e.decoded_token: e.logprob for e in self._top(entries, num_top)})
             offsets.append(offset)
-            offset += len(sampled.decoded_token)
+            offset += len(tokens[-1])
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _echo(self, job: Job, choice: dict[str, Any], prompt_index: int, output: RequestOutput) -> None:
+        """A completion choice with `echo`: the prompt's text before the answer's, and with logprobs,
+        the prompt's tokens (the first without a logprob, as OpenAI's) before the answer's."""
+        choice["text"] = job.echo[prompt_index] + choice["text"]
+        if choice["logprobs"] is not None and output.prompt_logprobs is not None:
+            prompt = self._completion_logprobs(output.prompt_token_ids, output.prompt_logprobs, job.params.logprobs)
+            choice["logprobs"] = {key: prompt[key] + choice["logprobs"][key] for key in prompt}
 
     @staticmethod
     def _top(entries: TokenLogprobs, num: int) -> list:
         """Entries hold the top-N and the sampled token (which may rank below N)."""
         return sorted(entries.values(), key=lambda e: e.rank)[:num]
+
+
+def _prompt_logprobs(output: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: its logprob,
+    rank and text} for the prompt's own token and the most likely ones."""
+    if output.prompt_logprobs is None:
+        return None
+    return [None if entries is None else {str(token_id): {"logprob": e.logprob, "rank": e.rank,
+                                                           "decoded_token": e.decoded_token}
+                                          for token_id, e in entries.items()}
+            for entries in output.prompt_logprobs]
 
 
 def _received(job: Job, index: int, item: RequestOutput | Exception) -> RequestOutput:

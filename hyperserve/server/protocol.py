@@ -84,6 +84,7 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
     priority: int = Field(default=0, ge=-_INT32, lt=_INT32)
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=SamplingParams.MAX_LOGPROBS)  # per prompt token
     # structured output: OpenAI's response_format, or one of vLLM's guided_* constraints
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -139,6 +140,7 @@ class _SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            prompt_logprobs=self.prompt_logprobs,
             logit_bias={int(token): value for token, value in (self.logit_bias or {}).items()},
             structured_outputs=structured_outputs,
         )
@@ -154,8 +156,6 @@ class CompletionRequest(_SamplingRequest):
     def _check(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported: this server completes prompts, it does not insert text")
         return self

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hyperserve import LLM, SamplingParams
-from tests.conftest import EXACT
+from tests.conftest import EXACT, FLOAT32
 
 pytestmark = pytest.mark.slow
 
@@ -110,6 +110,48 @@ def test_logprobs_report_the_sampled_token(llm, chat_prompt_ids):
         assert entries[token_id].rank == 1  # greedy: the sampled token is the most likely
         assert len(entries) == 3
         assert max(e.logprob for e in entries.values()) == entries[token_id].logprob
+
+
+def test_prompt_logprobs_are_transformers_own_in_chunks(hf_smollm2, mixed_prompts):
+    """Each prompt token's log-probability given the ones before it, as transformers computes it
+    on the same float32 weights, with the prompt prefilled in chunks of 48 tokens."""
+    import torch
+
+    llm = LLM(max_model_len=480, max_num_batched_tokens=48, **FLOAT32)
+    prompt = mixed_prompts[4]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3), use_tqdm=False)[0]
+    with torch.no_grad():
+        reference = torch.log_softmax(hf_smollm2(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    for position, (token_id, entries) in enumerate(zip(prompt[1:], out.prompt_logprobs[1:])):
+        expected = reference[position]
+        assert entries[token_id].logprob == pytest.approx(expected[token_id].item(), abs=2e-3)
+        assert entries[token_id].rank == int((expected > expected[token_id]).sum()) + 1
+        top = expected.topk(3).indices.tolist()
+        assert {t for t, e in entries.items() if e.rank <= 3} == set(top)
+
+
+def test_prompt_logprobs_are_the_same_batched_cached_and_preempted(llm, mixed_prompts):
+    """A prompt's logprobs come from computing it, never from the prefix cache, and they and the
+    answer are those of the request alone whatever runs beside it."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, prompt_logprobs=1)
+    alone = llm.generate([mixed_prompts[4]], params, use_tqdm=False)[0]
+    plain = llm.generate([mixed_prompts[4]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                         use_tqdm=False)[0]
+    assert plain.metrics.num_cached_tokens > 0 and plain.prompt_logprobs is None  # the prompt is cached now
+    assert plain.outputs[0].token_ids == alone.outputs[0].token_ids
+    outputs = llm.generate(mixed_prompts, [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 4
+                           + [params, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=2)],
+                           use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0, "the pool should have forced preemption"
+    again = outputs[4]
+    assert again.metrics.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert again.prompt_logprobs[0] is None and len(again.prompt_logprobs) == len(alone.prompt_logprobs)
+    for have, want in zip(again.prompt_logprobs[1:], alone.prompt_logprobs[1:]):  # chunked otherwise: rounding
+        assert have.keys() == want.keys()
+        assert [have[t].logprob for t in want] == pytest.approx([want[t].logprob for t in want], abs=1e-4)
+    assert llm.engine.kv_cache.num_free_blocks == NUM_BLOCKS
 
 
 def test_metrics_are_ordered(llm, chat_prompt_ids):

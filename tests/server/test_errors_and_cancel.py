@@ -36,7 +36,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     ({"prompt": 12}, "prompt"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "x", "logprobs": 99}, "logprobs"),
-    ({"prompt": "x", "echo": True}, None),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "suffix": "y"}, None),
 ])
 def test_invalid_parameters_get_400(server, body, param):

@@ -110,6 +110,43 @@ def test_streamed_completion_logprobs_are_the_whole_answers(client):
         assert [v for lp in chunks if lp for v in getattr(lp, field)] == getattr(whole, field), field
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, smollm2_tokenizer):
+    """lm-evaluation-harness's loglikelihood request: token-id prompts, echo, logprobs=1 and one
+    output token. Each prompt token after the first has its logprob, the same as vLLM's
+    `prompt_logprobs` gives, and the top one's beside it."""
+    prompts = [smollm2_tokenizer.encode(t) for t in ("The capital of France is Paris", "Two plus two is four")]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=1, temperature=0, logprobs=1, echo=True,
+                                  extra_body={"prompt_logprobs": 1})
+    assert len(r.choices) == 2
+    for prompt, choice in zip(prompts, r.choices):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(prompt) + 1 and "".join(lp.tokens) == choice.text
+        assert choice.text.startswith(smollm2_tokenizer.decode(prompt))
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(v < 0 for v in lp.token_logprobs[1:])
+        assert all(max(top.values()) >= v for v, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]))
+        vllm = choice.prompt_logprobs
+        assert vllm[0] is None and len(vllm) == len(prompt)
+        assert [vllm[i][str(t)]["logprob"] for i, t in enumerate(prompt) if i] == lp.token_logprobs[1:len(prompt)]
+    # "Paris" after "The capital of France is" is far likelier than after "Two plus two is"
+    paris = r.choices[0].logprobs.token_logprobs[len(prompts[0]) - 1]
+    assert paris > -3
+
+
+def test_streamed_echo_sends_the_prompt_first_and_the_same_logprobs(client):
+    kwargs = dict(model=MODEL, prompt="One, two, three,", max_tokens=4, temperature=0, logprobs=2, echo=True)
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    assert chunks[0].text.startswith("One, two, three,")
+    assert "".join(c.text for c in chunks) == whole.text
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [v for c in chunks if c.logprobs for v in getattr(c.logprobs, field)] == getattr(whole.logprobs, field)
+    assert whole.logprobs.text_offset == [sum(len(t) for t in whole.logprobs.tokens[:i])
+                                          for i in range(len(whole.logprobs.tokens))]
+    plain = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=4, temperature=0, echo=True)
+    assert plain.choices[0].text == whole.text and plain.choices[0].logprobs is None
+
+
 def test_streaming_chat_with_usage(client):
     stream = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20,
                                             stream=True, stream_options={"include_usage": True})
