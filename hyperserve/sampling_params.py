@@ -78,6 +78,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     max_tokens: int | None = 16  # None: until the context is full
+    min_tokens: int = 0  # before this many output tokens, no EOS, stop token or stop string ends the answer
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -88,6 +89,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, as OpenAI's
+    allowed_token_ids: list[int] | None = None  # the only tokens that may be sampled (None: all)
     structured_outputs: StructuredOutputs | None = None  # JSON schema, regex, choice or grammar
 
     MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
@@ -115,6 +117,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= (self.max_tokens if self.max_tokens is not None else self.min_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= self.MAX_LOGPROBS:

@@ -72,6 +72,8 @@ class MessagesRequest(BaseModel):
         system = _text_of(self.system, "system") if self.system is not None else None
         messages = ([{"role": "system", "content": system}] if system else []) + chat_messages(self.messages)
         body: dict[str, Any] = {"messages": messages, "max_tokens": self.max_tokens, "stream": self.stream}
+        if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
+            body.update(add_generation_prompt=False, continue_final_message=True)  # a prefilled answer goes on
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         for name, value in (("model", self.model), ("temperature", self.temperature), ("top_p", self.top_p),

@@ -40,8 +40,9 @@ class IncrementalDetokenizer:
         self._hold = max((len(s) for s in stop), default=1) - 1
         self.stop_reason: str | None = None
 
-    def add_token(self, token_id: int) -> bool:
-        """Decode one more token; True if a stop string matched (the request should stop)."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> bool:
+        """Decode one more token; True if a stop string matched (the request should stop).
+        `check_stop` False (before min_tokens): stop strings in its text do not count."""
         self._tokens.append(token_id)
         prefix = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         full = self._decode(self._tokens[self._prefix_offset :])
@@ -50,7 +51,7 @@ class IncrementalDetokenizer:
         old_length = len(self._text)
         self._text += full[len(prefix) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
-        return self._match_stop(old_length)
+        return check_stop and self._match_stop(old_length)
 
     def _match_stop(self, old_length: int) -> bool:
         for stop in self.stop:

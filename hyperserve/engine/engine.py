@@ -232,17 +232,19 @@ class LLMEngine:
             self.scheduler.add_request(request)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                            continue_final_message: bool = False) -> list[int]:
         """Token ids of a conversation (and the tools offered, for templates that render them)
         through the model's own chat template, given the template's own variables too (Qwen3's
         enable_thinking, say); ValueError if the model has none or the conversation does not fit
-        it (roles out of order, say)."""
+        it (roles out of order, say). `continue_final_message`: the last message is left open, for
+        the answer to go on with it."""
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         try:
             ids = self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
-                **(template_kwargs or {}))
+                continue_final_message=continue_final_message, **(template_kwargs or {}))
         except Exception as error:  # jinja raises its own types for template errors
             raise ValueError(f"cannot apply the chat template: {error}") from error
         return list(ids)
@@ -345,7 +347,8 @@ class LLMEngine:
                                                            request.sampling_params.logprobs or 0))
                 if request.detokenizer is None or request.is_stop_token(token_id):
                     continue
-                if request.detokenizer.add_token(token_id):
+                counts = start + i + 1 >= request.sampling_params.min_tokens  # a stop string before min_tokens does not
+                if request.detokenizer.add_token(token_id, check_stop=counts):
                     request.discard_output_after(start + i + 1)  # drafts accepted past the stop string
                     if not request.is_finished:
                         request.stop_reason = request.detokenizer.stop_reason
@@ -450,15 +453,19 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
         if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries")
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+        if len(params.allowed_token_ids or ()) > vocab:
+            raise ValueError(f"allowed_token_ids takes at most the vocabulary's {vocab} ids")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
             if bad:
                 raise ValueError(f"{name}: token ids must be integers in [0, {vocab}), got {bad[0]!r}")
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)  # cached: add_request will not compile again
 
-    def process_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """Tokenize and validate a prompt without touching engine state (safe from any thread)."""
+    def process_prompt(self, prompt: str | list[int], truncate: int | None = None) -> tuple[str | None, list[int]]:
+        """Tokenize and validate a prompt without touching engine state (safe from any thread);
+        `truncate`: keep only its last this many tokens."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt token ids")
@@ -468,6 +475,8 @@ class LLMEngine:
             vocab = self.hf_config.vocab_size
             if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if truncate is not None and len(ids) > truncate:
+            text, ids = None, ids[-truncate:]
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.max_model_len:

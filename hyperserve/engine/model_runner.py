@@ -537,11 +537,17 @@ class ModelRunner:
                 prompt_mask[i, r.prompt_token_ids] = True
             counts, prompt_mask = counts.to(to), prompt_mask.to(to)
         logit_bias = None
-        if any(p.logit_bias for p in params):
+        banned = [self._banned(r, len(drafts)) for r, drafts in rows]
+        if any(p.logit_bias or p.allowed_token_ids is not None for p in params) or any(banned):
             logit_bias = torch.zeros(len(requests), self.vocab_size)
             for i, p in enumerate(params):
+                if p.allowed_token_ids is not None:
+                    logit_bias[i] = float("-inf")
+                    logit_bias[i, p.allowed_token_ids] = 0.0
                 if p.logit_bias:
-                    logit_bias[i, list(p.logit_bias)] = torch.tensor(list(p.logit_bias.values()))
+                    logit_bias[i, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()))
+                if banned[i]:
+                    logit_bias[i, banned[i]] = float("-inf")
             logit_bias = logit_bias.to(to)
         requested_logprobs = [p.logprobs for p in params if p.logprobs is not None]
         all_greedy = all(p.is_greedy for p in params)
@@ -564,6 +570,15 @@ class ModelRunner:
             needs_top_k_top_p=any(0 < p.top_k < self.vocab_size or p.top_p < 1 for p in params),
             needs_min_p=any(p.min_p > 0 for p in params),
         )
+
+    @staticmethod
+    def _banned(request: Request, num_drafts: int) -> list[int]:
+        """The tokens that would end a row's answer before its min_tokens: EOS (unless ignored) and
+        stop_token_ids."""
+        params = request.sampling_params
+        if request.num_output_tokens + num_drafts >= params.min_tokens:
+            return []
+        return list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(request.eos_token_ids))
 
     def _generator(self, request: Request) -> torch.Generator | None:
         if request.seed is None:

@@ -179,12 +179,12 @@ class Scheduler:
 
     def _run_steps_together(self, out: SchedulerOutput) -> None:
         """Make a step in which every request decodes one plain token (no drafts, no grammar, whose
-        mask needs each token first) into num_scheduler_steps steps, when the pool has the slots;
-        fewer near max_model_len."""
+        mask needs each token first, none short of min_tokens, whose stop tokens are masked until
+        then) into num_scheduler_steps steps, when the pool has the slots; fewer near max_model_len."""
         num_steps = self.config.num_scheduler_steps
         for request, num_new in zip(out.requests, out.num_new_tokens):
             if (num_new != 1 or request.num_computed_tokens != request.num_tokens - 1 or request.spec_token_ids
-                    or request.grammar is not None):
+                    or request.grammar is not None or request.num_output_tokens < request.sampling_params.min_tokens):
                 return
             num_steps = min(num_steps, self.max_model_len - request.num_tokens + 1)
         if num_steps < 2:

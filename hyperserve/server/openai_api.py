@@ -105,13 +105,15 @@ class OpenAIServing:
         lora = await self._adapter(request.model)
         texts = request.prompts()
         self._check_fanout(len(texts), request.n)
-        prompts = await asyncio.to_thread(lambda: [self._prompt_ids(p, "prompt") for p in texts])
+        truncate = request.truncate_prompt_tokens
+        prompts = await asyncio.to_thread(lambda: [self._prompt_ids(p, "prompt", truncate) for p in texts])
         params = await self._params(request, request.max_tokens if request.max_tokens is not None else 16,
                                     request.logprobs, prompts, self._constraint(request))
         echo = None
         if request.echo:  # the prompt's tokens get logprobs as the answer's do
             tokenizer = self._tokenizer(request.model)
-            echo = [t if isinstance(t, str) else tokenizer.decode(t) for t in texts]
+            echo = [text if isinstance(text, str) and truncate is None else tokenizer.decode(ids)
+                    for text, ids in zip(texts, prompts)]
             if request.logprobs is not None:
                 params = replace(params, prompt_logprobs=max(request.logprobs, params.prompt_logprobs or 0))
         await self._prefill_remotely(prompts, lora)
@@ -130,8 +132,10 @@ class OpenAIServing:
         if offered:
             constraint = tools.tool_constraint(offered, request.tool_choice, request.parallel_tool_calls,
                                                self.tool_format, self.tool_marker_id)
-        ids = await asyncio.to_thread(self._chat_ids, request.messages, True, offered, request.chat_template_kwargs)
-        prompts = [self._prompt_ids(ids, "messages")]
+        ids = await asyncio.to_thread(self._chat_ids, request.messages, request.add_generation_prompt, offered,
+                                      request.chat_template_kwargs, request.continue_final_message)
+        ids = self._prompt_ids(ids, "messages", request.truncate_prompt_tokens)
+        prompts = [ids]
         if constraint is not None:
             constraint = self._after_thinking(constraint, ids)
         max_tokens = request.max_completion_tokens or request.max_tokens
@@ -241,12 +245,13 @@ class OpenAIServing:
                 await self.remote_prefill.prefill(self.engine, prompt)
 
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                  offered: list[Tool] | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                  offered: list[Tool] | None = None, template_kwargs: dict[str, Any] | None = None,
+                  continue_final_message: bool = False) -> list[int]:
         rendered, tool_specs = tools.render_messages([m.for_template() for m in messages], offered,
                                                      self.native_tools, self.tool_format)
         try:
             return self.engine.engine.apply_chat_template(rendered, add_generation_prompt, tool_specs,
-                                                          template_kwargs)
+                                                          template_kwargs, continue_final_message)
         except ValueError as error:  # no template, unsupported content, roles the template rejects
             raise APIError(400, str(error), param="messages") from error
 
@@ -289,9 +294,9 @@ class OpenAIServing:
                 raise APIError(400, str(error), param="model") from error
         return lora
 
-    def _prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
+    def _prompt_ids(self, prompt: str | list[int], param: str, truncate: int | None = None) -> list[int]:
         try:
-            return self.engine.engine.process_prompt(prompt)[1]
+            return self.engine.engine.process_prompt(prompt, truncate)[1]
         except ContextLengthError as error:
             raise APIError(400, str(error), param=param, code="context_length_exceeded") from error
         except ValueError as error:

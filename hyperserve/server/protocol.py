@@ -84,6 +84,10 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
     priority: int = Field(default=0, ge=-_INT32, lt=_INT32)
     skip_special_tokens: bool = True
+    min_tokens: int = Field(default=0, ge=0)
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=1 << 20)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # keep the prompt's last this many tokens
     prompt_logprobs: int | None = Field(default=None, ge=0, le=SamplingParams.MAX_LOGPROBS)  # per prompt token
     # structured output: OpenAI's response_format, or one of vLLM's guided_* constraints
     response_format: ResponseFormat | None = None
@@ -141,6 +145,9 @@ class _SamplingRequest(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             prompt_logprobs=self.prompt_logprobs,
+            min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            allowed_token_ids=self.allowed_token_ids,
             logit_bias={int(token): value for token, value in (self.logit_bias or {}).items()},
             structured_outputs=structured_outputs,
         )
@@ -256,8 +263,11 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool = True
-    # vLLM's: variables for the model's chat template (Qwen3's {"enable_thinking": false}, say)
+    # vLLM's: variables for the model's chat template (Qwen3's {"enable_thinking": false}, say), and
+    # whether the answer opens a new assistant turn or goes on with the last message (a prefilled answer)
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=32)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -274,6 +284,10 @@ class ChatCompletionRequest(_SamplingRequest):
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt set to false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
         return self
 
     @model_validator(mode="after")

@@ -154,6 +154,28 @@ def test_prompt_logprobs_are_the_same_batched_cached_and_preempted(llm, mixed_pr
     assert llm.engine.kv_cache.num_free_blocks == NUM_BLOCKS
 
 
+def test_min_tokens_hold_back_the_end_and_allowed_token_ids_bound_the_answer(llm, chat_prompt_ids):
+    greedy = SamplingParams(temperature=0, max_tokens=200)
+    plain = llm.generate([chat_prompt_ids[0]], greedy, use_tqdm=False)[0].outputs[0]
+    assert plain.finish_reason == "stop" and len(plain.token_ids) < 150  # it ends by itself
+    n = len(plain.token_ids) + 10
+    longer = llm.generate([chat_prompt_ids[0]], SamplingParams(temperature=0, max_tokens=200, min_tokens=n),
+                          use_tqdm=False)[0].outputs[0]
+    assert len(longer.token_ids) >= n and longer.token_ids[: len(plain.token_ids) - 1] == plain.token_ids[:-1]
+    assert not set(longer.token_ids[:n]) & llm.engine.eos_token_ids
+    text = plain.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # a stop string early in the answer counts only after min_tokens
+    early = llm.generate([chat_prompt_ids[0]], SamplingParams(temperature=0, max_tokens=200, stop=[stop]),
+                         use_tqdm=False)[0].outputs[0]
+    held = llm.generate([chat_prompt_ids[0]], SamplingParams(temperature=0, max_tokens=200, stop=[stop], min_tokens=n),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(early.token_ids) < len(plain.token_ids) and len(held.token_ids) >= n
+    allowed = sorted(set(plain.token_ids[:5]))
+    bounded = llm.generate([chat_prompt_ids[0]], SamplingParams(temperature=1.0, seed=3, max_tokens=20,
+                                                                allowed_token_ids=allowed), use_tqdm=False)[0]
+    assert set(bounded.outputs[0].token_ids) <= set(allowed)
+
+
 def test_metrics_are_ordered(llm, chat_prompt_ids):
     m = llm.generate([chat_prompt_ids[0]], SamplingParams(max_tokens=4), use_tqdm=False)[0].metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time

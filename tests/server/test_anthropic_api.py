@@ -43,6 +43,16 @@ def test_a_message_is_the_chat_answer_to_the_same_conversation(client, chat):
     assert counted.input_tokens == reference.usage.prompt_tokens
 
 
+def test_a_prefilled_answer_goes_on_from_the_prefill(client, chat):
+    """Anthropic's prefill: a last assistant message is the start of the answer, which continues it."""
+    prefilled = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    message = client.messages.create(model=MODEL, max_tokens=8, messages=prefilled, **GREEDY)
+    reference = chat.create(model=MODEL, max_tokens=8, temperature=0, messages=prefilled,
+                            extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert message.content[0].text == reference.choices[0].message.content
+    assert "Paris" in message.content[0].text and message.usage.input_tokens == reference.usage.prompt_tokens
+
+
 def test_a_streamed_message_is_the_whole_one(client):
     kwargs = dict(model=MODEL, max_tokens=16, messages=[{"role": "user", "content": "Name three colours."}], **GREEDY)
     whole = client.messages.create(**kwargs)

@@ -147,6 +147,25 @@ def test_streamed_echo_sends_the_prompt_first_and_the_same_logprobs(client):
     assert plain.choices[0].text == whole.text and plain.choices[0].logprobs is None
 
 
+def test_vllm_extras_shape_the_prompt_and_the_answer(client, smollm2_tokenizer):
+    """continue_final_message goes on with a prefilled answer; truncate_prompt_tokens keeps the
+    prompt's end; min_tokens holds back the end of a one-word answer."""
+    prefilled = QUESTION + [{"role": "assistant", "content": "The capital of France is"}]
+    r = client.chat.completions.create(model=MODEL, messages=prefilled, temperature=0, max_tokens=3,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    expected = smollm2_tokenizer.apply_chat_template(prefilled, continue_final_message=True, tokenize=True,
+                                                     return_dict=False)
+    assert r.usage.prompt_tokens == len(expected) and "Paris" in r.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
+        client.chat.completions.create(model=MODEL, messages=prefilled, extra_body={"continue_final_message": True})
+    r = client.completions.create(model=MODEL, prompt="one two three four five six seven eight", max_tokens=2,
+                                  extra_body={"truncate_prompt_tokens": 3})
+    assert r.usage.prompt_tokens == 3
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=30,
+                                       extra_body={"min_tokens": 15})
+    assert r.usage.completion_tokens >= 15
+
+
 def test_streaming_chat_with_usage(client):
     stream = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20,
                                             stream=True, stream_options={"include_usage": True})
