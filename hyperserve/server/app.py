@@ -35,7 +35,7 @@ from hyperserve.common.web_ui import install_web_ui
 from hyperserve.engine.engine import LLMEngine
 from hyperserve.layers.lora import LoRARequest
 from hyperserve.security.middleware import Governor, add_security
-from hyperserve.server.embeddings import EmbeddingRequest, EmbeddingServing
+from hyperserve.server.embeddings import EmbeddingRequest, EmbeddingServing, RerankRequest, ScoreRequest
 from hyperserve.server.metrics import ServerMetrics
 from hyperserve.server.model_pool import ModelEntry, ModelPool, ServedModel
 from hyperserve.server.openai_api import Job, OpenAIServing
@@ -217,17 +217,31 @@ def build_app(
         s = await serving(body.model)
         return await _respond(s, await s.prepare_chat(body), body.stream, request, settings)
 
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
+    def embedder(model: str | None) -> EmbeddingServing:
         if state.embeddings is None:
             if embedding_model is not None:
                 raise unavailable("the embedding model is loading")
             raise APIError(404, "this server serves no embedding model: start it with --embedding-model "
                                 "all-MiniLM-L6-v2", param="model", code="model_not_found")
-        if body.model in pool.models:
-            raise APIError(400, f"{body.model!r} is a generative model; embeddings come from "
+        if model in pool.models:
+            raise APIError(400, f"{model!r} is a generative model; embeddings come from "
                                 f"{state.embeddings.name!r}", param="model")
-        return await state.embeddings.embed(body)
+        return state.embeddings
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
+        return await embedder(body.model).embed(body)
+
+    @app.post("/v1/score")
+    @app.post("/score")
+    async def score(body: ScoreRequest) -> dict[str, Any]:
+        return await embedder(body.model).score(body)
+
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    @app.post("/rerank")
+    async def rerank(body: RerankRequest) -> dict[str, Any]:
+        return await embedder(body.model).rerank(body)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

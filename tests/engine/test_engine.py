@@ -135,12 +135,13 @@ def test_prompt_logprobs_are_the_same_batched_cached_and_preempted(llm, mixed_pr
     """A prompt's logprobs come from computing it, never from the prefix cache, and they and the
     answer are those of the request alone whatever runs beside it."""
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, prompt_logprobs=1)
-    alone = llm.generate([mixed_prompts[4]], params, use_tqdm=False)[0]
-    plain = llm.generate([mixed_prompts[4]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-                         use_tqdm=False)[0]
-    assert plain.metrics.num_cached_tokens > 0 and plain.prompt_logprobs is None  # the prompt is cached now
+    prompt = mixed_prompts[4][:1] + [1000, 2000] + mixed_prompts[4][1:]  # in no block cached by other tests
+    alone = llm.generate([prompt], params, use_tqdm=False)[0]
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
+    assert plain.metrics.num_cached_tokens > 0 and plain.prompt_logprobs is None  # its blocks were cached
     assert plain.outputs[0].token_ids == alone.outputs[0].token_ids
-    outputs = llm.generate(mixed_prompts, [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 4
+    outputs = llm.generate(mixed_prompts[:4] + [prompt, mixed_prompts[5]],
+                           [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 4
                            + [params, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=2)],
                            use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in outputs) > 0, "the pool should have forced preemption"

@@ -75,3 +75,39 @@ def test_bad_embedding_requests_get_openai_errors(server, body, status, param):
     reply = post(server, **body)
     assert reply.status_code == status, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+def test_score_and_rerank_are_the_cosine_of_the_embeddings(server):
+    """vLLM's /v1/score and the Jina/Cohere /v1/rerank with an embedding model: each score is the
+    cosine similarity of the two texts' embeddings (here, the model run directly)."""
+    query, documents = "Where does the cat sleep?", TEXTS
+    expected = reference(documents) @ reference([query])[0]
+    reply = httpx.post(f"{server.url}/v1/rerank", json={"query": query, "documents": documents, "top_n": 2}).json()
+    assert [r["index"] for r in reply["results"]] == list(np.argsort(-expected)[:2])
+    np.testing.assert_allclose([r["relevance_score"] for r in reply["results"]], np.sort(expected)[::-1][:2],
+                               atol=2e-5)
+    assert reply["results"][0]["document"] == {"text": documents[reply["results"][0]["index"]]}
+    assert reply["model"] == MODEL and reply["usage"]["total_tokens"] > 0
+    cohere = httpx.post(f"{server.url}/v2/rerank", json={"query": query, "return_documents": False,
+                                                         "documents": [{"text": d} for d in documents]}).json()
+    assert [r["index"] for r in cohere["results"]] == list(np.argsort(-expected)) and "document" not in cohere[
+        "results"][0]
+
+    one_to_many = httpx.post(f"{server.url}/v1/score", json={"text_1": query, "text_2": documents}).json()
+    np.testing.assert_allclose([d["score"] for d in one_to_many["data"]], expected, atol=2e-5)
+    pairs = httpx.post(f"{server.url}/score", json={"text_1": documents[:2], "text_2": documents[1:]}).json()
+    reference_pairs = (reference(documents[:2]) * reference(documents[1:])).sum(1)
+    np.testing.assert_allclose([d["score"] for d in pairs["data"]], reference_pairs, atol=2e-5)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+    ("/v1/score", {"text_1": "a", "text_2": []}, "text_2"),
+    ("/v1/rerank", {"query": "a", "documents": ["b", ""]}, "documents"),
+    ("/v1/rerank", {"query": "a", "documents": []}, "documents"),
+    ("/v1/rerank", {"query": "a", "documents": ["b"], "model": "smollm2-135m"}, "model"),
+])
+def test_bad_score_and_rerank_requests_get_400s(server, path, body, param):
+    reply = httpx.post(f"{server.url}{path}", json=body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
