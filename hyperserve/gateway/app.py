@@ -185,16 +185,18 @@ class Gateway:
                            headers={"Retry-After": "5"})
 
     async def embed(self, request: Request) -> Response:
-        """Embeddings: from a backend by the route `model` names (balanced, with retries and
-        fallback as completions are; never cached, and a cascade route cannot embed)."""
+        """Embeddings, and the scores and rerankings made of them (/v1/score, /v1/rerank): from a
+        backend by the route `model` names (balanced, with retries and fallback as completions are;
+        never cached, and a cascade route cannot embed)."""
         self._check_ready()
-        body = await _json_body(request, "embedding")
+        body = await _json_body(request, {"/v1/score": "score", "/v1/rerank": "rerank"}.get(request.url.path,
+                                                                                             "embedding"))
         name = body.get("model") or _default_route(self.router)
         if self.router.route(name).config.cascade is not None:
             raise APIError(400, f"the route {name!r} is a cascade of generative models; it cannot embed",
                            param="model")
         call = _Call("embedding", False, False, time.perf_counter(), {"id": uuid.uuid4().hex[:16], "route": name})
-        reply = await self.router.complete(name, "/v1/embeddings", body, None)
+        reply = await self.router.complete(name, request.url.path, body, None)
         call.timings["backend"] = reply.backend_s
         call.record["backend"] = reply.backend
         self._finish(call, "bypass", reply.status, reply.body.get("usage"))
@@ -403,6 +405,8 @@ async def completions(request: Request) -> Response:
 
 
 @routes.post("/v1/embeddings")
+@routes.post("/v1/score")
+@routes.post("/v1/rerank")
 async def embeddings(request: Request) -> Response:
     return await _gateway(request).embed(request)
 
@@ -422,8 +426,8 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 async def _json_body(request: Request, kind: str) -> dict[str, Any]:
-    """The parsed body of a `kind` request (chat, completion or embedding), checked just enough to
-    route and cache it; the backend validates the rest."""
+    """The parsed body of a `kind` request (chat, completion, embedding, score or rerank), checked
+    just enough to route and cache it; the backend validates the rest."""
     try:
         body = json.loads(await request.body())
     except (ValueError, RecursionError) as error:
@@ -436,10 +440,12 @@ async def _json_body(request: Request, kind: str) -> dict[str, Any]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise APIError(400, "messages must be a non-empty list of message objects", param="messages")
-    else:
-        field_name = "prompt" if kind == "completion" else "input"
-        if field_name not in body:
-            raise APIError(400, f"{field_name} is required", param=field_name)
+    else:  # what an embedding-made answer needs: /v1/embeddings' input, /v1/score's texts, /v1/rerank's query
+        needed = {"completion": ["prompt"], "embedding": ["input"], "score": ["text_1", "text_2"],
+                  "rerank": ["query", "documents"]}[kind]
+        for field_name in needed:
+            if field_name not in body:
+                raise APIError(400, f"{field_name} is required", param=field_name)
     return body
 
 

@@ -69,6 +69,14 @@ def build_stub(name: str) -> Starlette:
         return JSONResponse({**base, "object": "chat.completion" if chat else "text_completion",
                              "choices": [{**choice, "logprobs": logprobs, "finish_reason": "stop"}], "usage": usage})
 
+    async def rerank(request: Request) -> JSONResponse:
+        """Documents by length, longest first, with the stub's name as the model."""
+        body = await request.json()
+        state["count"] += 1
+        order = sorted(range(len(body["documents"])), key=lambda i: -len(body["documents"][i]))
+        results = [{"index": i, "relevance_score": float(len(body["documents"][i]))} for i in order]
+        return JSONResponse({"model": name, "results": results})
+
     async def embed(request: Request) -> JSONResponse:
         """A vector per input: [its length in characters, the stub's number], so a test sees which backend answered."""
         body = await request.json()
@@ -95,7 +103,8 @@ def build_stub(name: str) -> Starlette:
 
     return Starlette(routes=[
         Route("/v1/chat/completions", complete, methods=["POST"]), Route("/v1/completions", complete, methods=["POST"]),
-        Route("/v1/embeddings", embed, methods=["POST"]), Route("/control", control, methods=["POST"]),
+        Route("/v1/embeddings", embed, methods=["POST"]), Route("/v1/rerank", rerank, methods=["POST"]),
+        Route("/control", control, methods=["POST"]),
         Route("/stats", stats), Route("/health", health),
     ])
 

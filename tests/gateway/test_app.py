@@ -107,6 +107,10 @@ def test_embeddings_are_routed_with_fallback_and_never_cached(stubs, tmp_path):
         assert httpx.get(f"{a.url}/stats").json()["count"] == before + 1  # asked again: embeddings are not cached
         assert embed(model="m").json()["error"]["param"] == "input"
         assert embed(model="nope", input="x").json()["error"]["code"] == "model_not_found"
+        reranked = httpx.post(f"{gateway.url}/v1/rerank", json={"model": "m", "query": "q", "documents": ["a", "abc"]})
+        assert reranked.status_code == 200, reranked.text
+        assert [r["index"] for r in reranked.json()["results"]] == [1, 0] and reranked.headers[
+            "x-hyperserve-backend"] == "a"  # routed as embeddings are
         log = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
         assert {entry["kind"] for entry in log} == {"embedding"}
 
