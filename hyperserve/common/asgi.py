@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 
@@ -50,3 +53,32 @@ async def send_json(send, status: int, body: dict[str, Any], headers: dict[str, 
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
                 + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]})
     await send({"type": "http.response.body", "body": data})
+
+
+def limited_receive(receive, max_bytes: int, error: Exception):
+    """`receive` that raises `error` once the body passes max_bytes."""
+    received = 0
+
+    async def counted():
+        nonlocal received
+        message = await receive()
+        received += len(message.get("body", b""))
+        if received > max_bytes:
+            raise error
+        return message
+
+    return counted
+
+
+async def send_file(send, path: Path, chunk_bytes: int = 2**20) -> None:
+    """A file's bytes as a 200 response, read a chunk at a time off the event loop."""
+    size = os.path.getsize(path)
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/octet-stream"), (b"content-length", str(size).encode())]})
+    with path.open("rb") as handle:
+        while True:
+            chunk = await asyncio.to_thread(handle.read, chunk_bytes)
+            more = handle.tell() < size
+            await send({"type": "http.response.body", "body": chunk, "more_body": more})
+            if not more:
+                break

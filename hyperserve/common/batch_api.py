@@ -12,21 +12,21 @@ while the app serves nothing else, two while it does and for a few seconds after
 the server they run at a low priority (BATCH_PRIORITY): its engine schedules interactive requests
 first and preempts batch ones first. The gateway sets none, since OpenAI's API and vLLM's default
 scheduler take no `priority`. A line answered 429 or 503 waits its Retry-After and tries again until
-the batch's window ends. Files are kept on disk (`files_dir`); batches in memory, so a restart loses
-the ones in progress.
+the batch's window ends.
+
+Files, batches and each line's result are kept on disk (`files_dir`, common/file_store.py), so a
+server restarted on the same directory lists them all and goes on with the batches that were
+running: the lines that had finished are not sent again. Lines run with their batch creator's key
+as the security middleware reads it from the scope (`KEY_DIGEST`, set in process, never by a
+client), so a batch needs no secret kept to go on after a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import math
-import os
-import secrets
-import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
@@ -34,9 +34,12 @@ from urllib.parse import parse_qs
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.requests import Request
 
-from hyperserve.common.asgi import replay, send_json
+from hyperserve.common.asgi import limited_receive, replay, send_file, send_json
 from hyperserve.common.chat_translation import read_json
 from hyperserve.common.errors import APIError
+from hyperserve.common.file_store import FileStore, StoredFile, new_id, write_atomically
+from hyperserve.common.line_slots import LineSlots
+from hyperserve.security.middleware import KEY_DIGEST
 
 FILES, BATCHES = "/v1/files", "/v1/batches"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
@@ -44,68 +47,11 @@ PRIORITY_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")  # those whose 
 BATCH_PRIORITY = 100  # lower runs first; interactive requests default to 0
 WINDOW_S = 24 * 3600  # completion_window "24h", the only one OpenAI offers
 MAX_LINES = 50_000  # per batch, as OpenAI's
-QUIET_S = 5.0  # after the last other request, how long batch lines stay at the busy limit
 MAX_ACTIVE_BATCHES = 64  # running at once on a server, all owners together
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 MAX_FILE_BYTES = 200 * 2**20
 MAX_CREATE_BYTES = 64 * 1024  # a batch's own request (the file id, the endpoint, metadata)
 CHUNK_BYTES = 2**20
-FORWARDED_HEADERS = (b"authorization", b"x-api-key")  # a line is sent with its batch creator's key
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
-
-
-@dataclass
-class StoredFile:
-    id: str
-    owner: str  # the API key that uploaded (or whose batch wrote) it ("" without keys)
-    filename: str
-    purpose: str  # batch (an input), batch_output
-    path: Path
-    bytes: int
-    created_at: int = field(default_factory=lambda: int(time.time()))
-
-    def card(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
-                "filename": self.filename, "purpose": self.purpose, "status": "processed", "expires_at": None}
-
-
-class FileStore:
-    """Files on disk, each visible to its owner alone; `max_bytes` is what they may hold together."""
-
-    def __init__(self, directory: Path | None, max_bytes: int) -> None:
-        self._temporary = None if directory is not None else tempfile.TemporaryDirectory(prefix="hyperserve-files-")
-        self.directory = Path(directory or self._temporary.name)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.max_bytes = max_bytes
-        self.files: dict[str, StoredFile] = {}
-
-    @property
-    def bytes(self) -> int:
-        return sum(f.bytes for f in self.files.values())
-
-    def add(self, owner: str, filename: str, purpose: str, data: bytes) -> StoredFile:
-        if self.bytes + len(data) > self.max_bytes:
-            raise APIError(400, f"the server's files would hold more than {self.max_bytes} bytes; delete some first",
-                           code="storage_full")
-        file_id = _new_id("file")
-        path = self.directory / file_id
-        path.write_bytes(data)
-        stored = StoredFile(file_id, owner, filename, purpose, path, len(data))
-        self.files[file_id] = stored
-        return stored
-
-    def get(self, owner: str, file_id: str, param: str = "file_id") -> StoredFile:
-        stored = self.files.get(file_id)
-        if stored is None or stored.owner != owner:
-            raise APIError(404, f"no file {file_id!r}", param=param, code="file_not_found")
-        return stored
-
-    def delete(self, owner: str, file_id: str) -> None:
-        self.get(owner, file_id).path.unlink(missing_ok=True)
-        del self.files[file_id]
 
 
 @dataclass
@@ -123,7 +69,12 @@ class Batch:
     output_file_id: str | None = None
     error_file_id: str | None = None
     times: dict[str, int] = field(default_factory=lambda: {"created_at": int(time.time())})
+    key_digest: str | None = None  # the SHA-256 of its creator's API key, with which its lines run
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def record(self) -> bytes:
+        """What is kept on disk of it (all but the event a cancel sets, which its status says)."""
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self) if f.name != "cancelled"}).encode()
 
     def enter(self, status: str) -> None:
         self.status = status
@@ -183,57 +134,6 @@ def read_lines(data: bytes, endpoint: str) -> tuple[list[dict[str, Any]], list[d
     return requests, errors
 
 
-class LineSlots:
-    """How many batch lines may be in the app at once: `idle` while no other request is, `busy`
-    while one is and for QUIET_S after the last ends. Interactive traffic so gets the engine back
-    within a line's time, and batches fill it when nobody else uses it."""
-
-    def __init__(self, idle: int, busy: int) -> None:
-        self.idle, self.busy = idle, busy
-        self.taken = 0
-        self.others = 0  # requests in the app now that are not batch lines
-        self.last_other = -math.inf  # when the last of them ended (time.monotonic)
-        self._changed = asyncio.Condition()
-
-    def _quiet_in(self) -> float | None:
-        """Seconds until the idle limit applies (0: it does now; None: not while others run)."""
-        if self.others:
-            return None
-        return max(QUIET_S - (time.monotonic() - self.last_other), 0.0)
-
-    def limit(self) -> int:
-        return self.idle if self._quiet_in() == 0 else self.busy
-
-    @contextlib.asynccontextmanager
-    async def line(self):
-        """Around one batch line in the app."""
-        async with self._changed:
-            while self.taken >= self.limit():
-                try:
-                    await asyncio.wait_for(self._changed.wait(), timeout=self._quiet_in() or None)
-                except TimeoutError:
-                    pass
-            self.taken += 1
-        try:
-            yield
-        finally:
-            async with self._changed:
-                self.taken -= 1
-                self._changed.notify_all()
-
-    @contextlib.asynccontextmanager
-    async def other(self):
-        """Around any other request in the app."""
-        self.others += 1
-        try:
-            yield
-        finally:
-            self.others -= 1
-            self.last_other = time.monotonic()
-            async with self._changed:
-                self._changed.notify_all()  # the waiters time their wait for the quiet period
-
-
 class BatchAPI:
     """/v1/files and /v1/batches in front of `app`. `governor`: the app's API keys, which own files
     and batches; `concurrency` and `busy_concurrency`: how many lines of all batches are in the app at
@@ -252,16 +152,28 @@ class BatchAPI:
               registry=registry).set_function(lambda: sum(b.status in ACTIVE for b in self.batches.values()))
         self.max_file_bytes = max_file_bytes
         self.store = FileStore(files_dir, max_stored_bytes)
+        self.directory = self.store.directory / "batches"
+        self.directory.mkdir(exist_ok=True)
         self.batches: dict[str, Batch] = {}
+        for record in self.directory.glob("batch_*.json"):  # those kept by an earlier run
+            batch = Batch(**json.loads(record.read_text()))
+            self.batches[batch.id] = batch
+        self.batches = dict(sorted(self.batches.items(), key=lambda item: item[1].times["created_at"]))
         self.slots = LineSlots(concurrency, min(busy_concurrency, concurrency))
         self._tasks: set[asyncio.Task] = set()
+        # what a request's scope holds from the ASGI server and the app around this middleware (the
+        # Starlette app, its lifespan state), for lines, which start here; taken from the scopes that pass
+        self._context: dict[str, Any] = {}
 
     async def __call__(self, scope, receive, send) -> None:
+        self._context.update((key, scope[key]) for key in ("app", "state") if key in scope)
         path = scope.get("path", "")
         kind = FILES if path == FILES or path.startswith(FILES + "/") else \
             BATCHES if path == BATCHES or path.startswith(BATCHES + "/") else None
+        if scope["type"] == "lifespan":
+            return await self.app(scope, receive, self._resume_once_started(send))
         if scope["type"] != "http" or kind is None:
-            if scope["type"] == "lifespan" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            if scope.get("method") in ("GET", "HEAD", "OPTIONS"):
                 return await self.app(scope, receive, send)  # pages, health, metrics: no engine work
             async with self.slots.other():
                 return await self.app(scope, receive, send)
@@ -273,7 +185,7 @@ class BatchAPI:
             query = {k: v[-1] for k, v in parse_qs(scope.get("query_string", b"").decode()).items()}
             if kind == FILES:
                 return await self._files(scope, receive, send, owner, name, tail, query)
-            return await self._batches(scope, receive, send, owner, name, tail, query)
+            return await self._batches(scope, receive, send, owner, name, tail, query, key)
         except APIError as error:
             await send_json(send, error.status, error.body(), error.headers)
 
@@ -293,14 +205,14 @@ class BatchAPI:
             self.store.delete(owner, file_id)
             return await send_json(send, 200, {"id": file_id, "object": "file", "deleted": True})
         if file_id and tail == "content" and method == "GET":
-            return await _send_file(send, self.store.get(owner, file_id).path)
+            return await send_file(send, self.store.path(self.store.get(owner, file_id).id))
         raise APIError(404 if method == "GET" or file_id else 405, f"no route {method} {scope['path']}")
 
     async def _upload(self, scope, receive, owner: str) -> StoredFile:
         """A multipart upload (`file`, `purpose`), refused past max_file_bytes as it arrives."""
         too_large = APIError(413, f"files take at most {self.max_file_bytes} bytes", code="file_too_large")
         try:  # the form's own fields come besides the file
-            form = await Request(scope, _limited(receive, self.max_file_bytes + 64 * 1024, too_large)).form(
+            form = await Request(scope, limited_receive(receive, self.max_file_bytes + 64 * 1024, too_large)).form(
                 max_files=1, max_fields=8)
         except APIError:
             raise
@@ -319,10 +231,25 @@ class BatchAPI:
 
     # ---- batches -------------------------------------------------------------------------------
 
-    async def _batches(self, scope, receive, send, owner: str, batch_id: str, tail: str, query: dict) -> None:
+    def _resume_once_started(self, send):
+        """The lifespan's `send`: once the app has started, the batches an earlier run left running
+        go on."""
+        async def started(message) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                for batch in self.batches.values():
+                    if batch.status in ACTIVE:
+                        if batch.status == "cancelling":
+                            batch.cancelled.set()
+                        self._start(batch)
+            await send(message)
+
+        return started
+
+    async def _batches(self, scope, receive, send, owner: str, batch_id: str, tail: str, query: dict,
+                       key=None) -> None:
         method = scope["method"]
         if not batch_id and method == "POST":
-            return await send_json(send, 200, (await self._create(scope, receive, owner)).card())
+            return await send_json(send, 200, (await self._create(receive, owner, key)).card())
         if not batch_id and method == "GET":
             batches = [b.card() for b in reversed(self.batches.values()) if b.owner == owner]
             return await send_json(send, 200, _page(batches, query))
@@ -333,13 +260,14 @@ class BatchAPI:
             return await send_json(send, 200, batch.card())
         if tail == "cancel" and method == "POST":
             if batch.status in ("validating", "in_progress"):
-                batch.enter("cancelling")
+                self._enter(batch, "cancelling")
                 batch.cancelled.set()
             return await send_json(send, 200, batch.card())
         raise APIError(404 if method == "GET" else 405, f"no route {method} {scope['path']}")
 
-    async def _create(self, scope, receive, owner: str) -> Batch:
-        body = await read_json(_limited(receive, MAX_CREATE_BYTES, APIError(413, "the request body is too large")))
+    async def _create(self, receive, owner: str, key) -> Batch:
+        too_large = APIError(413, "the request body is too large")
+        body = await read_json(limited_receive(receive, MAX_CREATE_BYTES, too_large))
         endpoint, window = body.get("endpoint"), body.get("completion_window")
         if endpoint not in ENDPOINTS:
             raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint")
@@ -357,35 +285,59 @@ class BatchAPI:
         if sum(b.status in ACTIVE for b in self.batches.values()) >= MAX_ACTIVE_BATCHES:
             raise APIError(429, f"{MAX_ACTIVE_BATCHES} batches are running; retry once one has finished",
                            type_="rate_limit_error", headers={"Retry-After": "60"})
-        batch = Batch(_new_id("batch"), owner, endpoint, source.id, metadata)
+        batch = Batch(new_id("batch"), owner, endpoint, source.id, metadata,
+                      key_digest=key.sha256 if key is not None else None)
         self.batches[batch.id] = batch
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() in FORWARDED_HEADERS]
-        task = asyncio.create_task(self._run(batch, source, scope, headers))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._save(batch)
+        self._start(batch)
         return batch
 
-    async def _run(self, batch: Batch, source: StoredFile, scope, headers: list[tuple[bytes, bytes]]) -> None:
+    def _start(self, batch: Batch) -> None:
+        task = asyncio.create_task(self._run(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _enter(self, batch: Batch, status: str) -> None:
+        batch.enter(status)
+        self._save(batch)
+
+    def _save(self, batch: Batch) -> None:
+        write_atomically(self.directory / f"{batch.id}.json", batch.record())
+
+    async def _run(self, batch: Batch) -> None:
         """Validate the input, run its lines, write the output and error files; anything that stops
         that (the input deleted meanwhile, the store full) fails the batch, saying why."""
         try:
-            await self._process(batch, source, scope, headers)
+            await self._process(batch, self.store.get(batch.owner, batch.input_file_id, param="input_file_id"))
         except Exception as error:  # noqa: BLE001 - the batch's own failure, reported on it
             message = error.message if isinstance(error, APIError) else f"{type(error).__name__}: {error}"
             batch.errors = [{"code": "batch_failed", "message": message, "param": None, "line": None}]
-            batch.enter("failed")
+            self._enter(batch, "failed")
 
-    async def _process(self, batch: Batch, source: StoredFile, scope, headers: list[tuple[bytes, bytes]]) -> None:
-        requests, errors = read_lines(await asyncio.to_thread(source.path.read_bytes), batch.endpoint)
+    async def _process(self, batch: Batch, source: StoredFile) -> None:
+        data = await asyncio.to_thread(self.store.path(source.id).read_bytes)
+        requests, errors = read_lines(data, batch.endpoint)
         if errors:
             batch.errors = errors[:100]
-            return batch.enter("failed")
+            return self._enter(batch, "failed")
         batch.total = len(requests)
+        done = self._results(batch)  # lines an earlier run finished
+        batch.completed = sum(_succeeded(result) for result in done.values())
+        batch.failed = len(done) - batch.completed
+        if batch.status == "validating":
+            self._enter(batch, "in_progress")
+        with (self.directory / f"{batch.id}.results.jsonl").open("a") as log:
+            async def run(index: int, request: dict[str, Any]) -> dict[str, Any]:
+                if index in done:
+                    return done[index]
+                result = await self._line(batch, request)
+                log.write(json.dumps({"index": index, "result": result}) + "\n")
+                log.flush()  # kept, should the process end before the batch
+                return result
+
+            results = await asyncio.gather(*(run(i, request) for i, request in enumerate(requests)))
         if not batch.cancelled.is_set():
-            batch.enter("in_progress")
-        results = await asyncio.gather(*(self._line(batch, request, scope, headers) for request in requests))
-        if not batch.cancelled.is_set():
-            batch.enter("finalizing")
+            self._enter(batch, "finalizing")
         files: dict[str, list[dict[str, Any]]] = {"output": [], "error": []}
         for result in results:
             files["output" if _succeeded(result) else "error"].append(result)
@@ -394,13 +346,25 @@ class BatchAPI:
                 data = "".join(json.dumps(line) + "\n" for line in lines).encode()
                 stored = self.store.add(batch.owner, f"{batch.id}_{kind}.jsonl", "batch_output", data)
                 setattr(batch, f"{kind}_file_id", stored.id)
-        batch.enter("cancelled" if batch.cancelled.is_set() else
+        self._enter(batch, "cancelled" if batch.cancelled.is_set() else
                     "expired" if time.time() >= batch.expires_at else "completed")
 
-    async def _line(self, batch: Batch, request: dict[str, Any], scope, headers) -> dict[str, Any]:
+    def _results(self, batch: Batch) -> dict[int, dict[str, Any]]:
+        """The results of its lines kept by an earlier run, by line (a last line cut short is not one)."""
+        path = self.directory / f"{batch.id}.results.jsonl"
+        results = {}
+        for line in path.read_text().splitlines() if path.exists() else []:
+            try:
+                entry = json.loads(line)
+                results[entry["index"]] = entry["result"]
+            except (ValueError, KeyError, TypeError):
+                continue
+        return results
+
+    async def _line(self, batch: Batch, request: dict[str, Any]) -> dict[str, Any]:
         """One line's output: the app's answer (429 and 503 retried after their Retry-After), or why
         it did not run."""
-        line_id, body = _new_id("batch_req"), {**request["body"], "stream": False}
+        line_id, body = new_id("batch_req"), {**request["body"], "stream": False}
         if self.priority is not None and batch.endpoint in PRIORITY_ENDPOINTS:
             body.setdefault("priority", self.priority)
         async with self.slots.line():
@@ -410,7 +374,7 @@ class BatchAPI:
                               "error": {"code": "batch_cancelled" if batch.cancelled.is_set() else "batch_expired",
                                         "message": "the batch ended before this request ran"}}
                     break
-                status, answer_headers, answer = await self._post(batch, scope, headers, body)
+                status, answer_headers, answer = await self._post(batch, body)
                 if batch.cancelled.is_set():  # it was aborted: what the app answered then is not its answer
                     continue
                 if status in (429, 503):
@@ -428,14 +392,21 @@ class BatchAPI:
         self.lines_done.labels(outcome).inc()
         return result
 
-    async def _post(self, batch: Batch, scope, headers, body: dict[str, Any]) -> tuple[int, dict, Any]:
-        """(status, headers, JSON body) of POSTing `body` to the batch's endpoint through the app; a
-        cancelled batch disconnects, which aborts the request in the engine."""
+    async def _post(self, batch: Batch, body: dict[str, Any]) -> tuple[int, dict, Any]:
+        """(status, headers, JSON body) of POSTing `body` to the batch's endpoint through the app,
+        with the batch creator's key; a cancelled batch disconnects, which aborts the request in
+        the engine."""
         data = json.dumps(body).encode()
         path = batch.endpoint
-        inner = {**scope, "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"",
-                 "headers": headers + [(b"content-type", b"application/json"),
-                                       (b"content-length", str(len(data)).encode())]}
+        inner = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+                 "query_string": b"", "client": None, "server": None,
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]}
+        inner.update(self._context)
+        if "state" in inner:
+            inner["state"] = dict(inner["state"])  # a copy per request, as ASGI servers give it
+        if batch.key_digest is not None:
+            inner[KEY_DIGEST] = batch.key_digest
         start: dict[str, Any] = {}
         chunks: list[bytes] = []
 
@@ -455,21 +426,6 @@ class BatchAPI:
         except Exception as error:  # noqa: BLE001 - one line's failure is that line's error, not the batch's
             return 500, {}, {"error": {"message": f"{type(error).__name__}: {error}", "type": "api_error"}}
         return start.get("status", 500), dict(start.get("headers", [])), answer
-
-
-def _limited(receive, max_bytes: int, error: APIError):
-    """`receive` that raises `error` once the body passes max_bytes."""
-    received = 0
-
-    async def counted():
-        nonlocal received
-        message = await receive()
-        received += len(message.get("body", b""))
-        if received > max_bytes:
-            raise error
-        return message
-
-    return counted
 
 
 def _succeeded(result: dict[str, Any]) -> bool:
@@ -496,16 +452,3 @@ def _page(items: list[dict[str, Any]], query: dict[str, str]) -> dict[str, Any]:
     page = items[:limit]
     return {"object": "list", "data": page, "has_more": len(items) > limit,
             "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None}
-
-
-async def _send_file(send, path: Path) -> None:
-    size = os.path.getsize(path)
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/octet-stream"), (b"content-length", str(size).encode())]})
-    with path.open("rb") as handle:
-        while True:
-            chunk = await asyncio.to_thread(handle.read, CHUNK_BYTES)
-            more = handle.tell() < size
-            await send({"type": "http.response.body", "body": chunk, "more_body": more})
-            if not more:
-                break

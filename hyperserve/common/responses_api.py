@@ -434,7 +434,7 @@ class ResponsesAPI:
         try:
             owner = ""
             if self.governor is not None:
-                key = self.governor.authenticate(dict(scope["headers"]))
+                key = self.governor.identify(scope)
                 owner = f"key:{key.name}" if key is not None else ""
             response_id, _, tail = path[len(PATH) + 1:].partition("/")
             method = scope["method"]

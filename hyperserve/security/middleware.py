@@ -34,6 +34,9 @@ logger = logging.getLogger("hyperserve.security")
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/cache", "/v1/embeddings")
 OPEN_PATHS = ("/health", "/")  # and the web pages under /ui/, which ask for a key themselves
 MODEL_ADMIN_PATH = re.compile(r"/v1/models/([^/]+)/(?:load|unload)")
+# A Batch API line's scope holds its batch creator's key as this (the key's SHA-256): set in process by
+# common/batch_api.py, which authenticated the creator, and never from a client's request
+KEY_DIGEST = "hyperserve.key_digest"
 DEFAULT_MAX_TOKENS = 256  # the estimate for a request that sets no max_tokens
 
 
@@ -94,6 +97,20 @@ class Governor:
         guardrails = self._all_guardrails()
         return (any(v is not None for lim in limits for k, v in lim if k != "budget_period_s")
                 or any(g.injection != "off" or g.pii_request != "off" or g.pii_response != "off" for g in guardrails))
+
+    def identify(self, scope) -> KeyEntry | None:
+        """An HTTP request's key: its headers' (authenticate), or for a Batch API line the key whose
+        SHA-256 it carries (KEY_DIGEST); raises 401, for a batch's key if it was taken out of the
+        keys since the batch began."""
+        if KEY_DIGEST not in scope:
+            return self.authenticate(dict(scope["headers"]))
+        if not self.keys:
+            return None
+        entry = self.keys.get(scope[KEY_DIGEST])
+        if entry is None:
+            raise APIError(401, "the batch's API key is no longer accepted", type_="authentication_error",
+                           code="invalid_api_key")
+        return entry
 
     def authenticate(self, headers: dict[bytes, bytes]) -> KeyEntry | None:
         """The key's entry; raises 401. Compared as digests, in constant time."""
@@ -198,7 +215,7 @@ class SecurityMiddleware:
             return await self.app(scope, receive, send)
         started = time.perf_counter()
         try:
-            key = self.governor.authenticate(dict(scope["headers"]))
+            key = self.governor.identify(scope)
             managed = MODEL_ADMIN_PATH.fullmatch(scope["path"])
             if managed is not None:  # loading or unloading a model takes the right to use it
                 self.governor.check_model(key, managed.group(1))

@@ -171,6 +171,52 @@ def test_bad_requests_get_clear_errors(client, call, status, says):
     assert error.value.status_code == status and says in error.value.message
 
 
+def test_a_restarted_server_keeps_files_and_batches_and_goes_on_without_sending_lines_again(tmp_path):
+    """A server stopped with a batch half done and started again on the same files directory lists
+    its files and batches, runs the lines that had not finished (with the creator's key, which it
+    never stored) and not the others, and writes every line's answer in order."""
+    def build(holding: bool) -> FastAPI:
+        governor = Governor(SecurityConfig.model_validate(
+            {"keys": [{"name": name, "sha256": hash_key(key)} for name, key in KEYS.items()]}))
+        app = FastAPI()
+        app.state.seen = []
+        add_security(app, governor)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            body = await request.json()
+            app.state.seen.append(body["n"])
+            while holding and body.get("hold"):  # until the server stops
+                await asyncio.sleep(0.01)
+            return {"echo": body["n"]}
+
+        app.add_middleware(BatchAPI, governor=governor, files_dir=tmp_path / "files", concurrency=2)
+        return app
+
+    first = build(holding=True)
+    with TestClient(first) as client:
+        api = sdk(client)
+        upload = api.files.create(file=("in.jsonl", jsonl({"n": 1}, {"n": 2}, {"n": 3, "hold": True},
+                                                          {"n": 4, "hold": True}, {"n": 5})), purpose="batch")
+        batch = api.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        deadline = time.time() + 10
+        while api.batches.retrieve(batch.id).request_counts.completed < 2 or len(first.state.seen) < 4:
+            assert time.time() < deadline
+            time.sleep(0.02)
+    assert sorted(first.state.seen) == [1, 2, 3, 4]  # 3 and 4 held both slots when it stopped
+
+    second = build(holding=False)
+    with TestClient(second) as client:
+        api = sdk(client)
+        done = finished(api, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 5
+        assert {f.id for f in api.files.list()} == {upload.id, done.output_file_id}
+        assert [line["response"]["body"]["echo"] for line in lines(api, done.output_file_id)] == [1, 2, 3, 4, 5]
+        assert sorted(second.state.seen) == [3, 4, 5]  # what had not finished, and no line twice
+        with pytest.raises(openai.NotFoundError):
+            sdk(client, "bob").batches.retrieve(batch.id)
+
+
 def test_a_batch_whose_results_cannot_be_stored_fails_saying_why():
     app = FastAPI()
 
@@ -192,41 +238,3 @@ def test_a_batch_request_body_is_bounded(client):
     headers = {"Authorization": f"Bearer {KEYS['alice']}"}
     response = client.post("/v1/batches", headers=headers, content=b'{"metadata": "' + b"x" * 100_000 + b'"}')
     assert response.status_code == 413 and "too large" in response.json()["error"]["message"]
-
-
-def test_batch_lines_yield_to_other_requests_and_come_back_after_a_quiet_while(monkeypatch):
-    """Idle: 3 lines at once. While another request runs, and for QUIET_S after it ends, one at a
-    time (the busy limit); after that, 3 at once again."""
-    from hyperserve.common import batch_api
-
-    monkeypatch.setattr(batch_api, "QUIET_S", 0.3)
-
-    async def scenario() -> list[list[int]]:
-        slots = batch_api.LineSlots(idle=3, busy=1)
-
-        async def lines() -> list[int]:
-            """Three lines of 20 ms started together: how many were in the app as each entered."""
-            taken = []
-
-            async def line() -> None:
-                async with slots.line():
-                    taken.append(slots.taken)
-                    await asyncio.sleep(0.02)
-
-            await asyncio.gather(*(line() for _ in range(3)))
-            return taken
-
-        async def other() -> None:
-            async with slots.other():
-                await asyncio.sleep(0.1)
-
-        idle = await lines()
-        chat = asyncio.create_task(other())
-        await asyncio.sleep(0)
-        during = await lines()
-        await chat
-        after = await lines()  # within the quiet while
-        await asyncio.sleep(0.3)
-        return [idle, during, after, await lines()]
-
-    assert asyncio.run(scenario()) == [[1, 2, 3], [1, 1, 1], [1, 1, 1], [1, 2, 3]]

@@ -268,6 +268,7 @@ def test_a_batch_through_the_gateway_takes_its_routes(stubs, tmp_path):
         while (batch := api.batches.retrieve(batch.id)).status != "completed":
             assert time.time() < deadline, batch.status
             time.sleep(0.05)
+        assert batch.error_file_id is None, api.files.content(batch.error_file_id).text
         output = [json.loads(line) for line in api.files.content(batch.output_file_id).text.splitlines()]
         assert [line["response"]["body"]["choices"][0]["message"]["content"] for line in output] == \
             [f"a says: question {i}" for i in range(3)]
