@@ -51,7 +51,6 @@ MAX_ACTIVE_BATCHES = 64  # running at once on a server, all owners together
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 MAX_FILE_BYTES = 200 * 2**20
 MAX_CREATE_BYTES = 64 * 1024  # a batch's own request (the file id, the endpoint, metadata)
-CHUNK_BYTES = 2**20
 
 
 @dataclass

@@ -347,8 +347,8 @@ class LLMEngine:
                                                            request.sampling_params.logprobs or 0))
                 if request.detokenizer is None or request.is_stop_token(token_id):
                     continue
-                counts = start + i + 1 >= request.sampling_params.min_tokens  # a stop string before min_tokens does not
-                if request.detokenizer.add_token(token_id, check_stop=counts):
+                past_min = start + i + 1 >= request.sampling_params.min_tokens  # a stop string before min_tokens
+                if request.detokenizer.add_token(token_id, check_stop=past_min):  # does not end the answer
                     request.discard_output_after(start + i + 1)  # drafts accepted past the stop string
                     if not request.is_finished:
                         request.stop_reason = request.detokenizer.stop_reason

@@ -131,7 +131,7 @@ class KVCacheManager:
 
     def cached_prefix(self, request: Request) -> CachedPrefix:
         """The longest cached prefix of the request's tokens, leaving at least one token to compute
-        (its logits are needed). None for a request whose prompt tokens' logits are wanted."""
+        (its logits are needed); none for a request whose prompt tokens' logits are wanted."""
         if not self.enable_prefix_caching or request.needs_prompt_logprobs:
             return CachedPrefix([[] for _ in self.groups])
         hashes = self._hashes(request)[: (request.num_tokens - 1) // self.block_size]

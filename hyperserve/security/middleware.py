@@ -30,8 +30,10 @@ from hyperserve.security.pii import Finding, Redactor, StreamRedactor, find_pii
 
 logger = logging.getLogger("hyperserve.security")
 
-# Requests that make a model work: completions, prefix pins (which hold KV like a request) and embeddings.
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/cache", "/v1/embeddings")
+# Requests that make a model work: completions, prefix pins (which hold KV like a request) and the encoder's
+# embeddings, scores and rerankings.
+ENCODER_PATHS = ("/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank")
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/cache", *ENCODER_PATHS)
 OPEN_PATHS = ("/health", "/")  # and the web pages under /ui/, which ask for a key themselves
 MODEL_ADMIN_PATH = re.compile(r"/v1/models/([^/]+)/(?:load|unload)")
 # A Batch API line's scope holds its batch creator's key as this (the key's SHA-256): set in process by
@@ -256,7 +258,7 @@ class SecurityMiddleware:
         if not isinstance(body, dict):  # malformed: the app gives the proper 400
             return await self.app(scope, replay(raw, receive), send)
         scope.setdefault("state", {})["cache_scope"] = key.scope if key else None  # request.state for the app
-        pin, embed = scope["path"] == "/v1/cache", scope["path"] == "/v1/embeddings"
+        pin, embed = scope["path"] == "/v1/cache", scope["path"] in ENCODER_PATHS
         chat = scope["path"] == "/v1/chat/completions" or (pin and "messages" in body)
         prompt_tokens = governor.check_request(key, body, chat)
         guardrails = governor.guardrails(key, body.get("model"))
@@ -423,13 +425,15 @@ def _text_fields(body: dict[str, Any], chat: bool) -> list[tuple[dict | list, An
             elif isinstance(content, list):
                 fields += [(part, "text") for part in content if isinstance(part, dict)
                            and isinstance(part.get("text"), str)]
-    else:  # a completion's prompts, or an embedding request's inputs
-        name = "prompt" if "prompt" in body else "input"
-        prompt = body.get(name)
-        if isinstance(prompt, str):
-            fields.append((body, name))
-        elif isinstance(prompt, list):
-            fields += [(prompt, i) for i, p in enumerate(prompt) if isinstance(p, str)]
+    else:  # a completion's prompts, an embedding request's inputs, a score's or a reranking's texts
+        for name in ("prompt", "input", "text_1", "text_2", "query", "documents"):
+            value = body.get(name)
+            if isinstance(value, str):
+                fields.append((body, name))
+            elif isinstance(value, list):
+                fields += [(value, i) for i, item in enumerate(value) if isinstance(item, str)]
+                fields += [(item, "text") for item in value
+                           if isinstance(item, dict) and isinstance(item.get("text"), str)]
     return fields
 
 

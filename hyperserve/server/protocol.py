@@ -284,6 +284,10 @@ class ChatCompletionRequest(_SamplingRequest):
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    @model_validator(mode="after")
+    def _check_continuation(self) -> ChatCompletionRequest:
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt set to false")
         if self.continue_final_message and self.messages[-1].role != "assistant":

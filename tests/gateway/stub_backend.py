@@ -73,8 +73,9 @@ def build_stub(name: str) -> Starlette:
         """Documents by length, longest first, with the stub's name as the model."""
         body = await request.json()
         state["count"] += 1
-        order = sorted(range(len(body["documents"])), key=lambda i: -len(body["documents"][i]))
-        results = [{"index": i, "relevance_score": float(len(body["documents"][i]))} for i in order]
+        texts = [d if isinstance(d, str) else d["text"] for d in body["documents"]]
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+        results = [{"index": i, "relevance_score": float(len(texts[i]))} for i in order]
         return JSONResponse({"model": name, "results": results})
 
     async def embed(request: Request) -> JSONResponse:

@@ -112,6 +112,16 @@ def test_rejections_happen_before_any_model_work(secured):
     assert backend_count(stub) == before
 
 
+def test_reranking_takes_the_keys_and_pii_rules_embeddings_take(secured):
+    """The stub scores each document by its length, so the score says what the encoder was sent."""
+    url, _, _ = secured
+    body = {"model": "m", "query": "contact", "documents": ["Mail jane.roe@example.org", {"text": "hi"}]}
+    assert_error(httpx.post(f"{url}/v1/rerank", json=body), 401, "missing_api_key")
+    reply = httpx.post(f"{url}/v1/rerank", json=body, headers={"Authorization": "Bearer admin-secret"}, timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert [r["relevance_score"] for r in reply.json()["results"]] == [len("Mail [EMAIL_1]"), 2.0]
+
+
 def test_pii_is_redacted_before_the_model_and_restored_only_when_configured(secured):
     url, _, _ = secured
     text = "Mail jane.roe@example.org, card 4111 1111 1111 1111"
