@@ -37,6 +37,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "x", "logprobs": 99}, "logprobs"),
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "max_tokens": 2, "min_tokens": 5}, None),
+    ({"prompt": "x", "allowed_token_ids": [10**9]}, None),
+    ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"prompt": "x", "suffix": "y"}, None),
 ])
 def test_invalid_parameters_get_400(server, body, param):
