@@ -13,9 +13,11 @@ read once.
 --attention times layers/triton_attention.py at Llama-3-8B's heads (32 query, 8 KV, 128 wide,
 16-token blocks scattered over the pool) for batches and contexts from one long sequence to an
 offline run's hundreds, sweeping the tokens read per iteration, the warps, and the programs per
-SM that set the split count; GB/s counts the K/V bytes read once.
+SM that set the split count, for each --kv-cache-dtype (int8/fp8 caches carry a float32 scale per
+token and head); GB/s counts the K/V bytes (codes and scales) read once.
 
-    python benchmarks/gpu_kernels.py [--shapes qkv o ...] [--tiles-json OUT] [--attention] [--json OUT]
+    python benchmarks/gpu_kernels.py [--shapes qkv o ...] [--tiles-json OUT] [--json OUT]
+    python benchmarks/gpu_kernels.py --attention [--kv-cache-dtype auto fp8] [--num-warps 4 8] [--json OUT]
 """
 
 from __future__ import annotations
@@ -99,32 +101,43 @@ ATTENTION_CASES = [(1, 2048), (64, 640), (512, 640)]  # (batch, context tokens)
 ATTENTION_SWEEP = {"tile_tokens": (16, 64, 128), "num_warps": (4, 8), "programs_per_sm": (2, 8)}
 
 
-def measure_attention(batch: int, context: int) -> list[dict]:
+def measure_attention(batch: int, context: int, kv_cache_dtype: str) -> list[dict]:
     from hyperserve.layers import triton_attention
+    from hyperserve.layers.attention import KVCache
 
     heads, kv_heads, dim, block = 32, 8, 128, 16
     blocks_per_seq = context // block
     num_blocks = batch * blocks_per_seq
-    cache = [torch.randn(num_blocks * block, kv_heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    cache = KVCache.allocate(num_blocks, block, kv_heads, dim, torch.bfloat16, kv_cache_dtype, torch.device("cuda"))
+    slots = torch.arange(num_blocks * block, device="cuda")
+    for start in range(0, len(slots), 65536):  # written in slices: the float32 quantization's temporaries stay small
+        part = slots[start : start + 65536]
+        cache.write(part, *torch.randn(2, len(part), kv_heads, dim, device="cuda", dtype=torch.bfloat16))
     tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).int()
     lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
-    nbytes = 2 * num_blocks * block * kv_heads * dim * 2
+    nbytes = sum(t.numel() * t.element_size() for t in (cache.key, cache.value, cache.key_scale, cache.value_scale)
+                 if t is not None)
     rows = []
     for values in itertools.product(*ATTENTION_SWEEP.values()):
         config = dict(zip(ATTENTION_SWEEP, values))
         splits = triton_attention.num_splits_for(batch, kv_heads, blocks_per_seq, q.device, config["programs_per_sm"])
         fn = lambda c=config, splits=splits: triton_attention.paged_decode_attention(
-            q, cache[0], cache[1], tables, lens, block, dim**-0.5, num_splits=splits, tile_tokens=c["tile_tokens"],
-            num_warps=c["num_warps"])
+            q, cache.key, cache.value, tables, lens, block, dim**-0.5, key_scale=cache.key_scale,
+            value_scale=cache.value_scale, num_splits=splits, tile_tokens=c["tile_tokens"], num_warps=c["num_warps"])
         us = 1e3 * triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
-        rows.append({"batch": batch, "context": context, **config, "us": us, "gbs": nbytes / us / 1e3})
+        rows.append({"kv": kv_cache_dtype, "batch": batch, "context": context, **config, "us": us,
+                     "gbs": nbytes / us / 1e3})
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attention", action="store_true", help="time the paged decode attention instead")
+    parser.add_argument("--kv-cache-dtype", nargs="*", default=["auto"], help="with --attention: auto, int8, fp8")
+    for name, values in ATTENTION_SWEEP.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, nargs="*", default=list(values),
+                            help="with --attention: the values swept")
     parser.add_argument("--shapes", nargs="*", default=[name for name, _, _ in SHAPES], help="projections to time")
     parser.add_argument("--rows", type=int, nargs="*", default=[1, 16], help="rows to compare the paths at")
     parser.add_argument("--tiles-json", default=None, help="write each shape's best tiles here")
@@ -133,13 +146,14 @@ def main() -> None:
     print(f"GPU: {torch.cuda.get_device_name()}")
     rows = []
     if args.attention:
-        for batch, context in ATTENTION_CASES:
-            rows += measure_attention(batch, context)
+        ATTENTION_SWEEP.update({name: getattr(args, name) for name in ATTENTION_SWEEP})
+        for kv_cache_dtype, (batch, context) in itertools.product(args.kv_cache_dtype, ATTENTION_CASES):
+            rows += measure_attention(batch, context, kv_cache_dtype)
             torch.cuda.empty_cache()
-        print(f"{'batch':>6}{'context':>8}{'tile':>6}{'warps':>6}{'prog/SM':>8}{'us':>9}{'GB/s':>7}")
+        print(f"{'kv':>5}{'batch':>6}{'context':>8}{'tile':>6}{'warps':>6}{'prog/SM':>8}{'us':>9}{'GB/s':>7}")
         for r in rows:
-            print(f"{r['batch']:>6}{r['context']:>8}{r['tile_tokens']:>6}{r['num_warps']:>6}{r['programs_per_sm']:>8}"
-                  f"{r['us']:>9.1f}{r['gbs']:>7.0f}")
+            print(f"{r['kv']:>5}{r['batch']:>6}{r['context']:>8}{r['tile_tokens']:>6}{r['num_warps']:>6}"
+                  f"{r['programs_per_sm']:>8}{r['us']:>9.1f}{r['gbs']:>7.0f}")
     else:
         for name, n, k in SHAPES:
             if name in args.shapes:
