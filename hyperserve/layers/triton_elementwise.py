@@ -87,8 +87,10 @@ def _cache_row(cache_ptr, scale_ptr, row, x, offs, BOUND: tl.constexpr, ROUND: t
         tl.store(cache_ptr + row * x.shape[0] + offs, x)
     else:
         x = x.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8) / BOUND
-        scaled = x / scale
+        # IEEE divisions, as PyTorch's: Triton's "/" is approximate on CUDA, which moves a code that
+        # should sit on a half (common with bfloat16 inputs) to the other side of it
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8), BOUND)
+        scaled = tl.math.div_rn(x, scale)
         if ROUND:
             rounded = tl.floor(scaled + 0.5)
             odd = rounded - 2.0 * tl.floor(rounded * 0.5) != 0.0
