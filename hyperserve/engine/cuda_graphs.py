@@ -8,7 +8,9 @@ A graph reads fixed addresses, so its inputs live in persistent buffers sized fo
 bucket. A step copies its sequences into the first rows and pads the rest of its bucket with rows
 that attend to nothing (context length 0, which the Triton decode kernel answers with zeros) and
 write their K/V into a padding slot no sequence owns. The decode kernel's split count depends only
-on the batch shape, so a graph stays valid as contexts grow.
+on the batch shape, so a graph stays valid as contexts grow. Every graph writes its logits into
+the same output buffer: one of its own per bucket would outlive its capture, and at 512 sequences
+over a 128k vocabulary those buffers held 4.3 GB the KV pool's budget had not counted.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(rows, max_blocks, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(rows, dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        self._logits: torch.Tensor | None = None  # [max_batch, V]: every graph's output
         self._tables: list[list[int]] = []  # the last run's block tables
         self.capture_seconds = 0.0
 
@@ -63,11 +65,14 @@ class DecodeGraphs:
         """Capture every bucket, largest first so the smaller ones reuse its memory pool."""
         started, pool = time.perf_counter(), None
         for batch in reversed(self.buckets):
-            self._run_eager(batch)  # warm-up: Triton compiles, cuBLAS picks its kernels
+            logits = self._run_eager(batch)  # warm-up: Triton compiles, cuBLAS picks its kernels
+            if self._logits is None:
+                self._logits = logits.new_empty(self.max_batch, logits.shape[-1])
+            del logits
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[batch] = self._run_eager(batch)
+                self._logits[:batch].copy_(self._run_eager(batch))
             pool = graph.pool()
             self._graphs[batch] = graph
         torch.cuda.synchronize()
@@ -101,7 +106,7 @@ class DecodeGraphs:
         if not self.use_cuda_graphs:
             return self._run_eager(bucket)[:batch]
         self._graphs[bucket].replay()
-        return self._logits[bucket][:batch]
+        return self._logits[:batch]
 
     def _run_eager(self, batch: int) -> torch.Tensor:
         group = DecodeGroup(None, self.block_tables[:batch], self.context_lens[:batch], None)

@@ -92,16 +92,19 @@ def estimate_memory_bytes(config: EngineConfig) -> int:
 
 
 @torch.inference_mode()
-def profile_step(model: LlamaForCausalLM, config: EngineConfig, num_tokens: int) -> None:
-    """The largest step the scheduler can send: num_tokens prompt tokens, logits for
-    max_num_seqs rows, and the sampler's softmax and sort over them."""
+def profile_step(model: LlamaForCausalLM, config: EngineConfig, num_tokens: int, max_model_len: int) -> None:
+    """The largest step the scheduler can send: num_tokens prompt tokens (as prompts of at most
+    max_model_len, since one step holds chunks of several), logits for max_num_seqs rows, and the
+    sampler's softmax and sort over them."""
     device, block_size = torch.device(config.model.device), config.cache.block_size
     hf = model.config
     caches = [KVCache.allocate(-(-num_tokens // block_size), block_size, hf.num_key_value_heads, head_dim_of(hf),
                                config.model.torch_dtype, config.cache.kv_cache_dtype, device)
               for _ in range(hf.num_hidden_layers)]
-    positions = torch.arange(num_tokens, device=device)
-    meta = AttentionMetadata(positions, [], [PrefillSpan(0, num_tokens, None, None)], model.sliding_window)
+    starts = range(0, num_tokens, max_model_len)
+    spans = [PrefillSpan(start, min(start + max_model_len, num_tokens), None, None) for start in starts]
+    positions = torch.cat([torch.arange(span.end - span.start, device=device) for span in spans])
+    meta = AttentionMetadata(torch.arange(num_tokens, device=device), [], spans, model.sliding_window)
     hidden = model(torch.zeros_like(positions), positions, caches, meta)
     logits = model.compute_logits(hidden[-min(num_tokens, config.scheduler.max_num_seqs):])
     torch.softmax(logits, dim=-1).sort(dim=-1)
@@ -112,7 +115,7 @@ def cuda_kv_cache_budget(model: LlamaForCausalLM, config: EngineConfig, max_mode
     device = torch.device(config.model.device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    profile_step(model, config, min(config.scheduler.max_num_batched_tokens, max_model_len))
+    profile_step(model, config, config.scheduler.max_num_batched_tokens, max_model_len)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)  # weights + the step's activations
     torch.cuda.empty_cache()

@@ -51,11 +51,19 @@ def test_the_cpu_kv_pool_takes_memory_only_as_blocks_are_written():
 
 
 def test_profile_step_runs_the_largest_step(save_hf_model):
-    """The measured step is a real forward (here on the CPU): a prompt of max_num_batched_tokens,
-    logits for max_num_seqs rows, the sampler's sort."""
+    """The measured step is a real forward (here on the CPU): max_num_batched_tokens prompt tokens,
+    as several prompts where one may not be that long, logits for max_num_seqs rows, the sampler's
+    sort. (Capped at one prompt of max_model_len, it measured an eighth of a 16,384-token step's
+    activations on an H100, and the pool took what the step then needed.)"""
     _, path = save_hf_model(tiny_config("mistral", sliding_window=8))
-    llm = LLM(model=path, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=100, max_num_seqs=3)
-    profile_step(llm.engine.runner.model, llm.engine.config, 100)
+    llm = LLM(model=path, dtype="float32", num_kv_blocks=64, max_model_len=40, max_num_batched_tokens=100,
+              max_num_seqs=3)
+    model = llm.engine.runner.model
+    seen = []
+    hook = model.register_forward_pre_hook(lambda _, args: seen.append((len(args[0]), args[1].tolist())))
+    profile_step(model, llm.engine.config, 100, 40)
+    hook.remove()
+    assert seen == [(100, [*range(40), *range(40), *range(20)])]
 
 
 @pytest.mark.gpu
