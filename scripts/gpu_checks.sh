@@ -3,6 +3,7 @@
 # take about 8 minutes on an H100, so that they fit a 15-minute device lease with its start-up:
 #   bash scripts/gpu_checks.sh [OUTDIR]            # every part
 #   PARTS="sweep single" bash scripts/gpu_checks.sh OUTDIR   # some of them
+#   WHEELS=DIR bash scripts/gpu_checks.sh OUTDIR   # first install the wheels scripts/gpu_wheels.sh downloaded into DIR
 # Parts, in order:
 #   tests    the CUDA-parametrised correctness tests: the Triton kernels natively, the engine against
 #            transformers with Triton decode and CUDA graphs, fp8 weights, KV blocks moved between
@@ -30,8 +31,14 @@ PARTS=${PARTS:-tests sweep single offline fp8}
 mkdir -p "$OUTDIR" "$SERVING_DIR"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd)
 PY=${PYTHON:-python3}
+if [ -n "${WHEELS:-}" ]; then  # our other dependencies as wheels (scripts/gpu_wheels.sh), for a box with no registry
+    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/hyperserve-site "$WHEELS"/*.whl || exit
+    export PYTHONPATH=/tmp/hyperserve-site:$PYTHONPATH
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-$PY -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)'
+# every import the parts need, first: a missing package fails here in seconds, not in each part
+$PY -c 'import torch, transformers, triton, hyperserve.server.app, hyperserve.bench.run
+print(torch.__version__, transformers.__version__, triton.__version__)' || exit
 rc=0
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 bench() {  # bench NAME TIMEOUT ARGS...: one benchmarks/gpu.py run; its progress bars are left out of the log
