@@ -148,6 +148,12 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps
 
 std::string isa() { return isa_name(best_isa()); }
 
+void set_one_stream_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0 && rows <= kBlockRowTile512, "set_one_stream_rows: rows must be in [0, ", kBlockRowTile512,
+              "], got ", rows);
+  one_stream_rows = rows;
+}
+
 }  // namespace
 
 
@@ -162,6 +168,7 @@ TORCH_LIBRARY(hyperserve, m) {
         "int num_kv_heads, float eps, float scale) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("isa() -> str", &isa);
+  m.def("set_one_stream_rows(int rows) -> ()", &set_one_stream_rows);
 }
 
 TORCH_LIBRARY_IMPL(hyperserve, CPU, m) {

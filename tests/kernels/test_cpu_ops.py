@@ -197,15 +197,22 @@ def test_interleaved_rows_do_not_depend_on_their_batch_and_avx2_gives_the_portab
     torch.testing.assert_close(together, portable, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("one_stream_rows", [0, 8])  # blocks in pairs; one at a time up to 8 rows
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])  # row tiles of 8, and one left over
 @pytest.mark.parametrize("out_features", [96, 88])  # blocks of 8 in pairs, and one left alone
-def test_avx512_multiplies_interleaved_blocks_in_pairs_to_the_avx2_kernels_bits(out_features):
+def test_avx512_multiplies_interleaved_blocks_to_the_avx2_kernels_bits(out_features, rows, one_stream_rows):
     """vpdpbusd's 32-bit sums are the AVX2 kernel's exact integer sums and the float steps after
-    them are the same, lane for lane: a draft verified on either CPU class rounds as on the other."""
+    them are the same, lane for lane, whether the blocks are read in pairs or one at a time: a
+    draft verified on either CPU class rounds as on the other."""
     runnable("avx512_vnni")
     interleaved = interleave_q41(quantized(out_features, 576)[0])
-    x = torch.randn(17, 576)  # row tiles of 8, and one left over
+    x = torch.randn(rows, 576)
     avx2 = torch.ops.hyperserve.quantized_linear(x, interleaved, "q4_1", "avx2")
-    assert torch.equal(torch.ops.hyperserve.quantized_linear(x, interleaved, "q4_1", "avx512_vnni"), avx2)
+    torch.ops.hyperserve.set_one_stream_rows(one_stream_rows)
+    try:
+        assert torch.equal(torch.ops.hyperserve.quantized_linear(x, interleaved, "q4_1", "avx512_vnni"), avx2)
+    finally:
+        torch.ops.hyperserve.set_one_stream_rows(0)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 5, 9, 17])  # row tiles of 4 (AVX2) and 8 (AVX-512), and what is left over
