@@ -502,6 +502,41 @@ inline void prefetch_group_ahead(const uint8_t* group) {
   for (int64_t line = 0; line < Bytes; line += 64) __builtin_prefetch(group + kBlockPrefetchBytes + line);
 }
 
+// One group of an interleaved Q4_1 block: codes 4k..4k+3 of each of the 8 channels in low[k], codes
+// 16+4k.. in high[k], and the channels' scales and minimums.
+struct BlockGroup {
+  __m256i low[4], high[4];
+  __m256 d, m;
+};
+
+AVX2 inline BlockGroup load_block_group(const uint8_t* group) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  BlockGroup b;
+  for (int k = 0; k < 4; ++k) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 32 * k));
+    b.low[k] = _mm256_and_si256(bytes, nibble);
+    b.high[k] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+  }
+  b.d = load8_half(reinterpret_cast<const at::Half*>(group + 128));
+  b.m = load8_half(reinterpret_cast<const at::Half*>(group + 144));
+  return b;
+}
+
+// A row's running sums of the 8 channels plus this group's: d * dx * (integer dot) + m * sx.
+AVX2 inline __m256 add_group(__m256 acc, const BlockGroup& b, __m256i dot, float dx, float sx) {
+  acc = _mm256_fmadd_ps(_mm256_mul_ps(b.d, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(dot), acc);
+  return _mm256_fmadd_ps(b.m, _mm256_set1_ps(sx), acc);
+}
+
+template <int R>
+AVX2 inline void store_block_rows(const __m256 (&acc)[R], float* out, int64_t out_stride) {
+  for (int r = 0; r < R; ++r) {
+    float lanes[kBlock];
+    _mm256_storeu_ps(lanes, acc[r]);
+    std::copy(lanes, lanes + kBlock, out + r * out_stride);
+  }
+}
+
 template <int R>
 AVX2 void block_avx2(const QuantizedWeight& w, int64_t n, const QuantizedRows8& x, int64_t row0, float* out,
                      int64_t out_stride) {
@@ -509,37 +544,24 @@ AVX2 void block_avx2(const QuantizedWeight& w, int64_t n, const QuantizedRows8& 
   const int8_t* xq = x.codes.data() + row0 * w.in_features;
   const float* dx = x.scales.data() + row0 * w.groups;
   const float* sx = x.sums.data() + row0 * w.groups;
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g, group += kBlockGroupBytes) {
     prefetch_group_ahead<kBlockGroupBytes>(group);
-    __m256i low[4], high[4];  // codes 4k..4k+3 and 16+4k..16+4k+3 of each channel
-    for (int k = 0; k < 4; ++k) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 32 * k));
-      low[k] = _mm256_and_si256(bytes, nibble);
-      high[k] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-    }
-    const __m256 d = load8_half(reinterpret_cast<const at::Half*>(group + 128));
-    const __m256 m = load8_half(reinterpret_cast<const at::Half*>(group + 144));
+    const BlockGroup b = load_block_group(group);
     for (int r = 0; r < R; ++r) {
       const int8_t* xg = xq + r * w.in_features + g * kGroup;
-      __m256i pairs = _mm256_maddubs_epi16(low[0], broadcast4(xg));
-      for (int k = 1; k < 4; ++k) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(low[k], broadcast4(xg + 4 * k)));
+      __m256i pairs = _mm256_maddubs_epi16(b.low[0], broadcast4(xg));
+      for (int k = 1; k < 4; ++k) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(b.low[k], broadcast4(xg + 4 * k)));
       for (int k = 0; k < 4; ++k) {
-        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(high[k], broadcast4(xg + 16 + 4 * k)));
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(b.high[k], broadcast4(xg + 16 + 4 * k)));
       }
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
       const int64_t at = r * w.groups + g;
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[at])), dot, acc[r]);
-      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[at]), acc[r]);
+      acc[r] = add_group(acc[r], b, _mm256_madd_epi16(pairs, ones), dx[at], sx[at]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float lanes[kBlock];
-    _mm256_storeu_ps(lanes, acc[r]);
-    std::copy(lanes, lanes + kBlock, out + r * out_stride);
-  }
+  store_block_rows<R>(acc, out, out_stride);
 }
 
 using BlockKernel = decltype(&block_avx2<1>);
@@ -605,36 +627,23 @@ AVX512 void block_vnni256(const QuantizedWeight& w, int64_t n, const QuantizedRo
   const int8_t* xq = x.codes.data() + row0 * w.in_features;
   const float* dx = x.scales.data() + row0 * w.groups;
   const float* sx = x.sums.data() + row0 * w.groups;
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g, group += kBlockGroupBytes) {
     prefetch_group_ahead<kBlockGroupBytes>(group);
-    __m256i low[4], high[4];
-    for (int k = 0; k < 4; ++k) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 32 * k));
-      low[k] = _mm256_and_si256(bytes, nibble);
-      high[k] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-    }
-    const __m256 d = load8_half(reinterpret_cast<const at::Half*>(group + 128));
-    const __m256 m = load8_half(reinterpret_cast<const at::Half*>(group + 144));
+    const BlockGroup b = load_block_group(group);
     for (int r = 0; r < R; ++r) {
       const int8_t* xg = xq + r * w.in_features + g * kGroup;
       __m256i dot = _mm256_setzero_si256();
       for (int k = 0; k < 4; ++k) {
-        dot = _mm256_dpbusd_epi32(dot, low[k], broadcast4(xg + 4 * k));
-        dot = _mm256_dpbusd_epi32(dot, high[k], broadcast4(xg + 16 + 4 * k));
+        dot = _mm256_dpbusd_epi32(dot, b.low[k], broadcast4(xg + 4 * k));
+        dot = _mm256_dpbusd_epi32(dot, b.high[k], broadcast4(xg + 16 + 4 * k));
       }
       const int64_t at = r * w.groups + g;
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[at])), _mm256_cvtepi32_ps(dot), acc[r]);
-      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[at]), acc[r]);
+      acc[r] = add_group(acc[r], b, dot, dx[at], sx[at]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float lanes[kBlock];
-    _mm256_storeu_ps(lanes, acc[r]);
-    std::copy(lanes, lanes + kBlock, out + r * out_stride);
-  }
+  store_block_rows<R>(acc, out, out_stride);
 }
 
 constexpr BlockKernel kBlockKernelsVnni256[kBlockRowTile512] = {

@@ -72,18 +72,19 @@ class FusedDecode:
         self._all_layers = [w for layer in self.layers for w in layer]
         # int4 weights in the interleaved layout, on a CPU without a native dense type faster than the
         # 8-bit kernels
-        interleaved = all(w.dim() == 3 for w in self._all_layers if w.dtype == torch.uint8)
+        int4 = [w for w in self._all_layers if w.dtype == torch.uint8]
+        interleaved = all(w.dim() == 3 for w in int4)
         self.every_step = interleaved and dense_dtype() == torch.float32
         self.max_rows = INTERLEAVED_MAX_ROWS if interleaved else QUANTIZED_MAX_ROWS
         if interleaved and kernels.isa() == "avx512_vnni":
-            self._choose_block_streams()
+            self._choose_block_streams(int4)
 
-    def _choose_block_streams(self) -> None:
-        """Whether AVX-512 steps of a few rows read the int4 blocks one at a time or in pairs: the
-        faster at one row over every layer's weights, timed here (a few passes, tens of ms). The two
-        give the same bits. On a Zen 4 EPYC one stream read SmolLM2's layers 39% faster; on the
-        Intel Xeon we measure on, pairs led one row of the AVX2 kernel by 20%."""
-        weights = [w for w in self._all_layers if w.dtype == torch.uint8 and w.dim() == 3]
+    @staticmethod
+    def _choose_block_streams(weights: list[torch.Tensor]) -> None:
+        """Whether AVX-512 steps of a few rows read the interleaved int4 blocks one at a time or in
+        pairs: the faster at one row over every layer's weights, timed here (a few passes, tens of
+        ms). The two give the same bits. On a Zen 4 EPYC one stream read SmolLM2's layers 39%
+        faster; on the Intel Xeon we measure on, pairs led one row of the AVX2 kernel by 20%."""
         inputs = [torch.randn(1, w.shape[1] * 32) for w in weights]  # [blocks, groups, 160]: 32 inputs a group
 
         def seconds(rows: int) -> float:
