@@ -219,7 +219,7 @@ AVX2 void attend_span_avx2(const float* q, const T* keys, const T* values, const
 // in the same order as attend_span_avx2's, with the same reduction tree, so a token's numbers do
 // not depend on whether it was computed in a tile or alone (weights past a query's context are 0,
 // and adding 0 leaves a sum's bits as they are).
-constexpr int64_t kTileQueries = 48;  // SmolLM2: 16 rows of its 3 query heads a K/V head
+constexpr int64_t kTileQueries = 54;  // SmolLM2: 18 rows of its 3 query heads a K/V head (a verify step's 17)
 constexpr int64_t kMinTileRows = 4;   // a run is split among the threads into tiles no smaller
 
 constexpr int64_t kTilePitch = kAttentionSpan + 8;  // a query's scores in a tile (8-float stores)
@@ -298,13 +298,38 @@ struct AttentionTile {  // queries of one K/V head over one span [begin, ...): q
   float* const* outs;  // query m's unnormalised output [D], then its largest score and its sum of exps
 };
 
-// The next `count` tokens' vectors of a K or V head (`base`) from the cursor on, widened into `wide`.
+// A tile's keys and then its values, fetched kTileFetchAhead tokens ahead of their widening: read
+// just before use, a K/V head's strided vectors came from memory at a third of what one row's span
+// (kKeysAhead) reads.
+constexpr int64_t kTileFetchAhead = 64;
+
 template <typename T>
-AVX2 void widen(const T* base, const PagedKV& kv, SlotCursor& cursor, int64_t count, float* wide) {
+struct TileFetch {
+  const T* heads[2];  // the K/V head's keys, values
+  const PagedKV& kv;
+  int64_t begin, tokens, issued = 0;  // of 2 * tokens: the keys', then the values'
+  SlotCursor cursor;
+
+  TileFetch(const T* keys, const T* values, const PagedKV& paged, int64_t from, int64_t count)
+      : heads{keys, values}, kv(paged), begin(from), tokens(count), cursor(paged.slots_from(from)) {}
+
+  void until(int64_t end) {  // every vector before `end` of the two passes fetched
+    for (end = std::min(end, 2 * tokens); issued < end; ++issued) {
+      if (issued == tokens) cursor = kv.slots_from(begin);
+      prefetch_vector(heads[issued >= tokens] + cursor.next() * kv.num_kv_heads * kv.head_dim,
+                      kv.head_dim * sizeof(T));
+    }
+  }
+};
+
+// The next `count` tokens' vectors of a K or V head (`base`) from the cursor on, widened into
+// `wide`; `done` of the tile's two passes come before them.
+template <typename T>
+AVX2 void widen(const T* base, const PagedKV& kv, SlotCursor& cursor, int64_t count, float* wide, TileFetch<T>& fetch,
+                int64_t done) {
   const int64_t d = kv.head_dim, stride = kv.num_kv_heads * d;
-  SlotCursor ahead = cursor;
-  for (int64_t t = 0; t < count; ++t) prefetch_vector(base + ahead.next() * stride, d * sizeof(T));
   for (int64_t t = 0; t < count; ++t) {
+    fetch.until(done + t + kTileFetchAhead);
     const T* vector = base + cursor.next() * stride;
     for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(wide + t * d + j, load8(vector + j));
   }
@@ -316,20 +341,26 @@ template <typename T>
 AVX2 void attend_tile_avx2(const AttentionTile& tile, const T* keys, const T* values, const PagedKV& kv) {
   const int64_t d = kv.head_dim, chunk = std::max<int64_t>(8, kChunkFloats / d);
   const int64_t tokens = *std::max_element(tile.tokens, tile.tokens + tile.count);
-  thread_local std::vector<float> wide, scores;
-  wide.resize(chunk * d);
-  scores.resize(tile.count * kTilePitch);
+  // One buffer a thread: the widened chunk, then the scores. As two vectors, each resized on its own,
+  // a 17-row step after a longer tile's took 17 rather than 13.7 ms, and stayed there (their placement
+  // against each other, 4K aliasing of the chunk's loads and the scores' stores the likely cause).
+  thread_local std::vector<float> buffer;
+  const size_t wide_floats = chunk * d, floats = wide_floats + tile.count * kTilePitch;
+  if (buffer.size() < floats) buffer.resize(std::max<size_t>(floats, kChunkFloats + kTileQueries * kTilePitch));
+  float* const wide = buffer.data();
+  float* const scores = wide + wide_floats;
   const T* const heads[2] = {keys + tile.kv_head * d, values + tile.kv_head * d};
+  TileFetch<T> fetch(heads[0], heads[1], kv, tile.begin, tokens);
   SlotCursor cursor = kv.slots_from(tile.begin);
   for (int64_t t = 0; t < tokens; t += chunk) {
     const int64_t n = std::min(chunk, tokens - t);
-    widen(heads[0], kv, cursor, n, wide.data());
+    widen(heads[0], kv, cursor, n, wide, fetch, t);
     in_groups<2>(tile.count, [&](auto q, int64_t m) {
-      score_tile<decltype(q)::value>(tile.queries + m, wide.data(), d, n, scores.data() + m * kTilePitch + t);
+      score_tile<decltype(q)::value>(tile.queries + m, wide, d, n, scores + m * kTilePitch + t);
     });
   }
   for (int64_t m = 0; m < tile.count; ++m) {
-    float* own = scores.data() + m * kTilePitch;
+    float* own = scores + m * kTilePitch;
     const int64_t n = tile.tokens[m];
     __m256 largest = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     int64_t t = 0;
@@ -343,9 +374,9 @@ AVX2 void attend_tile_avx2(const AttentionTile& tile, const T* keys, const T* va
   cursor = kv.slots_from(tile.begin);
   for (int64_t t = 0; t < tokens; t += chunk) {
     const int64_t n = std::min(chunk, tokens - t);
-    widen(heads[1], kv, cursor, n, wide.data());
+    widen(heads[1], kv, cursor, n, wide, fetch, tokens + t);
     in_groups<2>(tile.count, [&](auto q, int64_t m) {
-      weigh_tile<decltype(q)::value>(scores.data() + m * kTilePitch + t, wide.data(), d, n, t == 0, tile.outs + m);
+      weigh_tile<decltype(q)::value>(scores + m * kTilePitch + t, wide, d, n, t == 0, tile.outs + m);
     });
   }
 }
@@ -454,12 +485,14 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
     };
     for (int64_t r = 0, end = 0; r < rows; r = end) {
       for (end = r + 1; end < rows && continues(end - 1); ++end) {}
-      // The run in tiles of even size, at least one per thread once they would hold kMinTileRows:
-      // a verify step's 17 rows as 16 + 1 left one thread with two of 3 K/V heads' tiles, the
-      // other with one.
-      const int64_t run = end - r;
+      // The run in tiles of even size. Where its K/V heads and spans make fewer than two tasks a
+      // thread, at least one tile per thread once they would hold kMinTileRows (a verify step's 17
+      // rows as 16 + 1 left one thread with two of 3 K/V heads' tiles, the other with one); with
+      // more, as few tiles as hold it, since each tile widens every key and value of its span again.
+      const int64_t run = end - r, threads = at::get_num_threads();
+      const bool few_tasks = num_kv_heads * spans_of(batch.lengths[end - 1]) < 2 * threads;
       const int64_t tiles = std::max((run + tile_rows - 1) / tile_rows,
-                                     std::min<int64_t>(at::get_num_threads(), run / kMinTileRows));
+                                     few_tasks ? std::min<int64_t>(threads, run / kMinTileRows) : 1);
       for_each_even_part(run, tiles, [&](int64_t offset, int64_t count) {
         const int64_t first = r + offset, last = first + count - 1;
         for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {

@@ -118,22 +118,28 @@ def test_a_step_gives_the_same_bits_on_one_thread_or_several(save_hf_model, q41_
 
 
 @pytest.mark.parametrize("q41_layout", ["interleaved"], indirect=True)
-def test_rows_of_one_sequence_attend_together_with_the_same_bits_as_alone(save_hf_model, q41_layout, monkeypatch):
+@pytest.mark.parametrize("heads", [(3, 1, 192), (6, 2, 384)], ids=["one-kv-head", "two-kv-heads"])
+def test_rows_of_one_sequence_attend_together_with_the_same_bits_as_alone(save_hf_model, q41_layout, heads,
+                                                                          monkeypatch):
     """A chunk's rows attend in tiles (several rows of a sequence share each widened key and value)
     and a lone row by itself; a token's logits must be the same bits either way, or a request's
     answer would depend on how its prompt was chunked or cached. 300 tokens in blocks of 24: tiles
-    of 16 rows (3 query heads a K/V head), the last ones reaching into a second span of 256
-    positions, and one of 12 rows. Every step runs fused, as on AVX2-only CPUs."""
+    of 18 rows (3 query heads a K/V head), the last ones reaching into a second span of 256
+    positions, and one of 12 rows; then a verify step's 17 rows after them. With one K/V head those
+    make too few tasks for the threads and go in two tiles; with two, in one. Every step runs fused,
+    as on AVX2-only CPUs."""
+    num_heads, num_kv_heads, hidden_size = heads
     monkeypatch.setattr(fused_decode, "dense_dtype", lambda: torch.float32)
-    _, path = save_hf_model(tiny_config("llama", num_attention_heads=3, num_key_value_heads=1, hidden_size=192,
-                                        max_position_embeddings=1024))
+    _, path = save_hf_model(tiny_config("llama", num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                                        hidden_size=hidden_size, max_position_embeddings=1024))
     llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.05, block_size=24)
     runner = llm.engine.runner
-    prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(2)).tolist()
-    assert runner.fused_decode.takes(len(prompt))
+    prompt = torch.randint(0, 256, (317,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert runner.fused_decode.takes(300)
     table = list(range(-(-len(prompt) // 24)))
     with torch.inference_mode():
-        together = runner.forward([SeqChunk(prompt, 0, table, len(prompt))])
+        together = torch.cat([runner.forward([SeqChunk(prompt[:300], 0, table, 300)]),
+                              runner.forward([SeqChunk(prompt[300:], 300, table, 17)])])
         alone = torch.cat([runner.forward([SeqChunk([token], t, table, 1)]) for t, token in enumerate(prompt)])
     assert torch.equal(together, alone)
 
