@@ -310,8 +310,8 @@ struct TileFetch {
   int64_t begin, tokens, issued = 0;  // of 2 * tokens: the keys', then the values'
   SlotCursor cursor;
 
-  TileFetch(const T* keys, const T* values, const PagedKV& paged, int64_t from, int64_t count)
-      : heads{keys, values}, kv(paged), begin(from), tokens(count), cursor(paged.slots_from(from)) {}
+  TileFetch(const T* const (&passes)[2], const PagedKV& paged, int64_t from, int64_t count)
+      : heads{passes[0], passes[1]}, kv(paged), begin(from), tokens(count), cursor(paged.slots_from(from)) {}
 
   void until(int64_t end) {  // every vector before `end` of the two passes fetched
     for (end = std::min(end, 2 * tokens); issued < end; ++issued) {
@@ -350,7 +350,7 @@ AVX2 void attend_tile_avx2(const AttentionTile& tile, const T* keys, const T* va
   float* const wide = buffer.data();
   float* const scores = wide + wide_floats;
   const T* const heads[2] = {keys + tile.kv_head * d, values + tile.kv_head * d};
-  TileFetch<T> fetch(heads[0], heads[1], kv, tile.begin, tokens);
+  TileFetch<T> fetch(heads, kv, tile.begin, tokens);
   SlotCursor cursor = kv.slots_from(tile.begin);
   for (int64_t t = 0; t < tokens; t += chunk) {
     const int64_t n = std::min(chunk, tokens - t);
@@ -487,8 +487,8 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
       for (end = r + 1; end < rows && continues(end - 1); ++end) {}
       // The run in tiles of even size. Where its K/V heads and spans make fewer than two tasks a
       // thread, at least one tile per thread once they would hold kMinTileRows (a verify step's 17
-      // rows as 16 + 1 left one thread with two of 3 K/V heads' tiles, the other with one); with
-      // more, as few tiles as hold it, since each tile widens every key and value of its span again.
+      // rows in one tile would leave one thread with two of SmolLM2's 3 K/V heads, the other with
+      // one); with more, as few tiles as hold it, since each tile widens its span's K/V again.
       const int64_t run = end - r, threads = at::get_num_threads();
       const bool few_tasks = num_kv_heads * spans_of(batch.lengths[end - 1]) < 2 * threads;
       const int64_t tiles = std::max((run + tile_rows - 1) / tile_rows,
