@@ -19,6 +19,9 @@ The grammar enforces the format: with tool_choice "required" the answer is only 
 several with parallel_tool_calls), with a named function one call to it, their arguments valid
 against the function's schema; with "auto" the answer is free text, but once the format's marker
 begins, what follows is calls that parse and validate.
+
+Calls are read as OpenAI streams them (ToolCallStream): each call's id and name as soon as the name
+is written, then its arguments' JSON text in pieces; a whole answer is read the same way.
 """
 
 from __future__ import annotations
@@ -202,79 +205,197 @@ class CallParser:
 
 def parse_tool_calls(text: str, tool_names: set[str], calls_only: bool = False, fmt: ToolFormat = HERMES
                      ) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool calls) of an answer: the calls are the well-formed ones naming known tools,
-    the content what is left outside them (None when nothing is). `calls_only`: the grammar allowed
-    nothing but calls, so what is left is a call cut short by max_tokens, not content. In the list
-    and bare formats the calls are all or nothing unless `calls_only`: text that does not parse
-    whole is the model's answer."""
-    if fmt.layout != "blocks":
-        start = _calls_start(text, fmt)
-        calls, end = _json_calls(text[start:], tool_names, fmt) if start >= 0 else ([], None)
-        if calls_only or not calls or end is None:
-            return None if calls_only else text, calls if calls_only else []
-        return (text[:start] + text[start + end:]).strip() or None, calls
-    calls, kept, last = [], [], 0
-    for match in _block_pattern(fmt).finditer(text):
-        call = _call(_loads(match.group(1)), tool_names, fmt)
+    """(content, tool calls) of a whole answer, read as ToolCallStream reads a stream, so both give
+    the same calls and content (None when nothing is left, or with `calls_only`)."""
+    stream = ToolCallStream(tool_names, calls_only, fmt)
+    content, _ = stream.feed(text, final=True)
+    calls = [{key: value for key, value in call.items() if key != "index"} for call in stream.calls]
+    return None if calls_only else content.strip() or None, calls
+
+
+# A call's opening as the grammar writes it, up to the first character of its arguments
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(\S)')
+
+
+@dataclass
+class ToolCallStream:
+    """Splits an answer, streamed or whole, into content and tool-call deltas as OpenAI streams them:
+    a call's id, type and name once its name is known and offered, then its arguments (their JSON
+    text as the model writes it) piece by piece.
+
+    Where the calls stand (`state`): "text" (content, held back where it may be a marker in the
+    making), "head" (a call's opening), "arguments", "close" (the call's closing brace), "between"
+    (after a call: the block's end, or a list's or bare answer's separator), "after" (a list or a
+    bare answer's calls are over: the rest is content).
+    Text that is not a call stays content: a block that does not hold a call to an offered tool,
+    and a list or bare answer whose first call does not open as one. `region` keeps such text
+    until it is known. A call cut short (max_tokens, a stop string) after its name keeps the
+    arguments written; `calls_only` (the grammar allowed only calls): no text is content."""
+
+    tool_names: set[str]
+    calls_only: bool = False
+    fmt: ToolFormat = HERMES
+    pending: str = ""  # text not yet resolved
+    region: str = ""  # a block, or a list's or bare answer's opening, until its first call is known
+    state: str = "text"
+    calls: list[dict[str, Any]] = field(default_factory=list)  # whole calls so far, with their `index`
+    depth: int = 0  # the arguments' JSON: open brackets, and whether inside a string or after a backslash
+    in_string: bool = False
+    escaped: bool = False
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """New text in; (content to send now, call deltas with their `index`)."""
+        self.pending += text
+        content, deltas = [], []
+        while self._step(final, content, deltas):
+            pass
+        if final:  # a call that never opened is content, unless it cut a list's or bare answer's calls short
+            if self.state == "head" and (self.fmt.layout == "blocks" or not self.calls):
+                content.append(self.region + self.pending)
+            self.region = self.pending = ""
+        return "" if self.calls_only else "".join(content), deltas
+
+    def _step(self, final: bool, content: list[str], deltas: list[dict[str, Any]]) -> bool:
+        """Resolve what the pending text allows in the current state; True if the state moved on."""
+        pending = self.pending
+        if self.state == "text":
+            return self._find_calls(final, content)
+        if self.state == "head":
+            return self._open_call(final, content, deltas)
+        if self.state == "arguments":
+            end = self._scan(pending)
+            piece = pending if end is None else pending[:end]
+            if piece:
+                self.calls[-1]["function"]["arguments"] += piece
+                deltas.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
+            self.pending = "" if end is None else pending[end:]
+            return end is not None and self._move("close")
+        if self.state == "close":
+            rest = pending.lstrip()
+            if not rest:
+                return False
+            self.pending = rest[1:] if rest.startswith("}") else rest
+            return self._move("between")
+        if self.state == "between":
+            return self._between(final, content)
+        return self._send(pending, final, content)  # "after"
+
+    def _send(self, text: str, final: bool, content: list[str]) -> bool:
+        """The pending text up to `text`'s length as content; after a call, whitespace waits to be
+        followed by more text (whitespace between calls, or after the last, is not content)."""
+        if self.calls and not text.strip():
+            self.pending = "" if final else self.pending
+            return False
+        content.append(text)
+        self.pending = self.pending[len(text) :]
+        return False
+
+    def _find_calls(self, final: bool, content: list[str]) -> bool:
+        """Content up to where calls begin: a marker (blocks, a list's "["), or the answer's start
+        (bare); a marker in the making is held back."""
+        fmt, pending = self.fmt, self.pending
+        if fmt.layout == "bare":  # calls only as the whole answer: decided at its start
+            head = pending.lstrip()
+            if not final and (not head or fmt.marker.startswith(head)):
+                return False  # nothing yet, or the marker in the making
+            if not head.startswith((fmt.marker, "{")):
+                return self._move("after")
+            start = len(pending) - len(head)
+            skip = len(fmt.marker) if head.startswith(fmt.marker) else 0
+            content.append(pending[:start])
+            self.region, self.pending = pending[start : start + skip], pending[start + skip :]
+            return self._move("head")
+        start = pending.find(fmt.marker)
+        if start < 0:
+            keep = 0 if final else _partial_suffix(pending, fmt.marker)
+            return self._send(pending[: len(pending) - keep], final, content)
+        before = pending[:start]
+        content.append(before.strip() if self.calls else before)
+        self.region, self.pending = fmt.marker, pending[start + len(fmt.marker) :]
+        if fmt.layout == "list":
+            opened = self.pending.lstrip()
+            if not opened:
+                self.region, self.pending = "", fmt.marker + self.pending  # wait for the "["
+                return False
+            if not opened.startswith("["):
+                content.append(self.region)
+                self.region = ""
+                return self._move("after")
+            self.region += self.pending[: len(self.pending) - len(opened) + 1]
+            self.pending = opened[1:]
+        return self._move("head")
+
+    def _open_call(self, final: bool, content: list[str], deltas: list[dict[str, Any]]) -> bool:
+        """A call's opening: its id and name sent once known and offered, then its arguments. A
+        block that closes without such an opening is read whole (a call, or content)."""
+        match = _CALL_HEAD.match(self.pending)
+        if match and match.group(2) == "{" and _loads(match.group(1)) in self.tool_names:
+            call = {"index": len(self.calls), "id": self.fmt.call_id(), "type": "function",
+                    "function": {"name": _loads(match.group(1)), "arguments": ""}}
+            self.calls.append(call)
+            deltas.append({**call, "function": dict(call["function"])})  # the call's arguments grow
+            self.region, self.pending = "", self.pending[match.start(2) :]
+            self.depth, self.in_string, self.escaped = 0, False, False
+            return self._move("arguments")
+        if self.fmt.layout != "blocks":
+            return False  # a list's or bare answer's call that does not open as one: content at the end
+        end = self.pending.find(self.fmt.close)
+        if end < 0:
+            return False
+        call = _call(_loads(self.pending[:end].strip()), self.tool_names, self.fmt)
+        block = self.region + self.pending[: end + len(self.fmt.close)]
+        self.region, self.pending = "", self.pending[end + len(self.fmt.close) :]
         if call is None:
-            continue
-        kept.append(text[last : match.start()])
-        last = match.end()
-        calls.append(call)
-    if not calls:
-        return None if calls_only else text, []
-    content = ("".join(kept) + text[last:]).strip()
-    return None if calls_only else content or None, calls
+            content.append(block)
+        else:
+            call["index"] = len(self.calls)
+            self.calls.append(call)
+            deltas.append(call)
+        return self._move("text")
 
+    def _between(self, final: bool, content: list[str]) -> bool:
+        """After a call: the block's close (what else is before it is dropped), or a list's or bare
+        answer's separator to the next call; anything else ends the calls and is content."""
+        rest = self.pending.lstrip()
+        if self.fmt.layout == "blocks":
+            end = rest.find(self.fmt.close)
+            if end < 0:
+                return False
+            self.pending = rest[end + len(self.fmt.close) :]
+            return self._move("text")
+        if not rest:
+            return False
+        separator = "," if self.fmt.layout == "list" else ";"
+        if rest.startswith(separator):
+            self.pending = rest[1:]
+            return self._move("head")
+        self.pending = rest[1:] if self.fmt.layout == "list" and rest.startswith("]") else rest
+        return self._move("after")
 
-def _block_pattern(fmt: ToolFormat) -> re.Pattern:
-    return re.compile(re.escape(fmt.marker) + r"\s*(.*?)\s*" + re.escape(fmt.close), re.DOTALL)
+    def _scan(self, text: str) -> int | None:
+        """Where the arguments' JSON value ends in `text` (just past it), None if not yet: brackets
+        counted outside strings, from the value's first character on."""
+        for i, char in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return None
 
-
-def _calls_start(text: str, fmt: ToolFormat) -> int:
-    """Where the calls of a list or bare answer begin: at the marker, or (bare) at a leading JSON object."""
-    if fmt.layout == "list":
-        return text.find(fmt.marker)
-    start = len(text) - len(text.lstrip())
-    return start if text.startswith((fmt.marker, "{"), start) else -1
-
-
-def _json_calls(tail: str, tool_names: set[str], fmt: ToolFormat) -> tuple[list[dict[str, Any]], int | None]:
-    """The calls at the start of `tail` (a list after the marker, or objects joined by ";"), and
-    where they end; None where they do not end well (cut short, or a call that does not parse)."""
-    decoder, calls = json.JSONDecoder(), []
-    i = len(fmt.marker) if tail.startswith(fmt.marker) else 0
-    i = _skip_space(tail, i)
-    if fmt.layout == "list":
-        if not tail.startswith("[", i):
-            return [], None
-        i += 1
-    while True:
-        i = _skip_space(tail, i)
-        if fmt.layout == "list" and tail.startswith("]", i) and not calls:
-            return calls, i + 1
-        try:
-            parsed, i = decoder.raw_decode(tail, i)
-        except ValueError:
-            return calls, None
-        call = _call(parsed, tool_names, fmt)
-        if call is None:
-            return calls, None
-        calls.append(call)
-        i = _skip_space(tail, i)
-        if fmt.layout == "list" and tail.startswith("]", i):
-            return calls, i + 1
-        if fmt.layout == "bare" and i == len(tail):
-            return calls, i
-        if not tail.startswith("," if fmt.layout == "list" else ";", i):
-            return calls, None
-        i += 1
-
-
-def _skip_space(text: str, i: int) -> int:
-    while i < len(text) and text[i].isspace():
-        i += 1
-    return i
+    def _move(self, state: str) -> bool:
+        self.state = state
+        return True
 
 
 def _loads(body: str) -> Any:
@@ -285,92 +406,12 @@ def _loads(body: str) -> Any:
 
 
 def _call(parsed: Any, tool_names: set[str], fmt: ToolFormat) -> dict[str, Any] | None:
+    """A whole call, read as JSON (a block whose call does not open as the grammar writes it)."""
     if not isinstance(parsed, dict) or parsed.get("name") not in tool_names:
         return None
     arguments = parsed.get(fmt.arguments_key, parsed.get("arguments", parsed.get("parameters", {})))
     return {"id": fmt.call_id(), "type": "function",
             "function": {"name": parsed["name"], "arguments": json.dumps(arguments)}}
-
-
-@dataclass
-class ToolCallStream:
-    """Splits a streamed answer into content deltas and whole tool calls as they complete.
-
-    Text that may be the start of a marker is held back until it is known not to be. A block's
-    call is sent as one delta once the block closes; a list's or a bare answer's calls, which end
-    the answer, once it has ended (OpenAI clients accumulate deltas, so whole calls are a valid
-    stream). `calls_only`: as in parse_tool_calls, no text is content."""
-
-    tool_names: set[str]
-    calls_only: bool = False
-    fmt: ToolFormat = HERMES
-    pending: str = ""
-    calls: list[dict[str, Any]] = field(default_factory=list)
-    in_calls: bool | None = None  # list and bare formats: whether the calls have begun (None: bare, unknown yet)
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
-        """New text in; (content to send now, calls completed now, with their `index`)."""
-        self.pending += text
-        content, calls = self._blocks(final) if self.fmt.layout == "blocks" else self._tail(final)
-        for call in calls:
-            call["index"] = len(self.calls)
-            self.calls.append(call)
-        if self.calls_only or (self.calls and not content.strip()):
-            content = ""  # whitespace between calls, or a call cut short, is not content
-        return content, calls
-
-    def _blocks(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
-        marker, close = self.fmt.marker, self.fmt.close
-        content, calls = [], []
-        while True:
-            start = self.pending.find(marker)
-            if start < 0:
-                keep = 0 if final else _partial_suffix(self.pending, marker)
-                content.append(self.pending[: len(self.pending) - keep])
-                self.pending = self.pending[len(self.pending) - keep :]
-                break
-            end = self.pending.find(close, start)
-            if end < 0:
-                content.append(self.pending[:start])
-                self.pending = self.pending[start:]
-                if final:  # an unfinished block stays text
-                    content.append(self.pending)
-                    self.pending = ""
-                break
-            call = _call(_loads(self.pending[start + len(marker) : end].strip()), self.tool_names, self.fmt)
-            before, block = self.pending[:start], self.pending[start : end + len(close)]
-            self.pending = self.pending[end + len(close) :]
-            if call is None:
-                content.append(before + block)
-                continue
-            content.append(before if not self.calls and not calls else before.strip())
-            calls.append(call)
-        return "".join(content), calls
-
-    def _tail(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
-        content = ""
-        if not self.in_calls:
-            if self.fmt.layout == "list":
-                start = self.pending.find(self.fmt.marker)
-                if start < 0:  # no calls yet: all but a marker in the making is content
-                    keep = len(self.pending) - (0 if final else _partial_suffix(self.pending, self.fmt.marker))
-                    content, self.pending = self.pending[:keep], self.pending[keep:]
-                    return content, []
-                self.in_calls = True
-                content, self.pending = self.pending[:start], self.pending[start:]
-            elif self.in_calls is None:  # bare: the calls are the whole answer, or there are none
-                head = self.pending.lstrip()
-                if not final and (not head or self.fmt.marker.startswith(head)):
-                    return "", []  # nothing yet, or the marker in the making
-                self.in_calls = _calls_start(self.pending, self.fmt) >= 0
-            if not self.in_calls:
-                content, self.pending = content + self.pending, ""
-                return content, []
-        if not final:
-            return content, []
-        text, calls = parse_tool_calls(self.pending, self.tool_names, self.calls_only, self.fmt)
-        self.pending = ""
-        return content + (text or ""), calls
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -77,8 +77,11 @@ def test_tool_use_and_tool_results_are_the_chat_answers(client, chat, stream):
     kwargs = dict(model=MODEL, max_tokens=40, tools=[WEATHER], **GREEDY,
                   messages=[{"role": "user", "content": "Weather in Paris?"}],
                   tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
+    pieces = []
     if stream:
         with client.messages.stream(**kwargs) as events:
+            pieces = [e.delta.partial_json for e in events
+                      if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
             message = events.get_final_message()
     else:
         message = client.messages.create(**kwargs)
@@ -88,6 +91,8 @@ def test_tool_use_and_tool_results_are_the_chat_answers(client, chat, stream):
     assert message.stop_reason == "tool_use"
     assert [(b.type, b.name, b.input) for b in message.content] == [
         ("tool_use", "get_weather", json.loads(reference.tool_calls[0].function.arguments))]
+    if stream:  # the input arrives in pieces as the model writes it
+        assert len(pieces) > 1 and "".join(pieces) == reference.tool_calls[0].function.arguments
 
     use = message.content[0]
     answer = client.messages.create(model=MODEL, max_tokens=24, tools=[WEATHER], **GREEDY, messages=[

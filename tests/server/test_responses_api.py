@@ -80,6 +80,11 @@ def test_tool_calls_and_their_outputs_are_the_chat_answers(client):
     assert [(o.type, o.name, o.arguments) for o in called.output] == [
         ("function_call", "get_weather", reference.tool_calls[0].function.arguments)]
     assert "city" in json.loads(call.arguments)
+    events = list(client.responses.create(model="smollm2-135m", input=question["content"], tools=[WEATHER],
+                                          tool_choice={"type": "function", "name": "get_weather"}, stream=True,
+                                          parallel_tool_calls=False, temperature=0, max_output_tokens=40))
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and "".join(pieces) == call.arguments  # in pieces as the model writes them
 
     answer = client.responses.create(model="smollm2-135m", previous_response_id=called.id, tools=[WEATHER],
                                      input=[{"type": "function_call_output", "call_id": call.call_id,

@@ -76,8 +76,17 @@ def test_constraints_that_cannot_be_served_are_400s_that_say_why(client, server,
     server.wait_idle()
 
 
-def _calls(message_or_deltas) -> list[tuple[str, dict]]:
-    return [(c.function.name, json.loads(c.function.arguments)) for c in message_or_deltas]
+def _calls(tool_calls) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in tool_calls]
+
+
+def _joined(deltas) -> list[tuple[str, str]]:
+    """Streamed call deltas as a client joins them, by index: (name, arguments text)."""
+    calls: dict[int, tuple[str, str]] = {}
+    for d in deltas:
+        name, arguments = calls.get(d.index, ("", ""))
+        calls[d.index] = (name + (d.function.name or ""), arguments + (d.function.arguments or ""))
+    return [calls[i] for i in sorted(calls)]
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
@@ -100,7 +109,14 @@ def test_forced_tool_calls_validate_and_stream_as_they_answer(client, server, to
         deltas += delta.tool_calls or []
         content += delta.content or ""
         finish = chunk.choices[0].finish_reason or finish
-    assert _calls(deltas) == calls and [d.index for d in deltas] == list(range(len(calls)))
+    # as OpenAI streams calls: each opens with its id and name, then its arguments come in pieces
+    opening = [d for d in deltas if d.id]
+    assert [d.index for d in opening] == list(range(len(calls)))
+    assert all(d.function.name and d.function.arguments == "" for d in opening)
+    streamed = _joined(deltas)
+    assert [(name, json.loads(arguments)) for name, arguments in streamed] == calls
+    assert [arguments for _, arguments in streamed] == [c.function.arguments for c in choice.message.tool_calls]
+    assert len(deltas) > 2 * len(calls)
     assert content == "" and finish == "tool_calls"
     server.wait_idle()
 
@@ -198,7 +214,7 @@ def test_other_call_formats_are_written_parsed_and_streamed(format_server):
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         deltas += chunk.choices[0].delta.tool_calls or []
         content += chunk.choices[0].delta.content or ""
-    assert _calls(deltas) == [(tool, arguments)] and content == ""
+    assert [(name, json.loads(text)) for name, text in _joined(deltas)] == [(tool, arguments)] and content == ""
 
     # the prompt: Mistral's own template renders the tools; SmolLM2's gets them described in Llama 3's format
     ids = httpx.post(f"{server.url}/tokenize", json={"model": model, "messages": ASK_WEATHER,

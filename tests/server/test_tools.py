@@ -73,16 +73,15 @@ def test_llama3_calls_may_follow_the_python_tag_and_one_call_is_an_answer():
     assert parse_tool_calls(text, NAMES, fmt=fmt) == (text, [])
 
 
-BROKEN = {  # text that holds no whole valid call, per format
+BROKEN = {  # text that holds no call to an offered tool that opens whole, per format
     "hermes": ['<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call>',
                '<tool_call>\n{"name": "get_time", "arguments": \n</tool_call>',
-               '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}'],
+               '<tool_call>\n{"name": "get_ti'],
     "mistral": ['[TOOL_CALLS][{"name": "unknown", "arguments": {}}]',
                 '[TOOL_CALLS][{"name": "get_time", "arguments": ]',
-                '[TOOL_CALLS][{"name": "get_time", "arguments": {"tz": "CET"}}, {"name": "get_ti'],
+                '[TOOL_CALLS][{"name": "get_ti'],
     "granite": ['<|tool_call|>{"name": "get_time", "arguments": {"tz": "CET"}}'],  # not a list
-    "llama3_json": ['{"name": "unknown", "parameters": {}}', '{"name": "get_time", "parameters": {"tz": "CET"}}; {',
-                    '{"name": "get_time", "parameters": {"tz": "CET"}} and more'],
+    "llama3_json": ['{"name": "unknown", "parameters": {}}', '{"name": "get_ti'],
 }
 
 
@@ -90,6 +89,36 @@ BROKEN = {  # text that holds no whole valid call, per format
                          + [(fmt, "no calls here") for fmt in ALL], ids=lambda v: getattr(v, "name", ""))
 def test_text_without_a_whole_valid_call_stays_content(fmt, text):
     assert parse_tool_calls(text, NAMES, fmt=fmt) == (text, [])
+
+
+@pytest.mark.parametrize("fmt, text, content, arguments", [
+    (HERMES, '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}', None, ['{"tz": "CET"}']),
+    (HERMES, 'Sure. <tool_call>\n{"name": "get_time", "arguments": {"tz": "C', "Sure.", ['{"tz": "C']),
+    (FORMATS["mistral"], '[TOOL_CALLS][{"name": "get_time", "arguments": {"tz": "CET"}}, {"name": "get_ti', None,
+     ['{"tz": "CET"}']),
+    (FORMATS["llama3_json"], '{"name": "get_time", "parameters": {"tz": "CET"}}; {', None, ['{"tz": "CET"}']),
+    (FORMATS["llama3_json"], '{"name": "get_time", "parameters": {"tz": "CET"}} and more', "and more",
+     ['{"tz": "CET"}']),
+], ids=["unclosed", "cut", "list-cut", "bare-cut", "bare-then-text"])
+def test_a_call_cut_short_after_its_name_keeps_the_arguments_written(fmt, text, content, arguments):
+    """A call that max_tokens or a stop string cut once its name was written is a call, with its
+    arguments as far as they went (as OpenAI gives truncated calls; finish_reason says why): a
+    stream has sent it by then, and a whole answer reads the same."""
+    expected = [("get_time", a) for a in arguments]
+    parsed_content, calls = parse_tool_calls(text, NAMES, fmt=fmt)
+    assert (parsed_content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls]) == (content, expected)
+    for piece in (1, 3):
+        streamed, deltas = _feed(ToolCallStream(NAMES, fmt=fmt), text, piece)
+        assert (streamed.strip() or None, _merge(deltas)) == (content, expected)
+
+
+def _merge(deltas: list[dict]) -> list[tuple[str, str]]:
+    """Streamed call deltas as a client accumulates them: (name, arguments) per index."""
+    calls: dict[int, list[str]] = {}
+    for delta in deltas:
+        name, arguments = calls.setdefault(delta["index"], ["", ""])
+        calls[delta["index"]] = [name + delta["function"].get("name", ""), arguments + delta["function"]["arguments"]]
+    return [tuple(calls[i]) for i in sorted(calls)]
 
 
 def _feed(stream: ToolCallStream, text: str, piece: int) -> tuple[str, list[dict]]:
@@ -104,33 +133,49 @@ def _feed(stream: ToolCallStream, text: str, piece: int) -> tuple[str, list[dict
 
 
 @pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
-@pytest.mark.parametrize("piece", [3, 1000])
-def test_with_calls_only_a_call_cut_short_is_not_content(fmt, piece):
-    """tool_choice "required" or a named function: the grammar allows only calls, so an unfinished
-    last one is a call that max_tokens cut, not text for the user."""
-    whole = fmt.write(CALLS)
-    cut = whole[:-25]
-    content, calls = parse_tool_calls(cut, NAMES, fmt=fmt)  # "auto": the unfinished call is text
-    if fmt.layout == "blocks":  # blocks stand alone: the first is a call
-        assert content == "<tool_call>" + cut.rsplit("<tool_call>", 1)[1] and len(calls) == 1
-    else:  # a list or a bare answer is calls only if it parses whole
-        assert (content, calls) == (cut, [])
-    content, calls = parse_tool_calls(cut, NAMES, calls_only=True, fmt=fmt)
-    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather"]
-    content, calls = _feed(ToolCallStream(NAMES, calls_only=True, fmt=fmt), cut, piece)
-    assert content == ""
-    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+@pytest.mark.parametrize("calls_only", [False, True])
+def test_calls_cut_short_are_not_content_and_a_stream_agrees(fmt, calls_only):
+    """An answer cut inside its second call: the first call is whole; the second is a call only if
+    its name was written (in the block format, whose calls open sooner), with its arguments as far
+    as they went; no text of either is content, whatever the tool choice."""
+    cut = fmt.write(CALLS)[:-25]
+    expected = [("get_weather", '{"city": "Paris"}')] + ([("get_time", '{"')] if fmt.layout == "blocks" else [])
+    content, calls = parse_tool_calls(cut, NAMES, calls_only, fmt)
+    assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == expected
+    for piece in (1, 3, 1000):
+        streamed, deltas = _feed(ToolCallStream(NAMES, calls_only, fmt), cut, piece)
+        assert streamed == "" and _merge(deltas) == expected
+
+
+@pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
+def test_arguments_stream_piece_by_piece_after_the_calls_id_and_name(fmt):
+    """As OpenAI streams a call: first its index, id, type and name (arguments ""), then the
+    arguments' JSON text in pieces as the model writes it; brackets and quotes inside strings do
+    not end them early."""
+    tricky = {"city": 'Paris } " ] {', "nested": {"list": [1, {"a": "}"}]}}
+    text = answer(fmt, [("get_weather", tricky), ("get_time", {"tz": "CET"})])
+    stream, deltas = ToolCallStream(NAMES, fmt=fmt), []
+    for i, char in enumerate(text):  # one character at a time
+        deltas += stream.feed(char, final=i == len(text) - 1)[1]
+    for index, (name, arguments) in enumerate([("get_weather", tricky), ("get_time", {"tz": "CET"})]):
+        mine = [d for d in deltas if d["index"] == index]
+        assert mine[0]["id"] and mine[0]["type"] == "function" and mine[0]["function"] == {"name": name,
+                                                                                             "arguments": ""}
+        assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in mine[1:])
+        assert [d["function"]["arguments"] for d in mine[1:]] == list(json.dumps(arguments))
+    assert [json.loads(c["function"]["arguments"]) for c in parse_tool_calls(text, NAMES, fmt=fmt)[1]] == [
+        tricky, {"tz": "CET"}]
 
 
 @pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
 @pytest.mark.parametrize("piece", [1, 2, 3, 7, 1000])
 def test_a_stream_cut_anywhere_gives_the_same_calls_and_content(fmt, piece):
     text = answer(fmt)
-    content, calls = _feed(ToolCallStream(NAMES, fmt=fmt), text, piece)
+    content, deltas = _feed(ToolCallStream(NAMES, fmt=fmt), text, piece)
     expected_content, expected = parse_tool_calls(text, NAMES, fmt=fmt)
     assert (content.strip() or None) == expected_content
-    assert [c["index"] for c in calls] == [0, 1]
-    assert [c["function"] for c in calls] == [c["function"] for c in expected]
+    assert _merge(deltas) == [(c["function"]["name"], c["function"]["arguments"]) for c in expected]
+    assert [json.loads(arguments) for _, arguments in _merge(deltas)] == [arguments for _, arguments in CALLS]
 
 
 @pytest.mark.parametrize("fmt, text", [(HERMES, "a <tool"), (FORMATS["mistral"], "a [TOOL"),
