@@ -93,7 +93,8 @@ def _answer_args(parser: argparse.ArgumentParser) -> None:
                         help="the most tokens a chat request that sets no max_tokens generates")
     parser.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
                         help="put a reasoning model's <think>...</think> in chat answers' reasoning_content")
-    parser.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral", "granite"], default=None,
+    parser.add_argument("--tool-call-parser", choices=["qwen3_coder", "hermes", "llama3_json", "mistral", "granite"],
+                        default=None,
                         help="how the model writes tool calls (default: as its chat template renders them, "
                              "else hermes)")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, get_args
 
 import torch
@@ -28,8 +29,12 @@ class ModelConfig:
     compile: bool = False  # torch.compile the decode step (fused elementwise ops, less Python per token)
     attention_backend: str = "auto"  # auto: Triton paged decode on CUDA, portable SDPA otherwise | torch | triton
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
+    # the chat template to use instead of the model's own: a Jinja file's path, or the template itself
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
+        if self.chat_template is not None:
+            self.chat_template = _read_chat_template(self.chat_template)
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda"):
@@ -240,6 +245,23 @@ class EngineConfig:
 def _section_types() -> dict[str, type]:
     return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
             "speculative": SpeculativeConfig, "lora": LoRAConfig, "parallel": ParallelConfig}
+
+
+def _read_chat_template(value: str) -> str:
+    """A chat template's text from its file, or as given (vLLM's --chat-template takes both), checked
+    to be Jinja that parses, so a bad one fails at start rather than at the first chat request."""
+    import jinja2
+
+    path = Path(value).expanduser() if len(value) < 4096 and "\n" not in value else None
+    if path is not None and path.is_file():
+        value = path.read_text()
+    elif "{" not in value:
+        raise ValueError(f"chat_template: no file {value!r}, and no Jinja template either")
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(value)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"chat_template: line {error.lineno}: {error.message}") from None
+    return value
 
 
 def add_engine_args(parser: argparse.ArgumentParser, repeatable: tuple[str, ...] = ()) -> None:

@@ -87,7 +87,7 @@ class LLMEngine:
         self.config = config
         source = resolve_model(config.model.model)
         self.hf_config = loader.load_config(source)
-        self.tokenizer = loader.load_tokenizer(source)
+        self.tokenizer = loader.load_tokenizer(source, config.model.chat_template)
         self.max_model_len = config.model.max_model_len or self.hf_config.max_position_embeddings
         self.source = source
         self.workers = None

@@ -196,16 +196,21 @@ def _complete_gguf_config(config: PretrainedConfig, index: dict) -> PretrainedCo
     return config
 
 
-def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:
-    """The model's own tokenizer and chat template; None for a bare config (token ids only)."""
+def load_tokenizer(source: ModelSource, chat_template: str | None = None) -> PreTrainedTokenizerBase | None:
+    """The model's own tokenizer and chat template (or `chat_template`); None for a bare config
+    (token ids only)."""
     has_files = source.gguf_file or any(
         (source.directory / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")
     )
     if not has_files:
+        if chat_template is not None:
+            raise ValueError("chat_template: this model has no tokenizer to apply it with")
         return None
     directory, gguf_file = _metadata_source(source)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-    if not tokenizer.chat_template and load_config(source).model_type == "gemma3_text":
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    elif not tokenizer.chat_template and load_config(source).model_type == "gemma3_text":
         tokenizer.chat_template = gemma3.CHAT_TEMPLATE  # Gemma's turn format, which its GGUF may lack
     return tokenizer
 

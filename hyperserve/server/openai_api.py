@@ -149,8 +149,8 @@ class OpenAIServing:
         return Job("chat", new_id("chatcmpl"), request.model or self.model_name, prompts, params, request.priority,
                    bool(request.stream_options and request.stream_options.include_usage),
                    chat_logprobs=request.logprobs,
-                   tool_calls=tools.CallParser(frozenset(tool.function.name for tool in offered), request.calls_only,
-                                               self.tool_format) if offered else None,
+                   tool_calls=(tools.CallParser.offered(offered, request.calls_only, self.tool_format)
+                               if offered else None),
                    reasoning_parser=self.settings.reasoning_parser, lora=lora,
                    prompt_logprobs=request.prompt_logprobs is not None)
 

@@ -2,6 +2,8 @@
 
 Each model family writes its calls its own way (ToolFormat, FORMATS):
 
+    qwen3_coder  <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n
+                 </tool_call>: the same blocks, in XML, a parameter's value on its own lines (Qwen3-Coder)
     hermes       <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>
                  one block per call, anywhere in the answer (Qwen 2.5/3, Hermes, SmolLM3)
     mistral      [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, ...]
@@ -61,9 +63,12 @@ class ToolFormat:
     signs: tuple[str, ...] = ()  # text in a chat template that renders tools in this format
     id_length: int | None = None  # call ids of this many letters and digits (Mistral's templates check)
     how: str = ""  # the fallback prompt's description of the format
+    syntax: str = "json"  # a call as a JSON object, or (blocks only) "xml": <function=...> and its parameters
 
     def write(self, calls: list[tuple[str, Any]]) -> str:
         """Calls as the model writes them."""
+        if self.syntax == "xml":
+            return "\n".join(f"{self.marker}\n{_xml_call(name, arguments)}\n{self.close}" for name, arguments in calls)
         objects = [json.dumps({"name": name, self.arguments_key: arguments}) for name, arguments in calls]
         if self.layout == "blocks":
             return "\n".join(f"{self.marker}\n{o}\n{self.close}" for o in objects)
@@ -77,7 +82,24 @@ class ToolFormat:
         return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(self.id_length))
 
 
+def _xml_call(name: str, arguments: Any) -> str:
+    """A call in Qwen3-Coder's XML, as its chat template writes one: each parameter's value on its
+    own lines, strings as they are and anything else as JSON."""
+    parameters = "".join(f"<parameter={key}>\n{_xml_value(value)}\n</parameter>\n"
+                         for key, value in (arguments.items() if isinstance(arguments, dict) else ()))
+    return f"<function={name}>\n{parameters}</function>"
+
+
+def _xml_value(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+# (first in the detection order: Qwen3-Coder's templates hold "<tool_call>" too)
 FORMATS = {f.name: f for f in (
+    ToolFormat("qwen3_coder", "blocks", "<tool_call>", "</tool_call>", signs=("<function=",), syntax="xml",
+               how="a <tool_call> block holding <function=the function's name>, then each argument as "
+                   "<parameter=its name>, its value on the next lines, </parameter>; then </function>; one "
+                   "block per call"),
     ToolFormat("hermes", "blocks", "<tool_call>", "</tool_call>", signs=("<tool_call>",),
                how="a <tool_call> block holding a JSON object with the function's name and arguments, one "
                    "block per call"),
@@ -140,6 +162,8 @@ def tool_constraint(tools: list[Tool], choice: str | NamedToolChoice | None, par
     if choice is None or choice == "auto":
         return StructuredOutputs(grammar=_text_or_calls(fmt, tools, schema, marker_id))
     call = f"call: %json {json.dumps(schema)}\n"
+    if fmt.syntax == "xml":
+        call = _xml_call_rules(tools)
     if fmt.layout == "blocks":
         block = f'"{fmt.marker}\\n" call "\\n{fmt.close}"'
         return StructuredOutputs(grammar=f'start: {block} ("\\n" {block})*\n{call}' if several
@@ -154,10 +178,12 @@ def tool_constraint(tools: list[Tool], choice: str | NamedToolChoice | None, par
 def _text_or_calls(fmt: ToolFormat, tools: list[Tool], schema: dict[str, Any], marker_id: int | None) -> str:
     """tool_choice "auto": any text, in which the format's calls, once begun, are whole and valid
     (Lark as llguidance's StructTag writes it: text up to a trigger, lazily matched, then the calls)."""
-    if fmt.layout == "blocks":
+    if fmt.layout == "blocks" and fmt.syntax == "json":
         tag = StructTag(trigger=fmt.marker, begin=fmt.marker + "\n", grammar=schema, end="\n" + fmt.close)
         return StructTag.to_grammar([tag], assume_special=marker_id is not None)
-    if fmt.layout == "bare":  # a call begins with its first key; the rest is one offered call's
+    if fmt.layout == "blocks":  # XML calls: a Lark grammar, which StructTag would make a separate grammar
+        trigger, calls = fmt.marker, f'"\\n" call {json.dumps(chr(10) + fmt.close)}\n{_xml_call_rules(tools)}'
+    elif fmt.layout == "bare":  # a call begins with its first key; the rest is one offered call's
         trigger, rests = '{"name": ', []
         for tool in tools:
             head = f"{json.dumps(tool.function.name)}, {json.dumps(fmt.arguments_key)}: "
@@ -187,6 +213,44 @@ def _arguments_schema(tool: Tool) -> dict[str, Any]:
     return strict_schema(tool.function.parameters or {"type": "object", "properties": {}})
 
 
+def _xml_call_rules(tools: list[Tool]) -> str:
+    """Lark rules for one call (`call`) in Qwen3-Coder's XML: <function=name>, then the function's
+    parameters in its schema's order, the required ones always and the others if the model
+    chooses. A string's value is any text (within its minLength and maxLength) up to its closing
+    tag; a value of any other type is JSON valid for its schema; an enumerated one is one of its
+    values as _xml_value writes it."""
+    rules, calls, strings = [], [], {}
+    for i, tool in enumerate(tools):
+        schema = _arguments_schema(tool)
+        required, parameters = set(schema.get("required", ())), []
+        for j, (name, spec) in enumerate((schema.get("properties") or {}).items()):
+            opening = json.dumps(f"<parameter={name}>\n")
+            rules.append(f'xml_{i}_{j}: {opening} {_xml_rule(spec, schema, strings)} "\\n"')
+            parameters.append(f"xml_{i}_{j}" + ("" if name in required else "?"))
+        calls.append(f"xml_{i}")
+        opening = json.dumps(f"<function={tool.function.name}>\n")
+        rules.append(f'xml_{i}: {opening} {" ".join(parameters)} "</function>"')
+    return "\n".join([f"call: {' | '.join(calls)}", *rules, *strings.values(), ""])
+
+
+_XML_END = r'"\n</parameter>"'
+
+
+def _xml_rule(spec: dict[str, Any], schema: dict[str, Any], strings: dict[str, str]) -> str:
+    """A parameter's value and its closing tag; a string's rule is added to `strings` by name."""
+    values = spec["enum"] if "enum" in spec else [spec["const"]] if "const" in spec else None
+    if values is not None:
+        return "(" + " | ".join(json.dumps(_xml_value(v)) for v in values) + f") {_XML_END}"
+    if spec.get("type") == "string":  # text up to the first closing tag: a lazy lexeme that ends with the tag
+        low, high = int(spec.get("minLength", 0)), spec.get("maxLength")
+        name = f"xml_string_{low}_{high if high is not None else 'n'}"
+        bounds = f"{{{low},{int(high) if high is not None else ''}}}"
+        strings[name] = f"{name}[lazy]: /(.|\\n){bounds}/ {_XML_END}"
+        return name
+    defs = {"$defs": schema["$defs"]} if "$defs" in schema else {}  # what its $refs point at
+    return f"%json {json.dumps({**spec, **defs, 'x-guidance': JSON_LAYOUT})} {_XML_END}"
+
+
 @dataclass(frozen=True)
 class CallParser:
     """How a chat answer's tool calls are read: the functions offered, whether the tool choice
@@ -195,19 +259,28 @@ class CallParser:
     tool_names: frozenset[str]
     calls_only: bool = False
     fmt: ToolFormat = HERMES
+    string_parameters: frozenset[tuple[str, str]] = frozenset()  # (function, parameter) whose values are strings
+
+    @classmethod
+    def offered(cls, tools: list[Tool], calls_only: bool, fmt: ToolFormat) -> CallParser:
+        strings = {(tool.function.name, name) for tool in tools
+                   for name, spec in ((tool.function.parameters or {}).get("properties") or {}).items()
+                   if isinstance(spec, dict) and spec.get("type") == "string"}
+        return cls(frozenset(tool.function.name for tool in tools), calls_only, fmt, frozenset(strings))
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        return parse_tool_calls(text, set(self.tool_names), self.calls_only, self.fmt)
+        return parse_tool_calls(text, set(self.tool_names), self.calls_only, self.fmt, self.string_parameters)
 
     def stream(self) -> ToolCallStream:
-        return ToolCallStream(set(self.tool_names), self.calls_only, self.fmt)
+        return ToolCallStream(set(self.tool_names), self.calls_only, self.fmt, self.string_parameters)
 
 
-def parse_tool_calls(text: str, tool_names: set[str], calls_only: bool = False, fmt: ToolFormat = HERMES
+def parse_tool_calls(text: str, tool_names: set[str], calls_only: bool = False, fmt: ToolFormat = HERMES,
+                     string_parameters: frozenset[tuple[str, str]] = frozenset()
                      ) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool calls) of a whole answer, read as ToolCallStream reads a stream, so both give
     the same calls and content (None when nothing is left, or with `calls_only`)."""
-    stream = ToolCallStream(tool_names, calls_only, fmt)
+    stream = ToolCallStream(tool_names, calls_only, fmt, string_parameters)
     content, _ = stream.feed(text, final=True)
     calls = [{key: value for key, value in call.items() if key != "index"} for call in stream.calls]
     return None if calls_only else content.strip() or None, calls
@@ -215,6 +288,10 @@ def parse_tool_calls(text: str, tool_names: set[str], calls_only: bool = False, 
 
 # A call's opening as the grammar writes it, up to the first character of its arguments
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(\S)')
+# In Qwen3-Coder's XML: a call's opening, a parameter's (its value starts after the newline), and the end
+_XML_HEAD = re.compile(r"\s*<function=([^>\n]*)>")
+_XML_PARAMETER = re.compile(r"\s*<parameter=([^>\n]*)>\n")
+_XML_CLOSE = "\n</parameter>"
 
 
 @dataclass
@@ -223,8 +300,12 @@ class ToolCallStream:
     a call's id, type and name once its name is known and offered, then its arguments (their JSON
     text as the model writes it) piece by piece.
 
+    A call in XML (Qwen3-Coder) streams its arguments as JSON too: "{", then each parameter as it
+    closes, `"name": value` (a string parameter's text as it is, any other's read as JSON), then "}".
+
     Where the calls stand (`state`): "text" (content, held back where it may be a marker in the
-    making), "head" (a call's opening), "arguments", "close" (the call's closing brace), "between"
+    making), "head" (a call's opening), "arguments" (JSON), "parameters" (XML), "close" (a JSON
+    call's closing brace), "between"
     (after a call: the block's end, or a list's or bare answer's separator), "after" (a list or a
     bare answer's calls are over: the rest is content).
     Text that is not a call stays content: a block that does not hold a call to an offered tool,
@@ -235,6 +316,7 @@ class ToolCallStream:
     tool_names: set[str]
     calls_only: bool = False
     fmt: ToolFormat = HERMES
+    string_parameters: frozenset[tuple[str, str]] = frozenset()  # as CallParser's
     pending: str = ""  # text not yet resolved
     region: str = ""  # a block, or a list's or bare answer's opening, until its first call is known
     state: str = "text"
@@ -264,12 +346,11 @@ class ToolCallStream:
             return self._open_call(final, content, deltas)
         if self.state == "arguments":
             end = self._scan(pending)
-            piece = pending if end is None else pending[:end]
-            if piece:
-                self.calls[-1]["function"]["arguments"] += piece
-                deltas.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
+            self._add_arguments(pending if end is None else pending[:end], deltas)
             self.pending = "" if end is None else pending[end:]
             return end is not None and self._move("close")
+        if self.state == "parameters":
+            return self._parameter(deltas)
         if self.state == "close":
             rest = pending.lstrip()
             if not rest:
@@ -328,15 +409,20 @@ class ToolCallStream:
     def _open_call(self, final: bool, content: list[str], deltas: list[dict[str, Any]]) -> bool:
         """A call's opening: its id and name sent once known and offered, then its arguments. A
         block that closes without such an opening is read whole (a call, or content)."""
-        match = _CALL_HEAD.match(self.pending)
-        if match and match.group(2) == "{" and _loads(match.group(1)) in self.tool_names:
-            call = {"index": len(self.calls), "id": self.fmt.call_id(), "type": "function",
-                    "function": {"name": _loads(match.group(1)), "arguments": ""}}
-            self.calls.append(call)
-            deltas.append({**call, "function": dict(call["function"])})  # the call's arguments grow
-            self.region, self.pending = "", self.pending[match.start(2) :]
-            self.depth, self.in_string, self.escaped = 0, False, False
-            return self._move("arguments")
+        if self.fmt.syntax == "xml":
+            match = _XML_HEAD.match(self.pending)
+            if match and match.group(1) in self.tool_names:
+                self._add_call(match.group(1), deltas)
+                self._add_arguments("{", deltas)
+                self.region, self.pending = "", self.pending[match.end() :]
+                return self._move("parameters")
+        else:
+            match = _CALL_HEAD.match(self.pending)
+            if match and match.group(2) == "{" and _loads(match.group(1)) in self.tool_names:
+                self._add_call(_loads(match.group(1)), deltas)
+                self.region, self.pending = "", self.pending[match.start(2) :]
+                self.depth, self.in_string, self.escaped = 0, False, False
+                return self._move("arguments")
         if self.fmt.layout != "blocks":
             return False  # a list's or bare answer's call that does not open as one: content at the end
         end = self.pending.find(self.fmt.close)
@@ -352,6 +438,35 @@ class ToolCallStream:
             self.calls.append(call)
             deltas.append(call)
         return self._move("text")
+
+    def _add_call(self, name: str, deltas: list[dict[str, Any]]) -> None:
+        call = {"index": len(self.calls), "id": self.fmt.call_id(), "type": "function",
+                "function": {"name": name, "arguments": ""}}
+        self.calls.append(call)
+        deltas.append({**call, "function": dict(call["function"])})  # the call's arguments grow
+
+    def _add_arguments(self, piece: str, deltas: list[dict[str, Any]]) -> None:
+        if piece:
+            self.calls[-1]["function"]["arguments"] += piece
+            deltas.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
+
+    def _parameter(self, deltas: list[dict[str, Any]]) -> bool:
+        """An XML call's next parameter once it closes, as JSON, or the call's end."""
+        rest = self.pending.lstrip()
+        if rest.startswith("</function>"):
+            self._add_arguments("}", deltas)
+            self.pending = rest[len("</function>") :]
+            return self._move("between")
+        match = _XML_PARAMETER.match(self.pending)
+        end = self.pending.find(_XML_CLOSE, match.end() - 1) if match else -1
+        if end < 0:
+            return False
+        name, text = match.group(1), self.pending[match.end() : max(end, match.end())]
+        value = text if (self.calls[-1]["function"]["name"], name) in self.string_parameters else _xml_argument(text)
+        separator = "" if self.calls[-1]["function"]["arguments"] == "{" else ", "
+        self._add_arguments(f"{separator}{json.dumps(name)}: {json.dumps(value)}", deltas)
+        self.pending = self.pending[end + len(_XML_CLOSE) :]
+        return True
 
     def _between(self, final: bool, content: list[str]) -> bool:
         """After a call: the block's close (what else is before it is dropped), or a list's or bare
@@ -396,6 +511,14 @@ class ToolCallStream:
     def _move(self, state: str) -> bool:
         self.state = state
         return True
+
+
+def _xml_argument(text: str) -> Any:
+    """A parameter's value written in XML: JSON where it reads as JSON, else the text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _loads(body: str) -> Any:

@@ -40,6 +40,16 @@ def test_smollm2_greedy_matches_transformers(hf_smollm2, chat_prompt_ids):
         assert output.outputs[0].token_ids == reference
 
 
+def test_a_chat_template_given_replaces_the_models_own(smollm2_source):
+    from hyperserve.models import loader
+
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    tokenizer = loader.load_tokenizer(smollm2_source, template)
+    chat = [{"role": "user", "content": "hi"}]
+    assert tokenizer.apply_chat_template(chat, tokenize=False) == "[user] hi\n"
+    assert "<|im_start|>" in loader.load_tokenizer(smollm2_source).apply_chat_template(chat, tokenize=False)
+
+
 def test_unknown_model_lists_the_available_ones():
     with pytest.raises(ValueError, match="smollm2-135m"):
         resolve_model("no-such-model")

@@ -146,8 +146,56 @@ def test_a_tool_result_goes_back_in(client):
     assert r.usage.prompt_tokens > 100  # the fallback prompt, the call and its result are in the prompt
 
 
-# ---- other models' call formats: Llama 3's bare JSON on SmolLM2 (--tool-call-parser), and a
-# Mistral-style model whose chat template renders tools itself and whose marker is a special token
+# ---- other models' call formats: Llama 3's bare JSON on SmolLM2 (--tool-call-parser), Qwen3-Coder's
+# XML on SmolLM2 through a chat template of that layout (--chat-template), and a Mistral-style model
+# whose chat template renders tools itself and whose marker is a special token
+
+QWEN3_CODER_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+
+You have access to the following functions:
+
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+If you choose to call a function ONLY reply in the following format with NO suffix:
+
+<tool_call>
+<function=example_function_name>
+<parameter=example_parameter_1>
+value_1
+</parameter>
+</function>
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}<|im_start|>assistant
+{{ message.content or '' }}
+{%- for call in message.tool_calls or [] %}
+<tool_call>
+<function={{ call.function.name }}>
+{% for name, value in call.function.arguments | items %}<parameter={{ name }}>
+{{ value if value is string else value | tojson }}
+</parameter>
+{% endfor %}</function>
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.role != 'system' %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""  # Qwen3-Coder's layout, abridged: calls in XML, their arguments read as a mapping
 
 MISTRAL_TEMPLATE = (  # Mistral 7B v0.3's layout, abridged; it rejects call ids that are not 9 characters
     "{%- for message in messages %}"
@@ -167,15 +215,20 @@ MISTRAL_TEMPLATE = (  # Mistral 7B v0.3's layout, abridged; it rejects call ids 
 )
 
 
-@pytest.fixture(scope="module", params=["llama3_json", "mistral"])
+@pytest.fixture(scope="module", params=["llama3_json", "qwen3_coder", "mistral"])
 def format_server(request, tmp_path_factory, smollm2_tokenizer):
-    """(server, model name, format name): SmolLM2 told to write Llama 3's calls, or a random-weight
-    Mistral-shaped model with SmolLM2's vocabulary plus the special token [TOOL_CALLS]."""
+    """(server, model name, format name): SmolLM2 told to write Llama 3's calls, SmolLM2 with a
+    Qwen3-Coder chat template, or a random-weight Mistral-shaped model with SmolLM2's vocabulary plus
+    the special token [TOOL_CALLS]."""
     from tests.conftest import tiny_config
     from tests.server.conftest import start_server, stop_server
 
     if request.param == "llama3_json":
         flags, model = ("--model", MODEL, "--tool-call-parser", "llama3_json"), MODEL
+    elif request.param == "qwen3_coder":  # no --tool-call-parser: the template says which format
+        template = tmp_path_factory.mktemp("qwen3-coder") / "template.jinja"
+        template.write_text(QWEN3_CODER_TEMPLATE)
+        flags, model = ("--model", MODEL, "--chat-template", str(template)), MODEL
     else:
         import copy
 
@@ -216,12 +269,16 @@ def test_other_call_formats_are_written_parsed_and_streamed(format_server):
         content += chunk.choices[0].delta.content or ""
     assert [(name, json.loads(text)) for name, text in _joined(deltas)] == [(tool, arguments)] and content == ""
 
-    # the prompt: Mistral's own template renders the tools; SmolLM2's gets them described in Llama 3's format
+    # the prompt: Mistral's and Qwen3-Coder's templates render the tools; SmolLM2's own gets them
+    # described in Llama 3's format
     ids = httpx.post(f"{server.url}/tokenize", json={"model": model, "messages": ASK_WEATHER,
                                                      "tools": [WEATHER]}).json()["tokens"]
     prompt = httpx.post(f"{server.url}/detokenize", json={"model": model, "tokens": ids}).json()["prompt"]
     if name == "mistral":
         assert "[AVAILABLE_TOOLS]" in prompt and "You can call functions" not in prompt
+    elif name == "qwen3_coder":
+        assert '{"type": "function", "function": {"name": "get_weather"' in prompt
+        assert "<function=example_function_name>" in prompt and "You can call functions" not in prompt
     else:
         assert '{"name": "function_name", "parameters": {"argument": "value"}}' in prompt
 

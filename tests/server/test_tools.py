@@ -58,6 +58,22 @@ def test_calls_are_parsed_with_their_arguments_and_the_rest_is_content(fmt):
     assert len({c["id"] for c in calls}) == 2 and all(c["type"] == "function" for c in calls)
 
 
+def test_qwen3_coder_calls_are_xml_with_string_parameters_as_text_and_others_as_json():
+    fmt = FORMATS["qwen3_coder"]
+    arguments = {"path": "a.py", "content": "line one\n\nline three\n", "count": 3, "flags": {"x": [True, None]}}
+    text = fmt.write([("write_file", arguments)])
+    assert text == ("<tool_call>\n<function=write_file>\n<parameter=path>\na.py\n</parameter>\n"
+                    "<parameter=content>\nline one\n\nline three\n\n</parameter>\n<parameter=count>\n3\n</parameter>\n"
+                    '<parameter=flags>\n{"x": [true, null]}\n</parameter>\n</function>\n</tool_call>')
+    _, [call] = parse_tool_calls(text, {"write_file"}, fmt=fmt)
+    assert json.loads(call["function"]["arguments"]) == arguments
+    assert call["function"]["arguments"] == json.dumps(arguments)
+    digits = fmt.write([("get_weather", {"city": "75001"})])  # a string that reads as JSON stays a string
+    assert json.loads(parse_tool_calls(digits, NAMES, fmt=fmt)[1][0]["function"]["arguments"]) == {"city": 75001}
+    _, [call] = parse_tool_calls(digits, NAMES, fmt=fmt, string_parameters=frozenset({("get_weather", "city")}))
+    assert json.loads(call["function"]["arguments"]) == {"city": "75001"}
+
+
 def test_mistral_call_ids_are_nine_letters_and_digits_as_its_templates_require():
     _, calls = parse_tool_calls(answer(FORMATS["mistral"]), NAMES, fmt=FORMATS["mistral"])
     assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
@@ -82,6 +98,7 @@ BROKEN = {  # text that holds no call to an offered tool that opens whole, per f
                 '[TOOL_CALLS][{"name": "get_ti'],
     "granite": ['<|tool_call|>{"name": "get_time", "arguments": {"tz": "CET"}}'],  # not a list
     "llama3_json": ['{"name": "unknown", "parameters": {}}', '{"name": "get_ti'],
+    "qwen3_coder": ['<tool_call>\n<function=unknown>\n</function>\n</tool_call>', "<tool_call>\n<function=get_ti"],
 }
 
 
@@ -139,7 +156,8 @@ def test_calls_cut_short_are_not_content_and_a_stream_agrees(fmt, calls_only):
     its name was written (in the block format, whose calls open sooner), with its arguments as far
     as they went; no text of either is content, whatever the tool choice."""
     cut = fmt.write(CALLS)[:-25]
-    expected = [("get_weather", '{"city": "Paris"}')] + ([("get_time", '{"')] if fmt.layout == "blocks" else [])
+    second = {"json": '{"', "xml": '{"tz": "CET"'}[fmt.syntax]  # cut inside its arguments, or before </function>
+    expected = [("get_weather", '{"city": "Paris"}')] + ([("get_time", second)] if fmt.layout == "blocks" else [])
     content, calls = parse_tool_calls(cut, NAMES, calls_only, fmt)
     assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == expected
     for piece in (1, 3, 1000):
@@ -150,8 +168,8 @@ def test_calls_cut_short_are_not_content_and_a_stream_agrees(fmt, calls_only):
 @pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
 def test_arguments_stream_piece_by_piece_after_the_calls_id_and_name(fmt):
     """As OpenAI streams a call: first its index, id, type and name (arguments ""), then the
-    arguments' JSON text in pieces as the model writes it; brackets and quotes inside strings do
-    not end them early."""
+    arguments' JSON text in pieces as the model writes it (XML: each parameter as it closes);
+    brackets and quotes inside strings do not end them early."""
     tricky = {"city": 'Paris } " ] {', "nested": {"list": [1, {"a": "}"}]}}
     text = answer(fmt, [("get_weather", tricky), ("get_time", {"tz": "CET"})])
     stream, deltas = ToolCallStream(NAMES, fmt=fmt), []
@@ -162,7 +180,12 @@ def test_arguments_stream_piece_by_piece_after_the_calls_id_and_name(fmt):
         assert mine[0]["id"] and mine[0]["type"] == "function" and mine[0]["function"] == {"name": name,
                                                                                              "arguments": ""}
         assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in mine[1:])
-        assert [d["function"]["arguments"] for d in mine[1:]] == list(json.dumps(arguments))
+        pieces = [d["function"]["arguments"] for d in mine[1:]]
+        if fmt.syntax == "xml":
+            assert pieces == ["{", *[", " * (i > 0) + json.dumps(dict([item]))[1:-1]
+                                     for i, item in enumerate(arguments.items())], "}"]
+        else:
+            assert pieces == list(json.dumps(arguments))
     assert [json.loads(c["function"]["arguments"]) for c in parse_tool_calls(text, NAMES, fmt=fmt)[1]] == [
         tricky, {"tz": "CET"}]
 
@@ -219,6 +242,8 @@ def test_templates_that_render_tool_calls_get_them_as_they_are():
      'argument name and its value}. <|python_tag|>', "llama3_json"),  # Llama 3.1
     ('{%- if tools is not none %}Respond in the format {"name": function name, "parameters": dictionary of '
      'argument name and its value}.', "llama3_json"),  # Llama 3.2, which has no python tag
+    ("{% if tools %}<tools>{{ tools }}</tools>{% endif %}<tool_call>\n<function=example_function_name>\n"
+     "<parameter=example_parameter_1>", "qwen3_coder"),  # Qwen3-Coder
     ("{{ message['content'] }}<tool_call>", None),  # no tools in it
     ("{% for m in messages %}{{ m.content }}{% endfor %}{# tools #}", None),  # tools, but in no known format
     (None, None),
@@ -248,7 +273,7 @@ def _cases(fmt: ToolFormat) -> list[tuple]:
         ("required", fmt.write(CALLS), True),  # two calls
         ("required", "Sure, here it is.", False),
         ("required", fmt.write([("get_weather", {"town": "Paris"})]), False),
-        ("required", fmt.write([("get_weather", {"city": 3})]), False),
+        ("required", fmt.write([("get_weather", {"city": 3})]), fmt.syntax == "xml"),  # XML's strings are text
         (GET_TIME, fmt.write([("get_time", {"tz": "CET"})]), True),
         (GET_TIME, fmt.write([("get_weather", {"city": "Paris"})]), False),
         (GET_TIME, fmt.write(CALLS[::-1]), False),  # a named function: one call
@@ -264,6 +289,30 @@ def test_tool_choice_grammars_hold_exactly_the_allowed_calls(compiler, smollm2_t
                                                              allowed):
     constraint = tool_constraint(TOOLS, choice, parallel=True, fmt=fmt)
     assert _accepts(compiler, constraint, text, smollm2_tokenizer) == allowed
+
+
+XML_TOOL = Tool.model_validate({"type": "function", "function": {"name": "write_file", "parameters": {
+    "type": "object", "required": ["path", "content"], "properties": {
+        "path": {"type": "string", "maxLength": 12}, "content": {"type": "string"},
+        "mode": {"type": "integer", "minimum": 0, "maximum": 7},
+        "tags": {"type": "array", "items": {"type": "string"}}}}}})
+
+
+@pytest.mark.parametrize("arguments, allowed", [
+    ({"path": "a.py", "content": "x = 1\n\n</parameter\nprint(x)"}, True),  # any text up to the closing tag
+    ({"path": "a.py", "content": "", "mode": 6, "tags": ["new", "py"]}, True),
+    ({"path": "a-very-long-name.py", "content": "x"}, False),  # maxLength
+    ({"path": "a.py", "content": "x", "mode": 9}, False),  # maximum
+    ({"path": "a.py", "content": "x", "mode": "6"}, True),  # written the same as 6
+    ({"path": "a.py", "content": "x", "tags": "new"}, False),  # not a JSON list
+    ({"content": "x", "path": "a.py"}, False),  # the schema's order
+    ({"path": "a.py"}, False),  # content is required
+], ids=["multiline", "all", "too-long", "too-big", "digits", "not-a-list", "order", "missing"])
+def test_qwen3_coder_grammars_type_each_parameter_by_its_schema(compiler, smollm2_tokenizer, arguments, allowed):
+    fmt = FORMATS["qwen3_coder"]
+    for choice in ("required", "auto"):
+        constraint = tool_constraint([XML_TOOL], choice, parallel=False, fmt=fmt)
+        assert _accepts(compiler, constraint, fmt.write([("write_file", arguments)]), smollm2_tokenizer) == allowed
 
 
 def test_a_marker_that_is_one_special_token_is_asked_for_as_that_token(compiler, smollm2_tokenizer):
