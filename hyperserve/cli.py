@@ -324,9 +324,11 @@ def cmd_gateway(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from hyperserve.bench.run import run_from_args
 
-    summary = run_from_args(args)
-    if summary["num_requests"] and not summary["num_ok"]:  # a script must not take nothing for a measurement
-        raise ValueError(f"no request succeeded ({summary['num_failed']} failed); nothing was measured")
+    result = run_from_args(args)
+    for summary in result.get("sweep", [result] if "runs" not in result else []):
+        if summary["num_requests"] and not summary["num_ok"]:  # a script must not take nothing for a measurement
+            raise ValueError(f"no request succeeded at {summary['concurrency'] or summary['request_rate']} "
+                             f"({summary['num_failed']} failed); nothing was measured")
 
 
 def build_parser() -> argparse.ArgumentParser:

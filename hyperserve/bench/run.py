@@ -5,6 +5,11 @@ inter-token latency (ITL, the gaps between streamed chunks), time per output tok
 end-to-end latency, at a fixed concurrency or a Poisson arrival rate. Goodput counts requests per
 second that met the SLOs (TTFT <= --slo-ttft-ms and TPOT <= --slo-itl-ms).
 
+Several loads (`--concurrency 1 4 16`) make a sweep: each in turn on requests of the same lengths
+(with other lead-ins, so none hits the prefix cache of an earlier load's), then a table and a plot
+of latency against throughput, one point per load. `--compare a.json b.json`
+draws the curves of earlier runs' --output-json side by side (our server against vLLM's, say).
+
 The client is urllib3, blocking, on a thread per request in flight: each chunk is timed as its
 read returns and parsed once the stream has ended. On a small machine the client shares the cores
 with the server it measures, and its CPU per chunk shows up in the server's inter-token latency:
@@ -67,7 +72,10 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
 
 
-def make_requests(args: argparse.Namespace) -> list[RequestSpec]:
+def make_requests(args: argparse.Namespace, run: int = 0) -> list[RequestSpec]:
+    """The requests of one load. A sweep's `run` (its load's index) changes only the generated
+    prompts' lead-ins: the same lengths, and no prefix cache hit on an earlier load's prompts
+    (a --prompts-file's prompts repeat as they are)."""
     if args.prompts_file:
         with open(args.prompts_file) as f:
             rows = [json.loads(line) for line in f if line.strip()]
@@ -82,7 +90,7 @@ def make_requests(args: argparse.Namespace) -> list[RequestSpec]:
     for i in range(args.num_requests):
         # A unique lead-in per request (about 4 tokens), so no two prompts share a long prefix.
         words = max(1, draw(args.input_tokens, args.input_spread) - 4)
-        prompt = f"Request {i}: " + " ".join(rng.choice(_WORDS) for _ in range(words))
+        prompt = f"Request {f'{run}.' * (run > 0)}{i}: " + " ".join(rng.choice(_WORDS) for _ in range(words))
         specs.append(RequestSpec(prompt, draw(args.output_tokens, args.output_spread)))
     return specs
 
@@ -261,6 +269,7 @@ def summarize(results: list[RequestResult], duration: float, args: argparse.Name
             if (args.slo_ttft_ms is None or r.ttft * 1000 <= args.slo_ttft_ms)
             and (args.slo_itl_ms is None or r.tpot * 1000 <= args.slo_itl_ms)]
     summary = {
+        "label": getattr(args, "label", None) or f"{args.base_url} ({args.model})",
         "base_url": args.base_url, "model": args.model, "endpoint": args.endpoint,
         "concurrency": args.concurrency, "request_rate": args.request_rate,
         "num_requests": len(results), "num_ok": len(ok), "num_failed": len(results) - len(ok),
@@ -302,6 +311,72 @@ def print_summary(summary: dict) -> None:
         console.print(f"[red]error:[/red] {error}")
 
 
+def load_label(summary: dict) -> str:
+    return f"c={summary['concurrency']}" if summary["concurrency"] else f"{summary['request_rate']:g} req/s"
+
+
+def print_sweep(runs: dict[str, list[dict]]) -> None:
+    """One row per load of each run (a run: a sweep's summaries, named by its server)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    several = len(runs) > 1
+    title = "latency against throughput" + ("" if several else f": {next(iter(runs))}")
+    table = Table(title=f"hyperserve bench, {title} (ms)")
+    for column in ("run",) * several + ("load", "ok", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50",
+                                        "ITL p99", "TPOT p50", "goodput"):
+        table.add_column(column, justify="left" if column in ("run", "load") else "right")
+    for name, summaries in runs.items():
+        for s in summaries:
+            table.add_row(*(name,) * several, load_label(s), f"{s['num_ok']}/{s['num_requests']}",
+                          f"{s['request_throughput']:.2f}", f"{s['output_token_throughput']:.1f}",
+                          *(f"{s[key]:.1f}" for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+                                                          "tpot_p50_ms")),
+                          f"{s['goodput']:.2f}")
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: the table's width, not a default 80 columns
+        console = Console(width=200)
+    console.print(table)
+
+
+def plot_sweep(runs: dict[str, list[dict]], path: str) -> None:
+    """Output tokens/s against TPOT and TTFT (p50), a point per load, a curve per run: further
+    right is more throughput, lower is faster."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for name, summaries in runs.items():
+        throughput = [s["output_token_throughput"] for s in summaries]
+        for ax, key in zip(axes, ("tpot_p50_ms", "ttft_p50_ms")):
+            ax.plot(throughput, [s[key] for s in summaries], marker="o", label=name)
+            for x, s in zip(throughput, summaries):
+                ax.annotate(load_label(s), (x, s[key]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    axes[0].set(title="Time per output token (p50)", xlabel="output tokens/s", ylabel="ms")
+    axes[1].set(title="Time to first token (p50)", xlabel="output tokens/s", ylabel="ms")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def read_runs(paths: list[str]) -> dict[str, list[dict]]:
+    """Earlier --output-json files as runs: each its sweep (or one load), named by its server and
+    model (the file's name where two share them)."""
+    runs: dict[str, list[dict]] = {}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        summaries = data["sweep"] if "sweep" in data else [data["summary"]]
+        name = summaries[0].get("label") or f"{summaries[0]['base_url']} ({summaries[0]['model']})"
+        runs[path if name in runs else name] = summaries
+    return runs
+
+
 def plot(results: list[RequestResult], summary: dict, path: str) -> None:
     import matplotlib
 
@@ -333,8 +408,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--num-requests", type=int, default=64)
     load = parser.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=int, default=None, help="requests in flight (default 8)")
-    load.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
+    load.add_argument("--concurrency", type=int, nargs="+", default=None,
+                      help="requests in flight (default 8); several: a sweep, one load after another")
+    load.add_argument("--request-rate", type=float, nargs="+", default=None,
+                      help="Poisson arrivals per second; several: a sweep")
+    load.add_argument("--compare", nargs="+", default=None, metavar="JSON",
+                      help="no load: the table and --plot of earlier runs' --output-json, side by side")
     parser.add_argument("--input-tokens", type=int, default=200, help="mean prompt length (approximate)")
     parser.add_argument("--input-spread", type=float, default=0.0, help="uniform +- fraction")
     parser.add_argument("--output-tokens", type=int, default=128)
@@ -347,20 +426,48 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-itl-ms", type=float, default=None)
     parser.add_argument("--timeout-s", type=float, default=600,
                         help="seconds a request may wait to connect, or for the next bytes of its answer")
+    parser.add_argument("--label", default=None, help="the run's name in tables and plots (default: URL and model)")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--plot", default=None, help="write a PNG of the latency distributions here")
 
 
 def run_from_args(args: argparse.Namespace) -> dict:
-    if args.concurrency is None and args.request_rate is None:
-        args.concurrency = 8
-    specs = make_requests(args)
-    results, duration = run_load(args, specs)
-    summary = summarize(results, duration, args)
-    print_summary(summary)
+    """One load: its summary. A sweep (several values of --concurrency or --request-rate):
+    {"sweep": a summary per load}. --compare: {"runs": the files' summaries by run}."""
+    if getattr(args, "compare", None):
+        runs = read_runs(args.compare)
+        print_sweep(runs)
+        if args.plot:
+            plot_sweep(runs, args.plot)
+        return {"runs": runs}
+    loads = [{"concurrency": c, "request_rate": None} for c in _values(args.concurrency)] or [
+        {"concurrency": None, "request_rate": r} for r in _values(args.request_rate)] or [
+        {"concurrency": 8, "request_rate": None}]
+    summaries, outputs, timings = [], [], []
+    for run, load in enumerate(loads):
+        one = argparse.Namespace(**{**vars(args), **load})
+        results, duration = run_load(one, make_requests(args, run))
+        summaries.append(summarize(results, duration, one))
+        outputs.append({"summary": summaries[-1], "requests": [asdict(r) for r in results]})
+        timings.append(results)
+        print_summary(summaries[-1])
+    if len(loads) == 1:
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(outputs[0], f, indent=2)
+        if args.plot:
+            plot(timings[0], summaries[0], args.plot)
+        return summaries[0]
+    name = summaries[0]["label"]
+    print_sweep({name: summaries})
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"summary": summary, "requests": [asdict(r) for r in results]}, f, indent=2)
+            json.dump({"sweep": summaries, "loads": outputs}, f, indent=2)
     if args.plot:
-        plot(results, summary, args.plot)
-    return summary
+        plot_sweep({name: summaries}, args.plot)
+    return {"sweep": summaries}
+
+
+def _values(value: int | float | list | None) -> list:
+    """A load flag as parsed (a list), or as a script sets it (one number)."""
+    return [] if value is None else list(value) if isinstance(value, list) else [value]

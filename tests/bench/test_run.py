@@ -4,6 +4,7 @@ for each endpoint, and what it reports when the server fails."""
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import httpx
 import pytest
 import uvicorn
 
-from hyperserve.bench.run import add_bench_args, run_from_args
+from hyperserve.bench.run import add_bench_args, make_requests, run_from_args
 from hyperserve.common.anthropic_api import AnthropicAPI
 from hyperserve.common.responses_api import ResponsesAPI
 from tests.gateway.stub_backend import build_stub
@@ -139,3 +140,30 @@ def test_the_client_starts_without_pytorch():
     """`hyperserve bench` runs beside the server it measures: it loads what it needs, not a model stack."""
     code = "import sys, hyperserve.bench.run; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_several_loads_make_a_sweep_and_runs_compare_side_by_side(stub, tmp_path):
+    """--concurrency 1 3: requests of the same lengths at each load (their first words differ, so
+    no load hits the prefix cache of another's), a summary each, one JSON and a curve; --compare
+    then reads runs back (a sweep and a single load) for one table and plot."""
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    args = parser.parse_args(["--num-requests", "8"])
+    first, second = make_requests(args, 0), make_requests(args, 1)
+    assert [len(a.prompt.split()) for a in first] == [len(b.prompt.split()) for b in second]
+    assert not {a.prompt.split(":")[0] for a in first} & {b.prompt.split(":")[0] for b in second}
+    common = ["--base-url", stub, "--num-requests", "3", "--input-tokens", "6"]
+    sweep = run_from_args(parser.parse_args([*common, "--concurrency", "1", "3", "--output-json",
+                                             str(tmp_path / "sweep.json"), "--plot", str(tmp_path / "sweep.png")]))
+    assert [s["concurrency"] for s in sweep["sweep"]] == [1, 3]
+    assert all(s["num_ok"] == 3 and s["mean_prompt_tokens"] == 10 for s in sweep["sweep"])
+    assert json.loads((tmp_path / "sweep.json").read_text())["sweep"] == sweep["sweep"]
+    single = run_from_args(parser.parse_args([*common, "--request-rate", "50", "--output-json",
+                                              str(tmp_path / "single.json")]))
+    assert single["request_rate"] == 50 and single["num_ok"] == 3
+    files = [str(tmp_path / "sweep.json"), str(tmp_path / "single.json")]
+    compared = run_from_args(parser.parse_args(["--compare", *files, "--plot", str(tmp_path / "compare.png")]))
+    assert list(compared["runs"].values()) == [sweep["sweep"], [single]]
+    assert list(compared["runs"])[1] == str(tmp_path / "single.json")  # the same server: named by its file
+    for png in ("sweep.png", "compare.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
