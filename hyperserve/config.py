@@ -149,6 +149,10 @@ class SpeculativeConfig:
     # (n-gram over none: 1.41-1.46x -> 1.53x input-grounded, 1.20-1.29x -> 1.27-1.33x open chat)
     ngram_min: int = 2
     speculative_max_batch: int = 4  # no speculation while more requests than this are decoding
+    # A constrained request's next tokens that its grammar forces (a JSON key, a tool call's
+    # opening) are drafted and verified in one step, with or without a method, at any batch size
+    # (jump-forward decoding): they cost a verified row each instead of a step each.
+    speculative_forced_tokens: bool = True
     # one more token's cost to a step, relative to a one-token step (None: timed at start); k per
     # request is chosen from it and the request's acceptance rate
     speculative_verify_cost: float | None = None
@@ -201,7 +205,7 @@ class ParallelConfig:
 _SPECULATIVE_KEYS = {"method": "speculative_method", "num_tokens": "num_speculative_tokens",
                      "model": "draft_model", "draft_model": "draft_model", "num_layers": "self_draft_layers",
                      "ngram_max": "ngram_max", "ngram_min": "ngram_min", "max_batch": "speculative_max_batch",
-                     "verify_cost": "speculative_verify_cost"}
+                     "verify_cost": "speculative_verify_cost", "forced_tokens": "speculative_forced_tokens"}
 
 
 @dataclass

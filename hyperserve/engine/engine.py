@@ -35,7 +35,7 @@ from hyperserve.engine.kv_transfer import KVTransfer
 from hyperserve.engine.lora_manager import LoRAManager
 from hyperserve.engine.memory import kv_groups, num_kv_blocks, return_freed_heap
 from hyperserve.engine.model_runner import ModelRunner, StepResult
-from hyperserve.engine.request import Request, RequestStatus
+from hyperserve.engine.request import Acceptance, Request, RequestStatus
 from hyperserve.engine.sampler import SamplerOutput
 from hyperserve.engine.scheduler import Scheduler, SchedulerOutput
 from hyperserve.engine.speculative import build_proposer, num_tokens_to_propose
@@ -48,6 +48,7 @@ from hyperserve.outputs import CompletionOutput, Logprob, RequestMetrics, Reques
 from hyperserve.sampling_params import SamplingParams
 
 MAX_FAILED_STEPS = 3  # steps failing in a row after which the engine is taken to be broken
+MAX_FORCED_DRAFTS = 16  # a grammar's forced tokens drafted per step (a verify step of 17 rows at most)
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_LOGIT_BIAS_ENTRIES = 16, 4096, 64, 1024
 
 logger = logging.getLogger("hyperserve.engine")
@@ -132,6 +133,7 @@ class LLMEngine:
             self.verify_cost = self.runner.verify_row_cost() if spec.speculative_method else 0.0
         self.proposer = (build_proposer(spec, self.runner, self.kv_cache, draft, self.verify_cost)
                          if spec.speculative_method else None)
+        self.forced_acceptance = Acceptance()  # forced drafts' verifications, apart from any proposer's
         self._groups: dict[str, _Group] = {}
         self.kv_transfer = KVTransfer(self.kv_cache, self.runner, self.workers is not None)
         return_freed_heap()
@@ -359,22 +361,20 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Speculative decoding: draft tokens for decoding requests, verified by the next step.
-        Off while the batch is large: then decode is compute-bound and verifying drafts costs
-        about as much as decoding them."""
+        A constrained request whose grammar forces its next tokens drafts those (`_draft_forced`);
+        the others get the proposer's drafts, except while the batch is large: then decode is
+        compute-bound and verifying drafts costs about as much as decoding them."""
+        decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
+        if self.config.speculative.speculative_forced_tokens:
+            decoding = [r for r in decoding if r.grammar is None or not self._draft_forced(r)]
         if self.proposer is None or len(self.scheduler.running) > self.config.speculative.speculative_max_batch:
             return
         # A draft model writes its drafts' KV, so their slots come first (and what it did not
         # draft is trimmed); a proposer that sizes its own proposals (a lookup) gets slots after.
         sized_after = self.proposer.sizes_proposals
         requests, num_tokens = [], []
-        for request in self.scheduler.running:
-            if request.num_computed_tokens != request.num_tokens - 1:
-                continue  # still prefilling
-            params = request.sampling_params
-            room = self.max_model_len - request.num_tokens
-            if params.max_tokens is not None:
-                room = min(room, params.max_tokens - request.num_output_tokens - 1)
-            k = min(self.config.speculative.num_speculative_tokens, room)
+        for request in decoding:
+            k = min(self.config.speculative.num_speculative_tokens, self._room(request))
             if not sized_after:
                 k = num_tokens_to_propose(request.acceptance, k, self.proposer.draft_cost, self.verify_cost)
             if k > 0 and (sized_after or self.kv_cache.allocate_slots(request.request_id, request.num_tokens + k)):
@@ -393,6 +393,25 @@ class LLMEngine:
             request.spec_token_ids, request.spec_probs = proposal.token_ids, proposal.probs
             request.spec_acceptance = proposal.acceptance or request.acceptance
             request.acceptance.steps_without = 0
+
+    def _room(self, request: Request) -> int:
+        """Draft tokens the request may still take: its max_tokens and the context, less the token
+        its verification adds."""
+        room = self.max_model_len - request.num_tokens
+        if request.sampling_params.max_tokens is not None:
+            room = min(room, request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        return room
+
+    def _draft_forced(self, request: Request) -> bool:
+        """Draft the tokens the request's grammar forces next, up to MAX_FORCED_DRAFTS; whether it
+        has any (and the KV slots for them). They are the grammar's own tokenization of forced
+        text: the model may spell it otherwise, and verification then keeps its own tokens."""
+        forced = request.grammar.forced_tokens()[: max(0, min(MAX_FORCED_DRAFTS, self._room(request)))]
+        if not forced or not self.kv_cache.allocate_slots(request.request_id, request.num_tokens + len(forced)):
+            return False
+        request.spec_token_ids, request.spec_probs = forced, None
+        request.spec_acceptance = self.forced_acceptance
+        return True
 
     def _logprobs(self, out: SamplerOutput, row: int, num: int) -> dict[int, Logprob]:
         """Row `row`'s token and the top `num` of its row, each with its log-probability and rank."""

@@ -83,6 +83,12 @@ class Grammar:
             return Phase.THINKING
         return Phase.ANSWER
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar allows nothing but, from here (none while the model may think)."""
+        if self.phase is not Phase.ANSWER or self.matcher.is_stopped():
+            return []
+        return self.matcher.compute_ff_tokens()
+
     @property
     def is_finished(self) -> bool:
         """Nothing can follow but the end: the sequence may stop here."""

@@ -181,9 +181,10 @@ def test_regex_choice_and_grammar_outputs_match(llm):
 @pytest.mark.slow
 def test_grammar_rows_mixed_into_a_batch_of_free_requests_decode_as_alone(smollm2_tokenizer):
     """Batch invariance: a constrained request's tokens do not depend on what shares its steps,
-    and free requests are untouched by their neighbours' masks; with chunked prefill and a KV
-    pool small enough that requests are preempted and recomputed (grammar state and all)."""
-    llm = LLM(SMOLLM2, num_kv_blocks=30, block_size=16, max_model_len=480, max_num_batched_tokens=48, **EXACT)
+    and free requests are untouched by their neighbours' masks; with chunked prefill, a KV pool
+    small enough that requests are preempted and recomputed (grammar state and all), and the
+    grammar's forced tokens drafted (the default)."""
+    llm = LLM(SMOLLM2, num_kv_blocks=24, block_size=16, max_model_len=384, max_num_batched_tokens=48, **EXACT)
     schema = schemas()[10][1]
     constrained = SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputs(json=schema))
     free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -194,6 +195,7 @@ def test_grammar_rows_mixed_into_a_batch_of_free_requests_decode_as_alone(smollm
     alone = [llm.generate([p], [q], use_tqdm=False)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
     together = llm.generate(prompts, params, use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in together) > 0, "the pool should have forced preemption"
+    assert all(o.metrics.num_accepted_tokens > 0 for o in together[:2])
     assert [o.outputs[0].token_ids for o in together] == alone
     for output in together[:2]:
         jsonschema.validate(json.loads(output.outputs[0].text), schema)
@@ -213,19 +215,29 @@ def test_n_samples_each_follow_the_grammar(llm):
 
 
 @pytest.mark.slow
-def test_speculative_decoding_with_a_grammar_gives_the_plain_greedy_output():
-    """n-gram drafts are checked against the grammar's masks for their rows: the greedy output is
-    the non-speculative one, and it validates."""
+def test_drafts_of_forced_tokens_and_ngram_drafts_give_the_plain_greedy_output():
+    """The tokens a grammar forces (JSON keys and punctuation, a regex's literal text) drafted and
+    verified in one step (the default), and n-gram drafts besides, each checked against the
+    grammar's masks for their rows: the greedy output is that of one token a step, and it
+    validates; the forced drafts were made and accepted."""
     schema = {"type": "object", "properties": {"items": {"type": "array", "maxItems": 6, "items": {
         "type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "qty": {"type": "integer"}},
         "required": ["name", "qty"], "additionalProperties": False}}}, "required": ["items"]}
     question = ('Repeat this list as JSON: {"items": [{"name": "apple", "qty": 1}, {"name": "pear", "qty": 2}, '
                 '{"name": "plum", "qty": 3}]}')
-    params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=StructuredOutputs(json=schema))
-    texts = []
-    for options in ({}, {"speculative_method": "ngram", "num_speculative_tokens": 4}):
+    verdict = r"Verdict: (yes|no)\. Confidence: \d{1,2} ?%"
+    constraints = [StructuredOutputs(json=schema), StructuredOutputs(regex=verdict)]
+    outputs = []
+    for options in ({"speculative_forced_tokens": False}, {},
+                    {"speculative_method": "ngram", "num_speculative_tokens": 4}):
         llm = LLM(SMOLLM2, **EXACT, **options)
-        prompt = llm.apply_chat_template([{"role": "user", "content": question}])
-        texts.append(llm.generate([prompt], [params], use_tqdm=False)[0].outputs[0])
-    assert texts[1].token_ids == texts[0].token_ids
-    jsonschema.validate(json.loads(texts[1].text), schema)
+        prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in (question, "Is water wet?")]
+        outputs.append(llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=80, structured_outputs=c)
+                                              for c in constraints], use_tqdm=False))
+        llm.close()
+    plain, forced, ngram = ([o.outputs[0] for o in run] for run in outputs)
+    assert [c.token_ids for c in forced] == [c.token_ids for c in plain] == [c.token_ids for c in ngram]
+    assert all(o.metrics.num_draft_tokens == 0 for o in outputs[0])
+    assert all(0 < o.metrics.num_accepted_tokens <= o.metrics.num_draft_tokens for o in outputs[1])
+    jsonschema.validate(json.loads(forced[0].text), schema)
+    assert re.fullmatch(verdict, forced[1].text)
