@@ -364,9 +364,13 @@ class LLMEngine:
         A constrained request whose grammar forces its next tokens drafts those (`_draft_forced`);
         the others get the proposer's drafts, except while the batch is large: then decode is
         compute-bound and verifying drafts costs about as much as decoding them."""
-        decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
-        if self.config.speculative.speculative_forced_tokens:
-            decoding = [r for r in decoding if r.grammar is None or not self._draft_forced(r)]
+        forced_drafts = self.config.speculative.speculative_forced_tokens
+        decoding = []
+        for request in self.scheduler.running:
+            if request.num_computed_tokens != request.num_tokens - 1:
+                continue  # still prefilling
+            if not (forced_drafts and request.grammar is not None and self._draft_forced(request)):
+                decoding.append(request)
         if self.proposer is None or len(self.scheduler.running) > self.config.speculative.speculative_max_batch:
             return
         # A draft model writes its drafts' KV, so their slots come first (and what it did not
