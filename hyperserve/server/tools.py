@@ -305,9 +305,8 @@ class ToolCallStream:
 
     Where the calls stand (`state`): "text" (content, held back where it may be a marker in the
     making), "head" (a call's opening), "arguments" (JSON), "parameters" (XML), "close" (a JSON
-    call's closing brace), "between"
-    (after a call: the block's end, or a list's or bare answer's separator), "after" (a list or a
-    bare answer's calls are over: the rest is content).
+    call's closing brace), "between" (after a call: the block's end, or a list's or bare answer's
+    separator), "after" (a list's or a bare answer's calls are over: the rest is content).
     Text that is not a call stays content: a block that does not hold a call to an offered tool,
     and a list or bare answer whose first call does not open as one. `region` keeps such text
     until it is known. A call cut short (max_tokens, a stop string) after its name keeps the
