@@ -420,6 +420,7 @@ class OpenAIServing:
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(len(job.prompts) * job.params.n)]
             yield {**base, "choices": first}
+        prompts_scored: set[int] = set()  # prompt_logprobs: the prompts whose scores went out, with their first chunk
         async for prompt_index, output in self.run(job):
             choices = []
             for c in output.outputs:
@@ -446,12 +447,19 @@ class OpenAIServing:
                                       text_offset=text_offsets.get(index, len(echo)), thought=thought)
                 if first and job.echo:  # the prompt comes first
                     self._echo(job, choice, prompt_index, output)
+                if first and job.prompt_logprobs and job.kind == "completion":
+                    choice["prompt_logprobs"] = _prompt_logprobs(output)
                 if job.kind == "completion" and choice["logprobs"] and choice["logprobs"]["tokens"]:
                     lp = choice["logprobs"]
                     text_offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 choices.append(choice)
-            if choices:
-                yield {**base, "choices": choices}
+            if not choices:
+                continue
+            chunk = {**base, "choices": choices}
+            if job.prompt_logprobs and job.kind == "chat" and prompt_index not in prompts_scored:
+                prompts_scored.add(prompt_index)  # as a whole answer has them: beside the choices
+                chunk["prompt_logprobs"] = _prompt_logprobs(output)
+            yield chunk
         if job.include_usage:
             yield {**base, "choices": [], "usage": self.usage(job)}
 

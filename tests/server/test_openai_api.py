@@ -133,6 +133,21 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, smollm2_to
     assert paris > -3
 
 
+def test_streams_send_prompt_logprobs_with_their_first_chunk(client):
+    """vLLM's prompt_logprobs in a stream: with each completion choice's first chunk, beside a
+    chat answer's first choices; the same as the whole answer's."""
+    extra = {"extra_body": {"prompt_logprobs": 2}}
+    kwargs = dict(model=MODEL, prompt="One, two, three,", max_tokens=3, temperature=0, **extra)
+    whole = client.completions.create(**kwargs).choices[0].prompt_logprobs
+    chunks = [c.choices[0].model_extra.get("prompt_logprobs") for c in client.completions.create(**kwargs, stream=True)
+              if c.choices]
+    assert chunks[0] == whole and whole[0] is None and len(whole) > 3 and not any(chunks[1:])
+    kwargs = dict(model=MODEL, messages=QUESTION, max_tokens=3, temperature=0, **extra)
+    whole = client.chat.completions.create(**kwargs).model_extra["prompt_logprobs"]
+    chunks = [c.model_extra.get("prompt_logprobs") for c in client.chat.completions.create(**kwargs, stream=True)]
+    assert [c for c in chunks if c] == [whole] and whole[0] is None and len(whole) > 10
+
+
 def test_streamed_echo_sends_the_prompt_first_and_the_same_logprobs(client):
     kwargs = dict(model=MODEL, prompt="One, two, three,", max_tokens=4, temperature=0, logprobs=2, echo=True)
     whole = client.completions.create(**kwargs).choices[0]
