@@ -334,7 +334,7 @@ class ToolCallStream:
             if self.state == "head" and (self.fmt.layout == "blocks" or not self.calls):
                 content.append(self.region + self.pending)
             self.region = self.pending = ""
-        return "" if self.calls_only else "".join(content), deltas
+        return "" if self.calls_only else "".join(content), _one_per_call(deltas)
 
     def _step(self, final: bool, content: list[str], deltas: list[dict[str, Any]]) -> bool:
         """Resolve what the pending text allows in the current state; True if the state moved on."""
@@ -510,6 +510,18 @@ class ToolCallStream:
     def _move(self, state: str) -> bool:
         self.state = state
         return True
+
+
+def _one_per_call(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A call's deltas of one feed as one (its opening, if there, with the arguments after it), as
+    a stream chunk holds each call once."""
+    merged: list[dict[str, Any]] = []
+    for delta in deltas:
+        if merged and merged[-1]["index"] == delta["index"] and "id" not in delta:
+            merged[-1]["function"]["arguments"] += delta["function"]["arguments"]
+        else:
+            merged.append({**delta, "function": dict(delta["function"])})
+    return merged
 
 
 def _xml_argument(text: str) -> Any:

@@ -112,7 +112,7 @@ def test_forced_tool_calls_validate_and_stream_as_they_answer(client, server, to
     # as OpenAI streams calls: each opens with its id and name, then its arguments come in pieces
     opening = [d for d in deltas if d.id]
     assert [d.index for d in opening] == list(range(len(calls)))
-    assert all(d.function.name and d.function.arguments == "" for d in opening)
+    assert all(d.function.name and d.type == "function" for d in opening)
     streamed = _joined(deltas)
     assert [(name, json.loads(arguments)) for name, arguments in streamed] == calls
     assert [arguments for _, arguments in streamed] == [c.function.arguments for c in choice.message.tool_calls]

@@ -167,24 +167,26 @@ def test_calls_cut_short_are_not_content_and_a_stream_agrees(fmt, calls_only):
 
 @pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
 def test_arguments_stream_piece_by_piece_after_the_calls_id_and_name(fmt):
-    """As OpenAI streams a call: first its index, id, type and name (arguments ""), then the
-    arguments' JSON text in pieces as the model writes it (XML: each parameter as it closes);
-    brackets and quotes inside strings do not end them early."""
+    """As OpenAI streams a call: first its index, id, type and name (with what of the arguments
+    came with it), then the arguments' JSON text in pieces as the model writes it (XML: each
+    parameter as it closes), one delta per call and feed; brackets and quotes inside strings do
+    not end them early."""
     tricky = {"city": 'Paris } " ] {', "nested": {"list": [1, {"a": "}"}]}}
     text = answer(fmt, [("get_weather", tricky), ("get_time", {"tz": "CET"})])
     stream, deltas = ToolCallStream(NAMES, fmt=fmt), []
     for i, char in enumerate(text):  # one character at a time
-        deltas += stream.feed(char, final=i == len(text) - 1)[1]
+        new = stream.feed(char, final=i == len(text) - 1)[1]
+        assert len({d["index"] for d in new}) == len(new)
+        deltas += new
     for index, (name, arguments) in enumerate([("get_weather", tricky), ("get_time", {"tz": "CET"})]):
         mine = [d for d in deltas if d["index"] == index]
-        assert mine[0]["id"] and mine[0]["type"] == "function" and mine[0]["function"] == {"name": name,
-                                                                                             "arguments": ""}
+        assert mine[0]["id"] and mine[0]["type"] == "function" and mine[0]["function"]["name"] == name
         assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in mine[1:])
-        pieces = [d["function"]["arguments"] for d in mine[1:]]
-        if fmt.syntax == "xml":
+        pieces = [d["function"]["arguments"] for d in mine]
+        if fmt.syntax == "xml":  # the opening brings "{", each parameter comes whole, then "}"
             assert pieces == ["{", *[", " * (i > 0) + json.dumps(dict([item]))[1:-1]
                                      for i, item in enumerate(arguments.items())], "}"]
-        else:
+        else:  # the opening brings the first character, then one a feed
             assert pieces == list(json.dumps(arguments))
     assert [json.loads(c["function"]["arguments"]) for c in parse_tool_calls(text, NAMES, fmt=fmt)[1]] == [
         tricky, {"tz": "CET"}]
