@@ -323,6 +323,7 @@ class ToolCallStream:
     depth: int = 0  # the arguments' JSON: open brackets, and whether inside a string or after a backslash
     in_string: bool = False
     escaped: bool = False
+    string_from: int | None = None  # inside an XML string parameter's value (see _string_value)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """New text in; (content to send now, call deltas with their `index`)."""
@@ -450,22 +451,46 @@ class ToolCallStream:
             deltas.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
 
     def _parameter(self, deltas: list[dict[str, Any]]) -> bool:
-        """An XML call's next parameter once it closes, as JSON, or the call's end."""
+        """An XML call's next parameter, as JSON: a string's name at once and its text as it comes
+        (`_string_value`), any other once it closes; or the call's end."""
+        if self.string_from is not None:
+            return self._string_value(deltas)
         rest = self.pending.lstrip()
         if rest.startswith("</function>"):
             self._add_arguments("}", deltas)
             self.pending = rest[len("</function>") :]
             return self._move("between")
         match = _XML_PARAMETER.match(self.pending)
-        end = self.pending.find(_XML_CLOSE, match.end() - 1) if match else -1
+        if match is None:
+            return False
+        name, separator = match.group(1), "" if self.calls[-1]["function"]["arguments"] == "{" else ", "
+        if (self.calls[-1]["function"]["name"], name) in self.string_parameters:
+            self._add_arguments(f'{separator}{json.dumps(name)}: "', deltas)
+            self.pending, self.string_from = self.pending[match.end() - 1 :], 1  # from after the opening's newline
+            return True
+        end = self.pending.find(_XML_CLOSE, match.end() - 1)
         if end < 0:
             return False
-        name, text = match.group(1), self.pending[match.end() : max(end, match.end())]
-        value = text if (self.calls[-1]["function"]["name"], name) in self.string_parameters else _xml_argument(text)
-        separator = "" if self.calls[-1]["function"]["arguments"] == "{" else ", "
+        value = _xml_argument(self.pending[match.end() : max(end, match.end())])
         self._add_arguments(f"{separator}{json.dumps(name)}: {json.dumps(value)}", deltas)
         self.pending = self.pending[end + len(_XML_CLOSE) :]
         return True
+
+    def _string_value(self, deltas: list[dict[str, Any]]) -> bool:
+        """A string parameter's text, JSON-escaped as it comes, all but what may be its closing tag
+        in the making; the closing quote once the tag is there. `pending` starts at the opening's
+        newline (string_from 1: not yet sent) or within the text (0)."""
+        end = self.pending.find(_XML_CLOSE)
+        stop = end if end >= 0 else len(self.pending) - _partial_suffix(self.pending, _XML_CLOSE)
+        piece = self.pending[self.string_from : stop]
+        if end >= 0:  # (an empty value: the opening's newline is the closing tag's)
+            self._add_arguments(json.dumps(piece)[1:-1] + '"', deltas)
+            self.pending, self.string_from = self.pending[end + len(_XML_CLOSE) :], None
+            return True
+        if stop > self.string_from:
+            self._add_arguments(json.dumps(piece)[1:-1], deltas)
+            self.pending, self.string_from = self.pending[stop:], 0
+        return False
 
     def _between(self, final: bool, content: list[str]) -> bool:
         """After a call: the block's close (what else is before it is dropped), or a list's or bare

@@ -65,9 +65,16 @@ def test_qwen3_coder_calls_are_xml_with_string_parameters_as_text_and_others_as_
     assert text == ("<tool_call>\n<function=write_file>\n<parameter=path>\na.py\n</parameter>\n"
                     "<parameter=content>\nline one\n\nline three\n\n</parameter>\n<parameter=count>\n3\n</parameter>\n"
                     '<parameter=flags>\n{"x": [true, null]}\n</parameter>\n</function>\n</tool_call>')
-    _, [call] = parse_tool_calls(text, {"write_file"}, fmt=fmt)
-    assert json.loads(call["function"]["arguments"]) == arguments
-    assert call["function"]["arguments"] == json.dumps(arguments)
+    strings = frozenset({("write_file", "path"), ("write_file", "content"), ("write_file", "note")})
+    for known in (frozenset(), strings):  # the strings read as JSON where they do, or known as text
+        _, [call] = parse_tool_calls(text, {"write_file"}, fmt=fmt, string_parameters=known)
+        assert call["function"]["arguments"] == json.dumps(arguments)
+    empty = fmt.write([("write_file", {"note": "", "content": "\n"})])
+    stream, deltas = ToolCallStream({"write_file"}, fmt=fmt, string_parameters=strings), []
+    for i, char in enumerate(empty + text):  # a string's text streams as it comes, all but a closing tag in the making
+        deltas += stream.feed(char, final=i == len(empty + text) - 1)[1]
+    assert [json.loads(arguments) for _, arguments in _merge(deltas)] == [{"note": "", "content": "\n"}, arguments]
+    assert len([d for d in deltas if d["index"] == 1]) > len(arguments["content"])
     digits = fmt.write([("get_weather", {"city": "75001"})])  # a string that reads as JSON stays a string
     assert json.loads(parse_tool_calls(digits, NAMES, fmt=fmt)[1][0]["function"]["arguments"]) == {"city": 75001}
     _, [call] = parse_tool_calls(digits, NAMES, fmt=fmt, string_parameters=frozenset({("get_weather", "city")}))
