@@ -324,6 +324,7 @@ class ToolCallStream:
     in_string: bool = False
     escaped: bool = False
     string_from: int | None = None  # inside an XML string parameter's value (see _string_value)
+    text_after_call: bool = False  # content other than whitespace sent since the last call
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """New text in; (content to send now, call deltas with their `index`)."""
@@ -362,13 +363,14 @@ class ToolCallStream:
         return self._send(pending, final, content)  # "after"
 
     def _send(self, text: str, final: bool, content: list[str]) -> bool:
-        """The pending text up to `text`'s length as content; after a call, whitespace waits to be
-        followed by more text (whitespace between calls, or after the last, is not content)."""
-        if self.calls and not text.strip():
+        """The pending text up to `text`'s length as content; right after a call, whitespace waits
+        to be followed by more text (whitespace between calls, or after the last, is not content)."""
+        if self.calls and not self.text_after_call and not text.strip():
             self.pending = "" if final else self.pending
             return False
         content.append(text)
         self.pending = self.pending[len(text) :]
+        self.text_after_call = self.text_after_call or bool(self.calls and text.strip())
         return False
 
     def _find_calls(self, final: bool, content: list[str]) -> bool:
@@ -391,7 +393,8 @@ class ToolCallStream:
             keep = 0 if final else _partial_suffix(pending, fmt.marker)
             return self._send(pending[: len(pending) - keep], final, content)
         before = pending[:start]
-        content.append(before.strip() if self.calls else before)
+        if before.strip() or not self.calls or self.text_after_call:  # (as _send)
+            content.append(before)
         self.region, self.pending = fmt.marker, pending[start + len(fmt.marker) :]
         if fmt.layout == "list":
             opened = self.pending.lstrip()
@@ -436,6 +439,7 @@ class ToolCallStream:
         else:
             call["index"] = len(self.calls)
             self.calls.append(call)
+            self.text_after_call = False
             deltas.append(call)
         return self._move("text")
 
@@ -443,6 +447,7 @@ class ToolCallStream:
         call = {"index": len(self.calls), "id": self.fmt.call_id(), "type": "function",
                 "function": {"name": name, "arguments": ""}}
         self.calls.append(call)
+        self.text_after_call = False
         deltas.append({**call, "function": dict(call["function"])})  # the call's arguments grow
 
     def _add_arguments(self, piece: str, deltas: list[dict[str, Any]]) -> None:
