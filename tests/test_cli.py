@@ -64,3 +64,14 @@ def test_run_batch_refuses_a_file_of_no_one_endpoint_before_loading_the_model(tm
                             for i, url in enumerate(urls)))
     with pytest.raises(SystemExit, match="every line's url must be the same one of"):
         cli.main(["run-batch", "-i", str(path), "-o", str(tmp_path / "out.jsonl")])
+
+
+def test_the_parser_choices_are_the_servers_own():
+    """The CLI spells out --tool-call-parser and --reasoning-parser's choices (so that parsing flags
+    imports nothing heavy); they must be the server's formats and parsers, no more, no fewer."""
+    from hyperserve.server.reasoning import PARSERS
+    from hyperserve.server.tools import FORMATS
+
+    serve = cli.build_parser()._subparsers._group_actions[0].choices["serve"]
+    choices = {a.dest: set(a.choices) for a in serve._actions if a.choices}
+    assert choices["tool_call_parser"] == set(FORMATS) and choices["reasoning_parser"] == set(PARSERS)

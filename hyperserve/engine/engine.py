@@ -364,14 +364,18 @@ class LLMEngine:
         A constrained request whose grammar forces its next tokens drafts those (`_draft_forced`);
         the others get the proposer's drafts, except while the batch is large: then decode is
         compute-bound and verifying drafts costs about as much as decoding them."""
-        forced_drafts = self.config.speculative.speculative_forced_tokens
+        spec = self.config.speculative
+        proposing = self.proposer is not None and len(self.scheduler.running) <= spec.speculative_max_batch
+        if not (proposing or spec.speculative_forced_tokens):
+            return
         decoding = []
         for request in self.scheduler.running:
             if request.num_computed_tokens != request.num_tokens - 1:
                 continue  # still prefilling
-            if not (forced_drafts and request.grammar is not None and self._draft_forced(request)):
-                decoding.append(request)
-        if self.proposer is None or len(self.scheduler.running) > self.config.speculative.speculative_max_batch:
+            if spec.speculative_forced_tokens and request.grammar is not None and self._draft_forced(request):
+                continue
+            decoding.append(request)
+        if not proposing:
             return
         # A draft model writes its drafts' KV, so their slots come first (and what it did not
         # draft is trimmed); a proposer that sizes its own proposals (a lookup) gets slots after.

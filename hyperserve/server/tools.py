@@ -300,8 +300,8 @@ class ToolCallStream:
     a call's id, type and name once its name is known and offered, then its arguments (their JSON
     text as the model writes it) piece by piece.
 
-    A call in XML (Qwen3-Coder) streams its arguments as JSON too: "{", then each parameter as it
-    closes, `"name": value` (a string parameter's text as it is, any other's read as JSON), then "}".
+    A call in XML (Qwen3-Coder) streams its arguments as JSON too: "{", then `"name": value` per
+    parameter (a string parameter's text as it comes, any other's read as JSON once it closes), "}".
 
     Where the calls stand (`state`): "text" (content, held back where it may be a marker in the
     making), "head" (a call's opening), "arguments" (JSON), "parameters" (XML), "close" (a JSON
