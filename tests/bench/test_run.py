@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -73,6 +74,19 @@ def test_an_unreachable_server_is_reported_not_raised():
     assert summary["num_failed"] == 4 and "Connect" in summary["errors"][0]
 
 
+def _read_request(connection: socket.socket) -> None:
+    """Reads one HTTP request, its head and then as many body bytes as its content-length says."""
+    data, length = b"", None
+    while length is None or len(data) < length:
+        received = connection.recv(65536)
+        if not received:
+            return
+        data += received
+        if length is None and b"\r\n\r\n" in data:
+            head, data = data.split(b"\r\n\r\n", 1)
+            length = int(re.search(rb"(?i)content-length:\s*(\d+)", head).group(1))
+
+
 class _DroppingServer:
     """Answers each request with a short stream, but drops every `drop_every`-th connection once
     its request is in, unanswered, as a server drops a kept-alive connection it had closed."""
@@ -95,7 +109,7 @@ class _DroppingServer:
                 return
             with connection:
                 self.connections += 1
-                connection.recv(65536)
+                _read_request(connection)  # all of it: closing on unread bytes would reset, not close
                 if self.connections % self.drop_every:
                     connection.sendall(answer)
 
