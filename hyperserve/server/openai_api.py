@@ -129,6 +129,9 @@ class OpenAIServing:
         if offered and constraint is not None:
             raise APIError(400, "response_format (or a guided_* constraint) cannot be combined with tools; "
                                 "set tool_choice to 'none' or drop the constraint", param="response_format")
+        if offered and self.tool_format.syntax == "xml" and (bad := tools.unreadable_xml_parameter(offered)):
+            raise APIError(400, f"parameter name {bad!r} cannot be written in {self.tool_format.name}'s XML tags "
+                                "(it holds '>' or a line break); rename it", param="tools")
         if offered:
             constraint = tools.tool_constraint(offered, request.tool_choice, request.parallel_tool_calls,
                                                self.tool_format, self.tool_marker_id)

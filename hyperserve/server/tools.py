@@ -233,6 +233,17 @@ def _xml_call_rules(tools: list[Tool]) -> str:
     return "\n".join([f"call: {' | '.join(calls)}", *rules, *strings.values(), ""])
 
 
+def unreadable_xml_parameter(tools: list[Tool]) -> str | None:
+    """The first "function.parameter" whose name Qwen3-Coder's XML cannot carry: a `>` or a line
+    break would end its <parameter=...> tag early, so the grammar could write the call but no
+    reader could take it back."""
+    for tool in tools:
+        for name in ((tool.function.parameters or {}).get("properties") or {}):
+            if ">" in name or "\n" in name or "\r" in name:
+                return f"{tool.function.name}.{name}"
+    return None
+
+
 _XML_END = r'"\n</parameter>"'
 
 

@@ -289,4 +289,16 @@ def test_other_call_formats_are_written_parsed_and_streamed(format_server):
     r = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice="none",
                                        temperature=0, max_tokens=5)
     assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls
+
+    # a parameter name that would end XML's tag early is refused, where other formats write it in JSON
+    odd = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a>b": {"type": "boolean"}}, "required": ["a>b"]}}}
+    answer = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "model": model, "messages": ASK_WEATHER, "tools": [odd], "tool_choice": "required", "max_tokens": 40})
+    if name == "qwen3_coder":
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "tools"
+        assert "'f.a>b'" in answer.json()["error"]["message"]
+    else:
+        assert answer.status_code == 200
+        assert "a>b" in json.loads(answer.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])
     server.wait_idle()
