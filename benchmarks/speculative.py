@@ -1,8 +1,13 @@
 """Speculative decoding, single stream on SmolLM2-135M: tokens/s with each method vs none.
 
-Two workloads of greedy requests, run one at a time:
+Four workloads of greedy requests, run one at a time:
   (a) input-grounded: rewrite, extract or continue a given text or code (output repeats input)
   (b) open chat
+  (c) templated extraction: one instruction, a different sentence each time (answers alike)
+  (d) asked again: each prompt of (a) and (b) right after its first ask (a retry, an agent's loop)
+n-gram lookups also search earlier requests' answers (OutputHistory). (a) and (b) forget them
+before each prompt, so they measure what a request's own text gives, as earlier steps did; (c)
+keeps them within a round; (d) measures the second ask only.
 Every method has its own engine, all loaded at once, and each prompt runs on each of them in turn,
 for --rounds rounds: a shared VM's drift (10-20% within minutes) then falls on every method alike,
 where a run of one method after another measured it. Decode tokens/s counts output tokens after
@@ -12,7 +17,7 @@ to invent a new conversation, which is no longer input-grounded, so --no-ignore-
 the model stops) measures the grounded workload as users get it.
 
     python benchmarks/speculative.py [--max-tokens 128] [--num-tokens N] [--rounds 2] [--no-ignore-eos]
-        [--methods none ngram self self:27]
+        [--methods none ngram self self:27] [--workloads a b c d]
 """
 
 from __future__ import annotations
@@ -44,6 +49,12 @@ TEXT = ("The Amazon rainforest covers much of the Amazon basin of South America.
         "territory belonging to nine nations. The majority of the forest is contained within Brazil, with 60% of "
         "the rainforest, followed by Peru with 13%, and Colombia with 10%.")
 
+PEOPLE = ["Maria Lopez is 34 and lives in Madrid.", "John Smith, 51, moved to Toronto last year.",
+          "Aiko Tanaka (27) works in Osaka.", "Pierre Dubois is a 45-year-old teacher from Lyon.",
+          "Fatima Khan, aged 38, lives in Lahore.", "Lars Jensen is 29 and lives in Copenhagen.",
+          "Olga Ivanova, 62, retired to Sochi.", "Ken Adams is 40; he lives in Denver."]
+EXTRACT = [f"Extract the person's name, age and city from this sentence as a JSON object with keys name, age "
+           f"and city:\n\n{person}" for person in PEOPLE]
 GROUNDED = [
     f"Rename the function parse_config to load_settings and output the complete code:\n\n{CODE}",
     f"Add a docstring to this function and output the complete code:\n\n{CODE}",
@@ -71,8 +82,18 @@ def engine(method: str, num_tokens: int | None):
     return llm
 
 
-def run(methods: list[str], workloads: dict[str, list[str]], max_tokens: int, num_tokens: int | None, rounds: int,
-        ignore_eos: bool) -> dict:
+WORKLOADS = {"(a) input-grounded": (GROUNDED, "fresh"), "(b) open chat": (CHAT, "fresh"),
+             "(c) templated extract": (EXTRACT, "kept"), "(d) asked again": (GROUNDED + CHAT, "again")}
+
+
+def forget_answers(llm) -> None:
+    history = getattr(llm.engine.proposer, "history", None)
+    if history is not None:
+        history.clear()
+
+
+def run(methods: list[str], workloads: dict[str, tuple[list[str], str]], max_tokens: int, num_tokens: int | None,
+        rounds: int, ignore_eos: bool) -> dict:
     from hyperserve import SamplingParams
 
     engines = {method: engine(method, num_tokens) for method in methods}
@@ -80,9 +101,15 @@ def run(methods: list[str], workloads: dict[str, list[str]], max_tokens: int, nu
     totals = {(m, w): [0, 0.0, 0, 0, 0] for m in methods for w in workloads}  # tokens, s, drafted, accepted, steps
     for round_ in range(rounds):
         print(f"round {round_ + 1}/{rounds} ...", flush=True)
-        for workload, prompts in workloads.items():
+        for workload, (prompts, answers) in workloads.items():
+            for llm in engines.values():
+                forget_answers(llm)
             for prompt in prompts:
                 for method, llm in engines.items():
+                    if answers == "fresh":
+                        forget_answers(llm)
+                    elif answers == "again":
+                        llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
                     steps = llm.engine.scheduler.spec_stats.num_drafts
                     out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
                     m, total = out.metrics, totals[(method, workload)]
@@ -116,9 +143,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="each prompt on each method this many times")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="go on to --max-tokens past the model's end of answer (default)")
+    parser.add_argument("--workloads", nargs="+", default=["a", "b", "c", "d"], choices=["a", "b", "c", "d"])
     parser.add_argument("--json", default="benchmarks/results/speculative.json")
     args = parser.parse_args()
-    workloads = {"(a) input-grounded": GROUNDED, "(b) open chat": CHAT}
+    workloads = {name: WORKLOADS[name] for name in WORKLOADS if name[1] in args.workloads}
     results = run(args.methods, workloads, args.max_tokens, args.num_tokens, args.rounds, args.ignore_eos)
     from benchmarks.cpu_vs_llamacpp import cpu_header
 
@@ -129,13 +157,13 @@ def main() -> None:
 
     print("verify cost (one more token in a step / a one-token step), timed at start: "
           + ", ".join(f"{method} {r['verify_cost']:.2f}" for method, r in results.items() if method != "none"))
-    print(f"{'workload':<20}{'method':<10}{'decode tok/s':>14}{'speedup':>9}{'accept rate':>13}{'mean len':>10}")
+    print(f"{'workload':<24}{'method':<10}{'decode tok/s':>14}{'speedup':>9}{'accept rate':>13}{'mean len':>10}")
     for workload in workloads:
         base = results["none"][workload]["decode_tps"] if "none" in results else None
         for method, by_workload in results.items():
             r = by_workload[workload]
             speedup = r["decode_tps"] / base if base else None
-            print(f"{workload:<20}{method:<10}{r['decode_tps']:>14.1f}{fmt(speedup, '.2f'):>9}"
+            print(f"{workload:<24}{method:<10}{r['decode_tps']:>14.1f}{fmt(speedup, '.2f'):>9}"
                   f"{fmt(r['acceptance_rate'], '.2f'):>13}{fmt(r['mean_accepted_length'], '.2f'):>10}")
     with open(args.json, "w") as f:
         json.dump({"args": vars(args), "date": time.strftime("%Y-%m-%d"), "results": results}, f, indent=2)

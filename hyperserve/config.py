@@ -148,6 +148,9 @@ class SpeculativeConfig:
     # 2 tokens' 43%, 8 or more tokens' 88-92%: verifying 1-token matches cost more than they gave
     # (n-gram over none: 1.41-1.46x -> 1.53x input-grounded, 1.20-1.29x -> 1.27-1.33x open chat)
     ngram_min: int = 2
+    # for method=ngram: earlier requests' answers kept for lookups where a request's own text has
+    # no match (the latest this many tokens or more; 0: none)
+    ngram_history_tokens: int = 1 << 17
     speculative_max_batch: int = 4  # no speculation while more requests than this are decoding
     # A constrained request's next tokens that its grammar forces (a JSON key, a tool call's
     # opening) are drafted and verified in one step, with or without a method, at any batch size
@@ -172,6 +175,8 @@ class SpeculativeConfig:
             raise ValueError("draft_model is only used with speculative_method='draft'")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if self.ngram_history_tokens < 0:
+            raise ValueError(f"ngram_history_tokens must be >= 0, got {self.ngram_history_tokens}")
         if self.speculative_verify_cost is not None and self.speculative_verify_cost < 0:
             raise ValueError(f"speculative_verify_cost must be >= 0, got {self.speculative_verify_cost}")
         if self.self_draft_layers is not None and self.self_draft_layers < 1:
@@ -204,7 +209,8 @@ class ParallelConfig:
 # LLM(speculative={"method": ..., "num_tokens": ...}): the dict's short keys -> SpeculativeConfig fields
 _SPECULATIVE_KEYS = {"method": "speculative_method", "num_tokens": "num_speculative_tokens",
                      "model": "draft_model", "draft_model": "draft_model", "num_layers": "self_draft_layers",
-                     "ngram_max": "ngram_max", "ngram_min": "ngram_min", "max_batch": "speculative_max_batch",
+                     "ngram_max": "ngram_max", "ngram_min": "ngram_min",
+                     "history_tokens": "ngram_history_tokens", "max_batch": "speculative_max_batch",
                      "verify_cost": "speculative_verify_cost", "forced_tokens": "speculative_forced_tokens"}
 
 

@@ -358,6 +358,8 @@ class LLMEngine:
                     break
             if request.is_finished:
                 request.metrics.finished_time = now
+                if self.proposer is not None:
+                    self.proposer.finished(request)
 
     def _propose(self) -> None:
         """Speculative decoding: draft tokens for decoding requests, verified by the next step.

@@ -7,7 +7,8 @@ accepts or rejects them (rejection_sampler) and the scheduler rolls back what wa
 
 Proposers:
   NgramProposer   prompt lookup: the continuation of the latest earlier occurrence of the last
-                  n tokens (prompt and output); no model, no cost
+                  n tokens (prompt and output, then earlier requests' answers: OutputHistory);
+                  no model, no cost
   ModelProposer   a small model run through the same runner machinery, either a separate draft
                   model with its own KV tensors addressed by the target's block tables, or the
                   target's own first layers plus its LM head ("self"), which reads and writes the
@@ -17,6 +18,7 @@ Proposers:
 from __future__ import annotations
 
 import array
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -67,6 +69,100 @@ class Proposer(Protocol):
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Proposal]: ...
 
+    def finished(self, request: Request) -> None:
+        """A request's answer is complete (what a proposer may learn from)."""
+
+
+class OutputHistory:
+    """Earlier requests' answers, looked up when a request's own text has no match: agents,
+    templated tasks and repeated questions write the same phrasing again across requests (the idea
+    of SuffixDecoding, arXiv 2411.04975). A window of the latest answers, `capacity` tokens (a
+    64th more before the oldest go, whole); each answer follows its prompt's last `ngram_max`
+    tokens (so its opening can be drafted) and ends with a separator that no continuation crosses.
+
+    Indexed as zlib indexes its window: the latest position after each key (the `ngram_min` tokens
+    before it) and, per position, the previous one after the same key. A lookup walks the latest
+    few, grows each match backwards and takes the longest. Integers in arrays and a dict of ints:
+    nothing for Python's garbage collector to walk, which took 100 ms pauses over an index of
+    lists and tuples."""
+
+    SEPARATOR = -1
+    POSITIONS_PER_KEY = 8
+
+    def __init__(self, capacity: int, ngram_min: int, ngram_max: int) -> None:
+        self.capacity, self.ngram_min, self.ngram_max = capacity, ngram_min, ngram_max
+        self.longest = 4 * ngram_max  # matches are grown this far: a repeated answer's run apart from chance ones
+        self.clear()
+
+    def clear(self) -> None:
+        self.tokens = array.array("i")  # the window: tokens[i] is position base + i of all ever added
+        self.earlier = array.array("q")  # per position: the previous one after the same key (-1: none)
+        self.base = 0
+        self.lengths: deque[int] = deque()  # of the answers in the window, oldest first
+        self.latest: dict[int, int] = {}  # key -> the latest position after it
+
+    def add(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
+        start = self.base + len(self.tokens)
+        answer = [*prompt_token_ids[-self.ngram_max:], *output_token_ids]
+        earlier = [-1] * (len(answer) + 1)
+        for position, key in enumerate(self._keys(answer[:-1]), start + self.ngram_min):  # each but the last
+            earlier[position - start] = self.latest.get(key, -1)
+            self.latest[key] = position
+        self.tokens.extend(answer)
+        self.tokens.append(self.SEPARATOR)
+        self.earlier.extend(earlier)
+        self.lengths.append(len(answer) + 1)
+        if len(self.tokens) > self.capacity + self.capacity // 64:
+            self._evict()
+
+    def _keys(self, answer: list[int]) -> list[int]:
+        """The key of each position after the first ngram_min tokens, to the end: those tokens
+        packed in one integer."""
+        n = self.ngram_min
+        keys = [0] * (len(answer) - n + 1)
+        for j in range(n):
+            keys = [(key << 32) | token for key, token in zip(keys, answer[j : len(answer) - n + 1 + j])]
+        return keys
+
+    def _evict(self) -> None:
+        """Drop the oldest answers (all but the latest) until the window fits `capacity`, and the
+        keys whose latest position went with them: work in proportion to what goes."""
+        lengths = []
+        while len(self.lengths) > 1 and len(self.tokens) - sum(lengths) > self.capacity:
+            lengths.append(self.lengths.popleft())
+        first, dropped = self.base + sum(lengths), 0
+        for length in lengths:
+            for key in self._keys(self.tokens[dropped : dropped + length - 2].tolist()):  # as add() took them
+                if self.latest.get(key, first) < first:
+                    del self.latest[key]
+            dropped += length
+        del self.tokens[:dropped]
+        del self.earlier[:dropped]
+        self.base = first
+
+    def lookup(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
+        """(match length, up to k tokens that followed it) for the longest match of the suffix of
+        `tokens` (ngram_min to `longest` tokens), the latest among equals; (0, []) if none."""
+        if len(tokens) < self.ngram_min:
+            return 0, []
+        best, best_at, longest = 0, 0, min(self.longest, len(tokens))
+        at = self.latest.get(self._keys(tokens[-self.ngram_min:])[0], -1)
+        for _ in range(self.POSITIONS_PER_KEY):
+            if at < self.base:
+                break
+            n, i = self.ngram_min, at - self.base
+            while n < longest and i - n > 0 and self.tokens[i - n - 1] == tokens[-n - 1]:
+                n += 1
+            if n > best:
+                best, best_at = n, i
+            at = self.earlier[i]
+        if not best:
+            return 0, []
+        continuation = self.tokens[best_at : best_at + k].tolist()
+        if self.SEPARATOR in continuation:
+            continuation = continuation[: continuation.index(self.SEPARATOR)]
+        return (best, continuation) if continuation else (0, [])
+
 
 class NgramProposer:
     """Prompt lookup, with k chosen per proposal from how long the match is: the acceptance of a
@@ -77,18 +173,31 @@ class NgramProposer:
     draft_cost = 0.0
     sizes_proposals = True
 
-    def __init__(self, ngram_min: int, ngram_max: int, verify_cost: float = 0.0) -> None:
+    def __init__(self, ngram_min: int, ngram_max: int, verify_cost: float = 0.0, history_tokens: int = 0) -> None:
         self.ngram_min, self.ngram_max, self.verify_cost = ngram_min, ngram_max, verify_cost
         self.acceptance = {n: Acceptance() for n in range(ngram_min, ngram_max + 1)}
+        # earlier answers' matches keep rates of their own: they are not the request's own text
+        self.history = OutputHistory(history_tokens, ngram_min, ngram_max) if history_tokens else None
+        self.history_acceptance = {n: Acceptance() for n in range(ngram_min, ngram_max + 1)}
+        if self.history is not None:  # and one rate for runs as long as `longest`: a repeated answer
+            self.history_acceptance[self.history.longest] = Acceptance()
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Proposal]:
         proposals = []
         for request, limit in zip(requests, num_tokens):
-            n, continuation = self.lookup(request.all_token_ids, limit)
+            tokens = request.all_token_ids
+            n, continuation = self.lookup(tokens, limit)
+            acceptances = self.acceptance
+            if self.history is not None:  # earlier answers: a longer match wins, over a long one of
+                m, earlier = self.history.lookup(tokens, limit)  # the request's own only a repeated run
+                if m > n and (n < self.ngram_max or m == self.history.longest):
+                    # a run between ngram_max and longest shares ngram_max's rate
+                    n = m if m <= self.ngram_max or m == self.history.longest else self.ngram_max
+                    continuation, acceptances = earlier, self.history_acceptance
             if not continuation:
                 proposals.append(Proposal([], None))
                 continue
-            acceptance = self.acceptance[n]
+            acceptance = acceptances[n]
             k = num_tokens_to_propose(acceptance, len(continuation), self.draft_cost, self.verify_cost)
             acceptance.steps_without = 0 if k else acceptance.steps_without + 1
             proposals.append(Proposal(continuation[:k], None, acceptance))
@@ -108,6 +217,10 @@ class NgramProposer:
                 return n, tokens[at // 4 + n : at // 4 + n + k]
         return 0, []
 
+    def finished(self, request: Request) -> None:
+        if self.history is not None:
+            self.history.add(request.prompt_token_ids, request.output_token_ids)
+
 
 class ModelProposer:
     """Drafts k tokens per request with a small model: first a catch-up pass over the tokens whose
@@ -123,6 +236,9 @@ class ModelProposer:
         self.shares_target_kv = shares_target_kv
         self.draft_cost = draft_cost
         self.generator = torch.Generator(device=runner.device).manual_seed(1234)
+
+    def finished(self, request: Request) -> None:
+        """Nothing to learn: a model drafts from its weights."""
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Proposal]:
@@ -160,7 +276,7 @@ class ModelProposer:
 def build_proposer(config: SpeculativeConfig, runner: ModelRunner, kv_cache: KVCacheManager,
                    draft: LlamaForCausalLM | None, verify_cost: float) -> Proposer:
     if config.speculative_method == "ngram":
-        return NgramProposer(config.ngram_min, config.ngram_max, verify_cost)
+        return NgramProposer(config.ngram_min, config.ngram_max, verify_cost, config.ngram_history_tokens)
     target = runner.model
     if config.speculative_method == "self":
         num_layers = target.config.num_hidden_layers

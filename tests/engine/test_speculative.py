@@ -11,7 +11,7 @@ import torch
 
 from hyperserve import LLM, SamplingParams
 from hyperserve.engine import model_runner, rejection_sampler
-from hyperserve.engine.speculative import NgramProposer
+from hyperserve.engine.speculative import NgramProposer, OutputHistory
 from tests.conftest import DEVICES, EXACT, assert_same_outputs, tiny_config
 
 NUM_BLOCKS = 200
@@ -248,6 +248,75 @@ def test_ngram_lookup_matches_a_plain_search_on_random_tokens():
         tokens = [rng.choice(alphabet) for _ in range(rng.randint(1, 40))]
         k = rng.randint(1, 5)
         assert NgramProposer(shortest, longest).lookup(tokens, k)[1] == reference(tokens, k, shortest, longest)
+
+
+def test_history_drafts_what_followed_the_longest_match_in_earlier_answers():
+    history = OutputHistory(capacity=1000, ngram_min=2, ngram_max=4)
+    history.add([1, 2, 3], [10, 11, 12, 13])
+    history.add([4, 5, 6], [20, 10, 11, 14, 15])
+    assert history.lookup([7, 2, 3, 10, 11], 5) == (4, [12, 13])  # the longer match, not the latest; no separator
+    assert history.lookup([9, 10, 11], 5) == (2, [14, 15])  # equally long: the latest
+    assert history.lookup([0, 4, 5, 6], 2) == (3, [20, 10])  # an answer's opening, after its prompt's end
+    assert history.lookup([10, 99], 3) == (0, [])
+
+
+def test_history_lookup_matches_a_plain_search_as_its_window_slides():
+    """Against the obvious search over the window it keeps (the latest 8 occurrences of the last
+    ngram_min tokens, each grown backwards as far as it matches, up to `longest`), while answers
+    are added and the oldest evicted."""
+    def reference(history: OutputHistory, tokens: list[int], k: int) -> tuple[int, list[int]]:
+        window, n_min = history.tokens.tolist(), history.ngram_min
+        ends = [i for i in range(n_min, len(window)) if window[i - n_min : i] == tokens[-n_min:]
+                and OutputHistory.SEPARATOR not in window[i - n_min : i + 1]][-OutputHistory.POSITIONS_PER_KEY:]
+        best, best_at = 0, 0
+        for i in reversed(ends):
+            n = n_min
+            while n < min(history.longest, len(tokens)) and i - n > 0 and window[i - n - 1] == tokens[-n - 1]:
+                n += 1
+            if n > best:
+                best, best_at = n, i
+        continuation = window[best_at : best_at + k] if best else []
+        if OutputHistory.SEPARATOR in continuation:
+            continuation = continuation[: continuation.index(OutputHistory.SEPARATOR)]
+        return (best, continuation) if continuation else (0, [])
+
+    rng = random.Random(0)
+    for _ in range(200):
+        history = OutputHistory(capacity=rng.choice([20, 60, 400]), ngram_min=rng.randint(1, 3), ngram_max=4)
+        alphabet = rng.choice([[0, 1, 2], list(range(6)), list(range(30))])
+        for _ in range(30):
+            history.add([rng.choice(alphabet) for _ in range(rng.randint(0, 6))],
+                        [rng.choice(alphabet) for _ in range(rng.randint(0, 25))])
+            assert len(history.tokens) <= history.capacity + history.capacity // 64 or len(history.lengths) == 1
+            assert sum(history.lengths) == len(history.tokens)
+            assert min(history.latest.values(), default=history.base) >= history.base  # no key left behind
+            tokens = [rng.choice(alphabet) for _ in range(rng.randint(1, 20))]
+            k = rng.randint(1, 6)
+            assert history.lookup(tokens, k) == reference(history, tokens, k)
+
+
+def test_a_repeated_request_is_drafted_from_its_earlier_answer(tiny_target):
+    """The same prompt again: its answer is drafted from the first one's (whole runs accepted),
+    and the tokens are those of plain decoding; without history the repeat gains nothing."""
+    _, path, _ = tiny_target
+    prompts = [[1, 2, 3, 4, 5, 0], [5, 4, 3, 2, 1, 0], [2, 2, 4, 4, 1, 1]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = _speculative_llm(path, {"method": "ngram", "num_tokens": 16})
+    plain.engine.config.speculative.speculative_max_batch = 0  # no drafts: the reference tokens
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    accepted = {}
+    for history_tokens in (0, 4096):
+        llm = _speculative_llm(path, {"method": "ngram", "num_tokens": 16, "history_tokens": history_tokens})
+        rounds = []
+        for _ in range(2):
+            stats = llm.engine.scheduler.spec_stats
+            before = stats.num_accepted_tokens
+            outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+            assert [o.outputs[0].token_ids for o in outputs] == expected
+            rounds.append(stats.num_accepted_tokens - before)
+        accepted[history_tokens] = rounds
+        assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.pool.num_blocks
+    assert accepted[4096][1] > 1.4 * accepted[0][1]  # measured: 77 against 49 of 117 tokens
 
 
 def test_greedy_verification_stops_at_the_first_mismatch():
