@@ -17,7 +17,7 @@ to invent a new conversation, which is no longer input-grounded, so --no-ignore-
 the model stops) measures the grounded workload as users get it.
 
     python benchmarks/speculative.py [--max-tokens 128] [--num-tokens N] [--rounds 2] [--no-ignore-eos]
-        [--methods none ngram self self:27] [--workloads a b c d]
+        [--methods none ngram ngram-own self self:27] [--workloads a b c d]
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ def engine(method: str, num_tokens: int | None):
     from hyperserve import LLM, SamplingParams
 
     speculative = None
-    if method != "none":
+    if method == "ngram-own":  # lookups in the request's own text only, no earlier answers
+        speculative = {"method": "ngram", "history_tokens": 0, **({"num_tokens": num_tokens} if num_tokens else {})}
+    elif method != "none":
         name, _, layers = method.partition(":")
         speculative = {"method": name, **({"num_tokens": num_tokens} if num_tokens else {}),
                        **({"num_layers": int(layers)} if layers else {})}
@@ -139,7 +141,8 @@ def main() -> None:
     parser.add_argument("--num-tokens", type=int, default=None,
                         help="draft tokens per step at most (default: the method's, 16 for ngram, 4 else)")
     parser.add_argument("--methods", nargs="+", default=["none", "ngram", "self", "self:27"],
-                        help="none, ngram, self or self:N (the target's first N layers draft)")
+                        help="none, ngram, ngram-own (no earlier answers), self or self:N (the target's "
+                             "first N layers draft)")
     parser.add_argument("--rounds", type=int, default=2, help="each prompt on each method this many times")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="go on to --max-tokens past the model's end of answer (default)")

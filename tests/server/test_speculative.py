@@ -35,3 +35,21 @@ def test_speculative_server_streams_the_same_greedy_text(ngram_server, server):
     assert 0 < accepted <= ngram_server.metric("spec_decode_num_draft_tokens_total")
     assert ngram_server.metric("spec_decode_mean_accepted_length") > 1
     ngram_server.wait_idle()
+
+
+def test_a_question_asked_again_is_drafted_from_its_first_answer(ngram_server, server):
+    """Open chat has little to copy from its prompt; asked again, the first answer is the draft."""
+    messages = [{"role": "user", "content": "What are the benefits of regular exercise?"}]
+
+    def ask(url: str) -> str:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=80)
+        return r.choices[0].message.content
+
+    expected, accepted = ask(server.url), []
+    for _ in range(2):
+        before = ngram_server.metric("spec_decode_num_accepted_tokens_total")
+        assert ask(ngram_server.url) == expected
+        accepted.append(ngram_server.metric("spec_decode_num_accepted_tokens_total") - before)
+    assert accepted[1] > max(2 * accepted[0], 50), accepted  # of 79 tokens after the first
+    ngram_server.wait_idle()
