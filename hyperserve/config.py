@@ -148,8 +148,8 @@ class SpeculativeConfig:
     # 2 tokens' 43%, 8 or more tokens' 88-92%: verifying 1-token matches cost more than they gave
     # (n-gram over none: 1.41-1.46x -> 1.53x input-grounded, 1.20-1.29x -> 1.27-1.33x open chat)
     ngram_min: int = 2
-    # for method=ngram: earlier requests' answers kept for lookups where a request's own text has
-    # no match (the latest this many tokens or more; 0: none)
+    # for method=ngram: earlier requests' answers kept for lookups beside a request's own text
+    # (the latest this many tokens; 0: none). A repeated answer is drafted 16 tokens a step.
     ngram_history_tokens: int = 1 << 17
     speculative_max_batch: int = 4  # no speculation while more requests than this are decoding
     # A constrained request's next tokens that its grammar forces (a JSON key, a tool call's

@@ -74,8 +74,8 @@ class Proposer(Protocol):
 
 
 class OutputHistory:
-    """Earlier requests' answers, looked up when a request's own text has no match: agents,
-    templated tasks and repeated questions write the same phrasing again across requests (the idea
+    """Earlier requests' answers, looked up beside a request's own text: agents, templated tasks
+    and repeated questions write the same phrasing again across requests (the idea
     of SuffixDecoding, arXiv 2411.04975). A window of the latest answers, `capacity` tokens (a
     64th more before the oldest go, whole); each answer follows its prompt's last `ngram_max`
     tokens (so its opening can be drafted) and ends with a separator that no continuation crosses.
