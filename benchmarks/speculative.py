@@ -73,12 +73,11 @@ def engine(method: str, num_tokens: int | None):
     from hyperserve import LLM, SamplingParams
 
     speculative = None
-    if method == "ngram-own":  # lookups in the request's own text only, no earlier answers
-        speculative = {"method": "ngram", "history_tokens": 0, **({"num_tokens": num_tokens} if num_tokens else {})}
-    elif method != "none":
+    if method != "none":
         name, _, layers = method.partition(":")
-        speculative = {"method": name, **({"num_tokens": num_tokens} if num_tokens else {}),
-                       **({"num_layers": int(layers)} if layers else {})}
+        speculative = {"method": name.removesuffix("-own"), **({"num_tokens": num_tokens} if num_tokens else {}),
+                       **({"num_layers": int(layers)} if layers else {}),
+                       **({"history_tokens": 0} if name == "ngram-own" else {})}  # own text only
     llm = LLM(max_model_len=2048, kv_cache_memory_gb=0.5, speculative=speculative)
     llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     return llm

@@ -176,11 +176,11 @@ class NgramProposer:
     def __init__(self, ngram_min: int, ngram_max: int, verify_cost: float = 0.0, history_tokens: int = 0) -> None:
         self.ngram_min, self.ngram_max, self.verify_cost = ngram_min, ngram_max, verify_cost
         self.acceptance = {n: Acceptance() for n in range(ngram_min, ngram_max + 1)}
-        # earlier answers' matches keep rates of their own: they are not the request's own text
         self.history = OutputHistory(history_tokens, ngram_min, ngram_max) if history_tokens else None
-        self.history_acceptance = {n: Acceptance() for n in range(ngram_min, ngram_max + 1)}
-        if self.history is not None:  # and one rate for runs as long as `longest`: a repeated answer
-            self.history_acceptance[self.history.longest] = Acceptance()
+        # earlier answers' matches keep rates of their own, and one for runs as long as `longest`
+        # (a repeated answer): they are not the request's own text
+        self.history_acceptance = {n: Acceptance() for n in (*range(ngram_min, ngram_max + 1), self.history.longest)
+                                   } if self.history is not None else {}
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Proposal]:
         proposals = []
