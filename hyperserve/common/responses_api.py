@@ -26,7 +26,7 @@ from hyperserve.common.response_store import DEFAULT_STORE_BYTES, ResponseStore,
 PATH = "/v1/responses"
 # Chat parameters (vLLM's extras included) that a Responses request may carry and that mean the same there.
 PASSTHROUGH = ("seed", "stop", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-               "logit_bias", "priority", "ignore_eos", "stop_token_ids", "chat_template_kwargs")
+               "logit_bias", "priority", "ignore_eos", "stop_token_ids", "chat_template_kwargs", "cache_salt")
 # A chat error's `param`, as the Responses request names it.
 LOGPROBS = "message.output_text.logprobs"  # the one `include` served: each output token's logprobs
 PARAM_NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",

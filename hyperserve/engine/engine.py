@@ -30,7 +30,7 @@ from hyperserve.distributed.group import TensorParallel
 from hyperserve.distributed.workers import TensorParallelWorkers
 from hyperserve.engine.detokenizer import IncrementalDetokenizer
 from hyperserve.engine.disk_cache import DiskKVStore, DiskTier
-from hyperserve.engine.kv_cache_manager import KVCacheManager
+from hyperserve.engine.kv_cache_manager import KVCacheManager, tenant_salt
 from hyperserve.engine.kv_transfer import KVTransfer
 from hyperserve.engine.lora_manager import LoRAManager
 from hyperserve.engine.memory import kv_groups, num_kv_blocks, return_freed_heap
@@ -192,16 +192,19 @@ class LLMEngine:
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         final_only: bool = False,
+        cache_salt: str = "",
     ) -> None:
         """Queue a request (with an adapter: `lora_request`); raises ValueError (and changes
         nothing) if it cannot be served. `final_only`: step() returns its output only once it
-        has finished, as offline batches want (building every step's outputs costs host time)."""
+        has finished, as offline batches want (building every step's outputs costs host time).
+        `cache_salt`: its tenant; it shares prefix-cached KV and n-gram drafts from earlier
+        answers only with requests of the same salt."""
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self.process_prompt(prompt)
         self.check_params(params)
-        cache_salt = self.check_lora(lora_request) if lora_request is not None else b""
+        salt = (self.check_lora(lora_request) if lora_request is not None else b"") + tenant_salt(cache_salt)
         arrival_time = time.time() if arrival_time is None else arrival_time
         samples = []
         for index in range(params.n):
@@ -217,7 +220,8 @@ class LLMEngine:
                 index=index,
                 seed=None if params.seed is None else params.seed + index,
                 lora_request=lora_request,
-                cache_salt=cache_salt,
+                cache_salt=salt,
+                scope=cache_salt,
             )
             if params.structured_outputs is not None:
                 request.grammar = self.grammars.grammar(params.structured_outputs)
@@ -251,8 +255,9 @@ class LLMEngine:
             raise ValueError(f"cannot apply the chat template: {error}") from error
         return list(ids)
 
-    def pin_prefix(self, request_id: str, prompt: str | list[int], ttl_s: float) -> None:
-        """Compute a prompt's KV and keep it cached for `ttl_s` seconds, safe from eviction.
+    def pin_prefix(self, request_id: str, prompt: str | list[int], ttl_s: float, cache_salt: str = "") -> None:
+        """Compute a prompt's KV and keep it cached for `ttl_s` seconds, safe from eviction, for
+        requests of the same `cache_salt`.
 
         Runs as a one-token request; once it finishes, `kv_cache.pins[request_id]` holds the
         pinned blocks (full blocks only: at most block_size - 1 trailing tokens are not pinned)."""
@@ -269,7 +274,7 @@ class LLMEngine:
                 f"pinning this prefix needs {num_blocks} KV blocks; pins may hold {cap} of the pool's "
                 f"{self.kv_cache.pool.num_blocks} (max_pinned_fraction) and {self.kv_cache.num_pinned_blocks} are "
                 "held", retryable=num_blocks <= cap)
-        self.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0))
+        self.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0), cache_salt=cache_salt)
         self._groups[request_id].samples[0].pin_until = time.time() + ttl_s
 
     def unpin_prefix(self, request_id: str) -> bool:

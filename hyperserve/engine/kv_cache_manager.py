@@ -37,6 +37,13 @@ def extend_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, sa
     return hashes
 
 
+def tenant_salt(cache_salt: str) -> bytes:
+    """The start of the hash chain of a request given `cache_salt` (vLLM's field; the server sets
+    one per API key's scope): requests share cached KV only when their salts are equal, so no
+    tenant can time another's prompts by what hits the cache."""
+    return hashlib.sha256(b"cache_salt:" + cache_salt.encode()).digest() if cache_salt else b""
+
+
 class PrefixTier(Protocol):
     """A lower tier of the prefix cache (the disk): holds blocks by hash, fills pool blocks."""
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperserve.engine.kv_cache_manager import KVCacheManager, extend_hashes
+from hyperserve.engine.kv_cache_manager import KVCacheManager, extend_hashes, tenant_salt
 from hyperserve.engine.model_runner import ModelRunner
 
 
@@ -42,11 +42,12 @@ class KVTransfer:
             return "tensor parallelism splits the KV over processes"
         return None
 
-    def prefix_hashes(self, token_ids: list[int]) -> list[bytes]:
-        """The hash chain of the blocks a request for this prompt can take from the prefix cache:
-        its full blocks but the one holding its last token, which the request computes itself."""
+    def prefix_hashes(self, token_ids: list[int], cache_salt: str = "") -> list[bytes]:
+        """The hash chain of the blocks a request for this prompt (of this tenant) can take from
+        the prefix cache: its full blocks but the one holding its last token, which the request
+        computes itself."""
         size = self.kv_cache.block_size
-        return extend_hashes([], token_ids, size)[: (len(token_ids) - 1) // size]
+        return extend_hashes([], token_ids, size, tenant_salt(cache_salt))[: (len(token_ids) - 1) // size]
 
     def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
         """The KV of these blocks, on the CPU: each tensor [blocks, layers, block_size, ...]."""

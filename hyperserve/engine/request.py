@@ -86,7 +86,8 @@ class Request:
     wait_for: Request | None = None  # start after this request has computed its prompt (n > 1)
     pin_until: float | None = None  # on finishing, keep the prompt's KV cached until then
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
-    cache_salt: bytes = b""  # starts its prefix-cache hash chain: KV differs per adapter
+    cache_salt: bytes = b""  # starts its prefix-cache hash chain: KV differs per adapter, and per tenant
+    scope: str = ""  # the tenant (cache_salt as given): whose earlier answers n-gram drafts may come from
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)

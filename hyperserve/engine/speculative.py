@@ -18,6 +18,7 @@ Proposers:
 from __future__ import annotations
 
 import array
+import hashlib
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -79,6 +80,8 @@ class OutputHistory:
     of SuffixDecoding, arXiv 2411.04975). A window of the latest answers, `capacity` tokens (a
     64th more before the oldest go, whole); each answer follows its prompt's last `ngram_max`
     tokens (so its opening can be drafted) and ends with a separator that no continuation crosses.
+    Answers are found only by requests of their own scope (tenant: Request.scope), whose hash is
+    part of every key: a shared window, separate indexes.
 
     Indexed as zlib indexes its window: the latest position after each key (the `ngram_min` tokens
     before it) and, per position, the previous one after the same key. A lookup walks the latest
@@ -99,27 +102,30 @@ class OutputHistory:
         self.earlier = array.array("q")  # per position: the previous one after the same key (-1: none)
         self.base = 0
         self.lengths: deque[int] = deque()  # of the answers in the window, oldest first
+        self.scopes: deque[str] = deque()  # and their scopes
         self.latest: dict[int, int] = {}  # key -> the latest position after it
 
-    def add(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
+    def add(self, prompt_token_ids: list[int], output_token_ids: list[int], scope: str = "") -> None:
         start = self.base + len(self.tokens)
         answer = [*prompt_token_ids[-self.ngram_max:], *output_token_ids]
         earlier = [-1] * (len(answer) + 1)
-        for position, key in enumerate(self._keys(answer[:-1]), start + self.ngram_min):  # each but the last
+        for position, key in enumerate(self._keys(answer[:-1], scope), start + self.ngram_min):  # each but the last
             earlier[position - start] = self.latest.get(key, -1)
             self.latest[key] = position
         self.tokens.extend(answer)
         self.tokens.append(self.SEPARATOR)
         self.earlier.extend(earlier)
         self.lengths.append(len(answer) + 1)
+        self.scopes.append(scope)
         if len(self.tokens) > self.capacity + self.capacity // 64:
             self._evict()
 
-    def _keys(self, answer: list[int]) -> list[int]:
+    def _keys(self, answer: list[int], scope: str) -> list[int]:
         """The key of each position after the first ngram_min tokens, to the end: those tokens
-        packed in one integer."""
+        packed in one integer, above them 64 bits of the scope's hash (none for the empty scope)."""
         n = self.ngram_min
-        keys = [0] * (len(answer) - n + 1)
+        tag = int.from_bytes(hashlib.blake2b(scope.encode(), digest_size=8).digest()) if scope else 0
+        keys = [tag] * (len(answer) - n + 1)
         for j in range(n):
             keys = [(key << 32) | token for key, token in zip(keys, answer[j : len(answer) - n + 1 + j])]
         return keys
@@ -127,12 +133,13 @@ class OutputHistory:
     def _evict(self) -> None:
         """Drop the oldest answers (all but the latest) until the window fits `capacity`, and the
         keys whose latest position went with them: work in proportion to what goes."""
-        lengths = []
+        lengths, scopes = [], []
         while len(self.lengths) > 1 and len(self.tokens) - sum(lengths) > self.capacity:
             lengths.append(self.lengths.popleft())
+            scopes.append(self.scopes.popleft())
         first, dropped = self.base + sum(lengths), 0
-        for length in lengths:
-            for key in self._keys(self.tokens[dropped : dropped + length - 2].tolist()):  # as add() took them
+        for length, scope in zip(lengths, scopes):
+            for key in self._keys(self.tokens[dropped : dropped + length - 2].tolist(), scope):  # as add() took them
                 if self.latest.get(key, first) < first:
                     del self.latest[key]
             dropped += length
@@ -140,13 +147,14 @@ class OutputHistory:
         del self.earlier[:dropped]
         self.base = first
 
-    def lookup(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
+    def lookup(self, tokens: list[int], k: int, scope: str = "") -> tuple[int, list[int]]:
         """(match length, up to k tokens that followed it) for the longest match of the suffix of
-        `tokens` (ngram_min to `longest` tokens), the latest among equals; (0, []) if none."""
+        `tokens` (ngram_min to `longest` tokens) in the scope's answers, the latest among equals;
+        (0, []) if none."""
         if len(tokens) < self.ngram_min:
             return 0, []
         best, best_at, longest = 0, 0, min(self.longest, len(tokens))
-        at = self.latest.get(self._keys(tokens[-self.ngram_min:])[0], -1)
+        at = self.latest.get(self._keys(tokens[-self.ngram_min:], scope)[0], -1)
         for _ in range(self.POSITIONS_PER_KEY):
             if at < self.base:
                 break
@@ -188,8 +196,8 @@ class NgramProposer:
             tokens = request.all_token_ids
             n, continuation = self.lookup(tokens, limit)
             acceptances = self.acceptance
-            if self.history is not None:  # earlier answers: a longer match wins, over a long one of
-                m, earlier = self.history.lookup(tokens, limit)  # the request's own only a repeated run
+            if self.history is not None:  # earlier answers of its scope: a longer match wins, over a
+                m, earlier = self.history.lookup(tokens, limit, request.scope)  # long own one only a repeated run
                 if m > n and (n < self.ngram_max or m == self.history.longest):
                     # a run between ngram_max and longest shares ngram_max's rate
                     n = m if m <= self.ngram_max or m == self.history.longest else self.ngram_max
@@ -219,7 +227,7 @@ class NgramProposer:
 
     def finished(self, request: Request) -> None:
         if self.history is not None:
-            self.history.add(request.prompt_token_ids, request.output_token_ids)
+            self.history.add(request.prompt_token_ids, request.output_token_ids, request.scope)
 
 
 class ModelProposer:

@@ -214,9 +214,10 @@ class Gateway:
         call = _Call("chat" if chat else "completion", stream, include_usage, started,
                      {"id": uuid.uuid4().hex[:16], "route": name})
 
+        scope = getattr(request.state, "cache_scope", None)  # the API key's (security), or None
         mode = request.headers.get("x-hyperserve-cache", "").lower()
         if self.cache is not None and mode != "off" and (mode == "on" or is_deterministic(body)):
-            call.key = cache_key(call.kind, name, body, getattr(request.state, "cache_scope", None))  # set by security
+            call.key = cache_key(call.kind, name, body, scope)
             answer = await self._from_cache(call)
             if answer is not None:
                 return answer
@@ -226,13 +227,13 @@ class Gateway:
 
         if stream and route.config.cascade is None:
             upstream = {**body, "stream_options": {"include_usage": True}}  # token counts for the log
-            lines, backend = await self.router.stream(name, path, upstream, affinity)
+            lines, backend = await self.router.stream(name, path, upstream, affinity, scope)
             call.record["backend"] = backend
             return StreamingResponse(self._relay(lines, call), media_type="text/event-stream",
                                      headers={"x-hyperserve-cache": call.cache_state, "x-hyperserve-backend": backend,
                                               "Cache-Control": "no-cache"})
 
-        reply = await self.router.complete(name, path, {**body, "stream": False}, affinity)
+        reply = await self.router.complete(name, path, {**body, "stream": False}, affinity, scope)
         call.timings["backend"] = reply.backend_s
         call.record["backend"] = reply.backend
         headers = {"x-hyperserve-cache": call.cache_state, "x-hyperserve-backend": reply.backend}

@@ -65,6 +65,7 @@ class Backend:
     session: aiohttp.ClientSession
     outstanding: int = 0
     managed: bool = False  # ours to wait for at start: launched by the gateway or served in its process
+    tenant_salt: bool = False  # requests carry their key's scope as `cache_salt` (BackendConfig.tenant_salt)
     process: subprocess.Popen | None = field(default=None, repr=False)  # a local engine we launched
 
     def available(self, now: float) -> bool:
@@ -126,10 +127,11 @@ def build_backend(config: BackendConfig, breaker: BreakerConfig, uds: str | None
     # request's route name, as a URL backend without `model` does
     several = config.local is not None and "--model" in config.local.args
     model = config.model or (config.local.model if config.local is not None and not several else None)
+    ours = process is not None or uds is not None
     return Backend(config.name, url, model, config.weight,
                    CircuitBreaker(breaker.failures, breaker.cooldown_s),
-                   _session(url, backend_api_key(config), uds), managed=process is not None or uds is not None,
-                   process=process)
+                   _session(url, backend_api_key(config), uds), managed=ours, process=process,
+                   tenant_salt=ours if config.tenant_salt is None else config.tenant_salt)
 
 
 async def wait_ready(backend: Backend, timeout_s: float = 300.0) -> None:

@@ -35,6 +35,9 @@ class BackendConfig(_Section):
     model: str | None = Field(default=None, description="model name the backend expects (default: the route's)")
     api_key_env: str | None = Field(default=None, description="environment variable holding its API key")
     weight: float = Field(default=1.0, gt=0)
+    tenant_salt: bool | None = Field(default=None, description=(
+        "send each API key's cache scope as `cache_salt`, so tenants share no prefix-cached KV there "
+        "(HyperServe and vLLM take the field); default: for the engines the gateway runs itself"))
 
     @model_validator(mode="after")
     def _one_source(self) -> BackendConfig:

@@ -26,6 +26,7 @@ from hyperserve.common.errors import APIError
 from hyperserve.gateway.backends import Backend
 from hyperserve.gateway.config import RouteConfig
 from hyperserve.gateway.telemetry import GatewayMetrics
+from hyperserve.security.config import cache_salt
 
 
 @dataclass
@@ -77,10 +78,11 @@ class Router:
                            param="model", code="model_not_found")
         return route
 
-    async def _send(self, route: Route, path: str, body: dict[str, Any], affinity_key: str | None
-                    ) -> tuple[aiohttp.ClientResponse, Backend, float]:
+    async def _send(self, route: Route, path: str, body: dict[str, Any], affinity_key: str | None,
+                    scope: str | None) -> tuple[aiohttp.ClientResponse, Backend, float]:
         """The first acceptable response (status < 500 and not 429), its headers read, trying
-        backends in turn. The caller reads the body and then calls `_done`."""
+        backends in turn. The caller reads the body and then calls `_done`. `scope`: the API
+        key's, sent as `cache_salt` to backends that salt tenants' prefix caches."""
         tried: set[str] = set()
         failures: list[str] = []
         retry_after: str | None = None
@@ -97,8 +99,10 @@ class Router:
             backend.outstanding += 1
             started = time.perf_counter()
             try:
-                response = await backend.session.post(path, json={**body, "model": backend.model or route.name},
-                                                      timeout=timeout)
+                sent = {**body, "model": backend.model or route.name}
+                if backend.tenant_salt and scope is not None:
+                    sent["cache_salt"] = cache_salt(scope, body.get("cache_salt"))
+                response = await backend.session.post(path, json=sent, timeout=timeout)
                 if response.status >= 500 or response.status == 429:
                     await response.read()
                     response.release()
@@ -134,13 +138,14 @@ class Router:
             backend.breaker.on_failure(time.monotonic())
         self.metrics.observe_backend(backend.name, time.perf_counter() - started, error)
 
-    async def complete(self, name: str, path: str, body: dict[str, Any], affinity_key: str | None) -> Reply:
+    async def complete(self, name: str, path: str, body: dict[str, Any], affinity_key: str | None,
+                       scope: str | None = None) -> Reply:
         route = self.route(name)
         if route.config.cascade is not None:
-            return await self._cascade(route, path, body, affinity_key)
+            return await self._cascade(route, path, body, affinity_key, scope)
         try:
             async with asyncio.timeout(route.config.timeout_s):
-                response, backend, started = await self._send(route, path, body, affinity_key)
+                response, backend, started = await self._send(route, path, body, affinity_key, scope)
                 try:
                     raw = await response.read()
                 except aiohttp.ClientError as error:
@@ -162,12 +167,12 @@ class Router:
             data = {"error": {"message": raw[:500].decode(errors="replace"), "type": "bad_gateway"}}
         return Reply(response.status, data, backend.name, time.perf_counter() - started)
 
-    async def stream(self, name: str, path: str, body: dict[str, Any],
-                     affinity_key: str | None) -> tuple[AsyncIterator[str], str]:
+    async def stream(self, name: str, path: str, body: dict[str, Any], affinity_key: str | None,
+                     scope: str | None = None) -> tuple[AsyncIterator[str], str]:
         """SSE lines from a backend, and the backend's name. Retries happen only before the first
         byte; a failure after it ends the stream with an error event."""
         route = self.route(name)
-        response, backend, started = await self._send(route, path, body, affinity_key)
+        response, backend, started = await self._send(route, path, body, affinity_key, scope)
         if response.status != 200:  # a 4xx: the client's mistake, passed through
             text = (await response.read()).decode(errors="replace")
             response.release()
@@ -189,7 +194,8 @@ class Router:
 
         return lines(), backend.name
 
-    async def _cascade(self, route: Route, path: str, body: dict[str, Any], affinity_key: str | None) -> Reply:
+    async def _cascade(self, route: Route, path: str, body: dict[str, Any], affinity_key: str | None,
+                       scope: str | None) -> Reply:
         cascade = route.config.cascade
         chat = path.endswith("chat/completions")
         wants_logprobs = body.get("logprobs")
@@ -198,7 +204,7 @@ class Router:
         for stage, model in enumerate(cascade.models):
             last = stage == len(cascade.models) - 1
             try:
-                reply = await self.complete(model, path, body if last else probe, affinity_key)
+                reply = await self.complete(model, path, body if last else probe, affinity_key, scope)
             except APIError:
                 if last:
                     raise

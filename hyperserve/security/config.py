@@ -59,12 +59,20 @@ class KeyEntry(_Section):
     limits: Limits | None = None
     guardrails: Guardrails | None = None
     cache_scope: str | None = Field(default=None, min_length=1, description=(
-        "the gateway's response-cache namespace: keys with the same scope share cached answers; "
-        "unset: the key's own name, so no other key ever receives its answers"))
+        "what the key's requests share: the gateway's cached answers, and a server's prefix-cached KV, "
+        "pinned prefixes and n-gram drafts from earlier answers; keys with the same scope share them; "
+        "unset: the key's own name, so no other key receives its answers or can time its prompts"))
 
     @property
     def scope(self) -> str:
         return self.cache_scope or f"key:{self.name}"
+
+
+def cache_salt(scope: str | None, salt: str | None) -> str:
+    """An engine's salt for a request (its prefix cache and n-gram history are shared only among
+    equal salts): the API key's scope and, within it, the client's own `cache_salt` (vLLM's
+    field), so that no client salt reaches into another key's scope."""
+    return "\x1f".join(part for part in (scope and f"scope:{scope}", salt and f"salt:{salt}") if part)
 
 
 class RequestLimits(_Section):

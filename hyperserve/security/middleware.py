@@ -240,9 +240,10 @@ class SecurityMiddleware:
             if protocol.startswith(b"bearer.") and b"authorization" not in headers:
                 headers[b"authorization"] = b"Bearer " + protocol[len(b"bearer."):]
         try:
-            self.governor.authenticate(headers)
+            key = self.governor.authenticate(headers)
         except APIError:
             return await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
+        scope.setdefault("state", {})["cache_scope"] = key.scope if key else None  # as for HTTP requests
         if self.governor.needs_http:
             return await send({"type": "websocket.close", "code": 1008,
                                "reason": "use HTTP: rate limits and guardrails apply to HTTP requests"})

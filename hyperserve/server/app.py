@@ -210,12 +210,12 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         s = await serving(body.model)
-        return await _respond(s, await s.prepare_completion(body), body.stream, request, settings)
+        return await _respond(s, await s.prepare_completion(body, _scope(request)), body.stream, request, settings)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         s = await serving(body.model)
-        return await _respond(s, await s.prepare_chat(body), body.stream, request, settings)
+        return await _respond(s, await s.prepare_chat(body, _scope(request)), body.stream, request, settings)
 
     def embedder(model: str | None) -> EmbeddingServing:
         if state.embeddings is None:
@@ -252,8 +252,8 @@ def build_app(
         return await (await serving(body.model)).detokenize(body)
 
     @app.post("/v1/cache")
-    async def pin_cache(body: CacheRequest) -> dict[str, Any]:
-        return await (await serving(body.model)).pin(body)
+    async def pin_cache(body: CacheRequest, request: Request) -> dict[str, Any]:
+        return await (await serving(body.model)).pin(body, _scope(request))
 
     @app.delete("/v1/cache/{pin_id}")
     async def unpin_cache(pin_id: str) -> dict[str, Any]:
@@ -273,6 +273,12 @@ def build_app(
 
     install_web_ui(app, metrics.registry, "server")
     return app
+
+
+def _scope(connection: Request | WebSocket) -> str | None:
+    """The caller's API key's cache scope (security sets it; None without keys): its requests
+    share cached KV and n-gram drafts with no other scope's."""
+    return getattr(connection.state, "cache_scope", None)
 
 
 def _model_card(model: ServedModel) -> dict[str, Any]:
@@ -385,9 +391,9 @@ async def _serve_websocket(ws: WebSocket, serving: Callable[[str | None], Awaita
         model = body.get("model")
         s = await serving(model if isinstance(model, str) else None)  # a wrong type fails validation below
         if kind == "chat.completions":
-            job = await s.prepare_chat(ChatCompletionRequest.model_validate(body))
+            job = await s.prepare_chat(ChatCompletionRequest.model_validate(body), _scope(ws))
         elif kind == "completions":
-            job = await s.prepare_completion(CompletionRequest.model_validate(body))
+            job = await s.prepare_completion(CompletionRequest.model_validate(body), _scope(ws))
         else:
             raise APIError(400, f"unknown message type {kind!r}; expected chat.completions, completions or cancel",
                            param="type")

@@ -50,6 +50,7 @@ class _Add:
     pin_ttl_s: float | None = None  # a prefix to pin rather than a completion
     lora_request: LoRARequest | None = None
     final_only: bool = False  # its stream gets the finished output alone
+    cache_salt: str = ""  # its tenant (LLMEngine.add_request)
 
 
 @dataclass(slots=True)
@@ -96,6 +97,7 @@ class AsyncEngine:
     def submit(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
         pin_ttl_s: float | None = None, lora_request: LoRARequest | None = None, final_only: bool = False,
+        cache_salt: str = "",
     ) -> RequestStream:
         """Queue a request now (so admission control counts it at once); stream it from the result.
         With `pin_ttl_s`, the request pins its prompt's KV instead (see LLMEngine.pin_prefix).
@@ -111,7 +113,7 @@ class AsyncEngine:
             self._streams[request_id] = (asyncio.get_running_loop(), outputs)
             self._pending += 1
         self._commands.put(_Add(request_id, prompt_ids, params, priority, time.time(), pin_ttl_s, lora_request,
-                                final_only))
+                                final_only, cache_salt))
         return RequestStream(self, request_id, outputs)
 
     async def call(self, function: Callable[[LLMEngine], object]) -> object:
@@ -198,10 +200,11 @@ class AsyncEngine:
                 return  # the client left before the engine saw the request
         try:
             if command.pin_ttl_s is not None:
-                self.engine.pin_prefix(command.request_id, command.prompt_ids, command.pin_ttl_s)
+                self.engine.pin_prefix(command.request_id, command.prompt_ids, command.pin_ttl_s, command.cache_salt)
             else:
                 self.engine.add_request(command.request_id, command.prompt_ids, command.params, command.priority,
-                                        command.arrival_time, command.lora_request, command.final_only)
+                                        command.arrival_time, command.lora_request, command.final_only,
+                                        command.cache_salt)
         except Exception as error:  # ValueError: the client's mistake; anything else fails this request only
             if not isinstance(error, ValueError):
                 logger.exception("adding request %s failed", command.request_id)

@@ -57,14 +57,15 @@ class RemotePrefill:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout_s, headers=headers)
 
-    async def prefill(self, engine: AsyncEngine, prompt: list[int]) -> int:
-        """Have the prefill server compute what the prefix cache lacks of this prompt, if that is
-        at least min_tokens, and take its blocks; returns how many were taken. Never raises: a
-        failure leaves the prompt to this engine."""
+    async def prefill(self, engine: AsyncEngine, prompt: list[int], cache_salt: str = "") -> int:
+        """Have the prefill server compute what the prefix cache lacks of this prompt (of the
+        tenant `cache_salt`, whose blocks the prefill server keeps apart too), if that is at least
+        min_tokens, and take its blocks; returns how many were taken. Never raises: a failure
+        leaves the prompt to this engine."""
         if len(prompt) <= self.min_tokens:  # too short however little is cached: no hashing
             return 0
         llm = engine.engine
-        hashes = llm.kv_transfer.prefix_hashes(prompt)
+        hashes = llm.kv_transfer.prefix_hashes(prompt, cache_salt)
         # read from the event loop while the engine thread may change the pool: a stale answer
         # costs at most a transfer of blocks that were here, or a prefill that could have been
         have = llm.kv_cache.num_cached_blocks(hashes)
@@ -73,7 +74,8 @@ class RemotePrefill:
         started = time.perf_counter()
         try:
             response = await self.client.post("/v1/kv/prefill", json={
-                "prompt_token_ids": prompt, "skip_blocks": have, "kv_identity": llm.kv_identity})
+                "prompt_token_ids": prompt, "skip_blocks": have, "kv_identity": llm.kv_identity,
+                "cache_salt": cache_salt})
             response.raise_for_status()
             received, tensors = await asyncio.to_thread(decode_blocks, response.content)  # off the event loop
             if received != hashes[have:]:

@@ -18,6 +18,7 @@ from hyperserve.engine.engine import ContextLengthError, EngineDeadError, PinLim
 from hyperserve.layers.lora import LoRARequest
 from hyperserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from hyperserve.sampling_params import SamplingParams, StructuredOutputs
+from hyperserve.security.config import cache_salt
 from hyperserve.server import reasoning, tools
 from hyperserve.server.async_engine import AsyncEngine, RequestFailedError, RequestStream
 from hyperserve.server.disaggregation import RemotePrefill, encode_blocks
@@ -55,6 +56,7 @@ class Job:
     lora: LoRARequest | None = None  # the adapter `model` named
     echo: list[str] | None = None  # completions with `echo`: each prompt's text, which its answers start with
     prompt_logprobs: bool = False  # the response carries vLLM's `prompt_logprobs`
+    cache_salt: str = ""  # its tenant: what it shares cached KV and n-gram drafts with (cache_salt())
     finals: list[RequestOutput | None] = field(default_factory=list)
     streams: list[RequestStream] = field(default_factory=list)
 
@@ -101,7 +103,8 @@ class OpenAIServing:
 
     # ---- requests -> jobs --------------------------------------------------------------------
 
-    async def prepare_completion(self, request: CompletionRequest) -> Job:
+    async def prepare_completion(self, request: CompletionRequest, scope: str | None = None) -> Job:
+        """`scope`: the API key's (security), whose requests alone share cached KV with this one."""
         lora = await self._adapter(request.model)
         texts = request.prompts()
         self._check_fanout(len(texts), request.n)
@@ -116,12 +119,14 @@ class OpenAIServing:
                     for text, ids in zip(texts, prompts)]
             if request.logprobs is not None:
                 params = replace(params, prompt_logprobs=max(request.logprobs, params.prompt_logprobs or 0))
-        await self._prefill_remotely(prompts, lora)
+        salt = cache_salt(scope, request.cache_salt)
+        await self._prefill_remotely(prompts, lora, salt)
         return Job("completion", new_id("cmpl"), request.model or self.model_name, prompts, params, request.priority,
                    bool(request.stream_options and request.stream_options.include_usage), lora=lora, echo=echo,
-                   prompt_logprobs=request.prompt_logprobs is not None)
+                   prompt_logprobs=request.prompt_logprobs is not None, cache_salt=salt)
 
-    async def prepare_chat(self, request: ChatCompletionRequest) -> Job:
+    async def prepare_chat(self, request: ChatCompletionRequest, scope: str | None = None) -> Job:
+        """`scope`: as prepare_completion's."""
         lora = await self._adapter(request.model)
         self._check_fanout(1, request.n)
         constraint = self._constraint(request)
@@ -148,14 +153,15 @@ class OpenAIServing:
         params = await self._params(request, max_tokens, logprobs, prompts, constraint)
         if offered and self.tool_marker_special:
             params = replace(params, skip_special_tokens=False)
-        await self._prefill_remotely(prompts, lora)
+        salt = cache_salt(scope, request.cache_salt)
+        await self._prefill_remotely(prompts, lora, salt)
         return Job("chat", new_id("chatcmpl"), request.model or self.model_name, prompts, params, request.priority,
                    bool(request.stream_options and request.stream_options.include_usage),
                    chat_logprobs=request.logprobs,
                    tool_calls=(tools.CallParser.offered(offered, request.calls_only, self.tool_format)
                                if offered else None),
                    reasoning_parser=self.settings.reasoning_parser, lora=lora,
-                   prompt_logprobs=request.prompt_logprobs is not None)
+                   prompt_logprobs=request.prompt_logprobs is not None, cache_salt=salt)
 
     async def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
         """The ids the request would run (longer than the context is fine: this only counts)."""
@@ -180,8 +186,9 @@ class OpenAIServing:
             raise APIError(400, "this model has no tokenizer", param="model")
         return self.engine.engine.tokenizer
 
-    async def pin(self, request: CacheRequest) -> dict[str, Any]:
-        """Compute and pin a prefix's KV; the answer says how many tokens later requests skip.
+    async def pin(self, request: CacheRequest, scope: str | None = None) -> dict[str, Any]:
+        """Compute and pin a prefix's KV; the answer says how many tokens later requests (of the
+        same key's scope and cache_salt) skip.
         Pins are admitted like completions (the same queue limit) and hold at most the engine's
         `max_pinned_fraction` of the KV pool, each for at most `max_pin_ttl_s`."""
         self._check_model(request.model)
@@ -195,16 +202,16 @@ class OpenAIServing:
         else:
             prompt, param = request.prompt, "prompt"
         ids = await asyncio.to_thread(self._prompt_ids, prompt, param)
-        pin_id = await self._pin_prompt(ids, request.ttl, "cache")
+        pin_id = await self._pin_prompt(ids, request.ttl, "cache", cache_salt(scope, request.cache_salt))
         pin = self.engine.engine.kv_cache.pins[pin_id]
         return {"id": pin_id, "object": "cache", "model": self.model_name, "prompt_tokens": len(ids),
                 "cached_tokens": pin.num_tokens, "expires_at": int(pin.expires_at)}
 
-    async def _pin_prompt(self, ids: list[int], ttl: float, kind: str) -> str:
+    async def _pin_prompt(self, ids: list[int], ttl: float, kind: str, salt: str) -> str:
         """Compute a prompt's KV and pin it (admitted like a completion); returns the pin's id."""
         self._admit()
         pin_id = new_id(kind)
-        stream = self._submit(pin_id, ids, SamplingParams(max_tokens=1), pin_ttl_s=ttl)
+        stream = self._submit(pin_id, ids, SamplingParams(max_tokens=1), pin_ttl_s=ttl, cache_salt=salt)
         try:
             async for _ in stream:
                 pass
@@ -226,12 +233,12 @@ class OpenAIServing:
             raise APIError(409, "this prefill server's KV does not fit the decode server's: they must run the same "
                                 "model, dtype, quantization and block size", type_="conflict", param="kv_identity")
         ids = await asyncio.to_thread(self._prompt_ids, request.prompt_token_ids, "prompt_token_ids")
-        pin_id = await self._pin_prompt(ids, KV_PIN_TTL_S, "kv")
+        pin_id = await self._pin_prompt(ids, KV_PIN_TTL_S, "kv", request.cache_salt)
 
         def read(engine) -> tuple[list[bytes], dict]:
             try:
                 skip = request.skip_blocks
-                hashes = engine.kv_transfer.prefix_hashes(ids)[skip:]
+                hashes = engine.kv_transfer.prefix_hashes(ids, request.cache_salt)[skip:]
                 blocks = engine.kv_cache.pins[pin_id].block_ids[0][skip : skip + len(hashes)]
                 return hashes, engine.kv_transfer.read_blocks(blocks) if blocks else {}
             finally:
@@ -240,12 +247,12 @@ class OpenAIServing:
         hashes, tensors = await self.engine.call(read)
         return await asyncio.to_thread(encode_blocks, hashes, tensors)  # a copy of tens of MB: off the loop
 
-    async def _prefill_remotely(self, prompts: list[list[int]], lora: LoRARequest | None) -> None:
+    async def _prefill_remotely(self, prompts: list[list[int]], lora: LoRARequest | None, salt: str) -> None:
         """--role decode: long prompts' KV from the prefill server first (not for adapters, whose
         KV the prefill server does not have)."""
         if self.remote_prefill is not None and lora is None:
             for prompt in prompts:
-                await self.remote_prefill.prefill(self.engine, prompt)
+                await self.remote_prefill.prefill(self.engine, prompt, salt)
 
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
                   offered: list[Tool] | None = None, template_kwargs: dict[str, Any] | None = None,
@@ -334,7 +341,7 @@ class OpenAIServing:
         try:
             for i, prompt in enumerate(job.prompts):
                 job.streams.append(self._submit(f"{job.id}-{i}", prompt, job.params, job.priority, lora=job.lora,
-                                                final_only=final_only))
+                                                final_only=final_only, cache_salt=job.cache_salt))
         except APIError:
             job.close()
             raise
@@ -346,9 +353,9 @@ class OpenAIServing:
 
     def _submit(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0,
                 pin_ttl_s: float | None = None, lora: LoRARequest | None = None,
-                final_only: bool = False) -> RequestStream:
+                final_only: bool = False, cache_salt: str = "") -> RequestStream:
         try:
-            return self.engine.submit(request_id, prompt, params, priority, pin_ttl_s, lora, final_only)
+            return self.engine.submit(request_id, prompt, params, priority, pin_ttl_s, lora, final_only, cache_salt)
         except (EngineDeadError, RuntimeError) as error:
             raise _api_error(error) from error
 

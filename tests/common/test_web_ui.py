@@ -22,7 +22,7 @@ def client():
     @app.websocket("/v1/ws")
     async def echo(ws: WebSocket) -> None:
         await ws.accept(subprotocol="hyperserve")
-        await ws.send_json({"type": "done"})
+        await ws.send_json({"type": "done", "cache_scope": ws.state.cache_scope})  # the key's, as over HTTP
         await ws.close()
 
     install_web_ui(app, registry, "server")
@@ -44,7 +44,7 @@ def test_the_pages_are_open_and_their_data_needs_the_key(client):
 def test_a_websocket_key_may_come_as_a_subprotocol(client):
     with client.websocket_connect("/v1/ws", subprotocols=["hyperserve", "bearer.ui-secret"]) as ws:
         assert ws.accepted_subprotocol == "hyperserve"
-        assert ws.receive_json() == {"type": "done"}
+        assert ws.receive_json() == {"type": "done", "cache_scope": "key:default"}
     for protocols in (["hyperserve"], ["hyperserve", "bearer.wrong"]):
         with pytest.raises(WebSocketDisconnect) as refused, client.websocket_connect("/v1/ws", subprotocols=protocols):
             pass

@@ -88,6 +88,25 @@ def test_n_samples_compute_the_prompt_once(cached_llm, smollm2_tokenizer):
     assert kv.num_hit_tokens - hits_before == 2 * full_blocks_tokens
 
 
+def test_a_cache_salt_shares_cached_prompts_only_with_requests_of_the_same_salt(cached_llm, system_prompt):
+    """A tenant's prompt is not cached for another tenant (who could time it), nor for requests
+    without a salt; the same answer comes either way."""
+    engine, prompt = cached_llm.engine, system_prompt[::-1]  # seen by no other test
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def run(request_id: str, salt: str):
+        engine.add_request(request_id, prompt, params, cache_salt=salt)
+        while not (done := [o for o in engine.step() if o.request_id == request_id and o.finished]):
+            pass
+        return done[0]
+
+    full = (len(prompt) - 1) // BLOCK * BLOCK
+    outputs = [run(f"salt-{i}", salt) for i, salt in enumerate(["tenant a", "tenant a", "tenant b", "", ""])]
+    assert [o.metrics.num_cached_tokens for o in outputs] == [0, full, 0, 0, full]
+    assert len({tuple(o.outputs[0].token_ids) for o in outputs}) == 1
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.pool.num_blocks
+
+
 def _pressure(llm: LLM, seed: int) -> None:
     """Fill a 40-block pool several times over with prompts sharing nothing with the document."""
     import random

@@ -35,6 +35,7 @@ def build_stub(name: str) -> Starlette:
         chat = request.url.path.endswith("chat/completions")
         body = await request.json()
         state["count"] += 1
+        state["cache_salt"] = body.get("cache_salt")  # what the gateway sent of the tenant
         if state["delay_s"]:
             await asyncio.sleep(state["delay_s"])
         if state["fail_status"]:

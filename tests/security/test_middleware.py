@@ -40,8 +40,10 @@ def secured(tmp_path_factory):
     }
     (tmp / "security.yaml").write_text(yaml.safe_dump(security))
     (tmp / "gateway.yaml").write_text(yaml.safe_dump({
-        "backends": [{"name": "a", "url": f"http://127.0.0.1:{stub_port}"}],
-        "routes": [{"model": "m", "backends": ["a"]}, {"model": "strict", "backends": ["a"]}],
+        "backends": [{"name": "a", "url": f"http://127.0.0.1:{stub_port}"},
+                     {"name": "a-salted", "url": f"http://127.0.0.1:{stub_port}", "tenant_salt": True}],
+        "routes": [{"model": "m", "backends": ["a"]}, {"model": "strict", "backends": ["a"]},
+                   {"model": "salted", "backends": ["a-salted"]}],
         "cache": {"enabled": False}}))
     gateway = subprocess.Popen([sys.executable, "-m", "hyperserve.cli", "gateway",
                                 "--config", str(tmp / "gateway.yaml"), "--security-config", str(tmp / "security.yaml"),
@@ -152,6 +154,17 @@ def test_rate_limit_under_concurrent_load(secured):
     assert int(refused.headers["retry-after"]) >= 1
     assert refused.headers["x-ratelimit-limit-requests"] == "5"
     assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_a_backend_that_salts_tenants_gets_each_key_s_scope_as_cache_salt(secured):
+    """So that one tenant cannot time another's prompts in the backend's prefix cache; other
+    backends get the body as the client sent it."""
+    url, _, stub = secured
+    sent = []
+    for model, salt in (("salted", None), ("salted", "user 7"), ("m", None), ("m", "user 7")):
+        assert chat(url, "admin", model=model, **({"cache_salt": salt} if salt else {})).status_code == 200
+        sent.append(httpx.get(f"{stub}/stats").json()["cache_salt"])
+    assert sent == ["scope:key:admin", "scope:key:admin\x1fsalt:user 7", None, "user 7"]
 
 
 def test_audit_log_names_the_key_never_the_secret(secured):

@@ -56,9 +56,9 @@ def counter(server, name: str) -> float:
         return 0.0
 
 
-def complete(server, prompt: list[int]) -> dict:
+def complete(server, prompt: list[int], **extra) -> dict:
     response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
-        "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+        "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True, **extra})
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -85,6 +85,24 @@ def test_prefix_cache_works_on_the_decode_side(decode_server, reference, story, 
     new_blocks = (len(longer) - 1) // BLOCK - (len(story) - 1) // BLOCK
     assert counter(decode_server, "kv_blocks_received") - received == new_blocks  # only what it lacked
     assert body["choices"][0]["text"] == reference(longer)
+
+
+def test_a_salted_prompt_is_prefilled_apart_and_found_by_its_salt(decode_server, prefill_server, reference, story):
+    """Another tenant's (cache_salt) copy of a cached prompt takes nothing of the first tenant's
+    blocks on either server: it is transferred again, under its own hashes, which its next
+    request finds."""
+    complete(decode_server, story)  # cached unsalted on both sides
+    received, sent = counter(decode_server, "kv_blocks_received"), counter(prefill_server, "kv_blocks_sent")
+    blocks = (len(story) - 1) // BLOCK
+    body = complete(decode_server, story, cache_salt="tenant b")
+    assert counter(decode_server, "kv_blocks_received") - received == blocks
+    assert counter(prefill_server, "kv_blocks_sent") - sent == blocks
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * BLOCK
+    assert body["choices"][0]["text"] == reference(story)
+    assert complete(decode_server, story, cache_salt="tenant b")["choices"][0]["text"] == reference(story)
+    assert counter(decode_server, "kv_blocks_received") - received == blocks  # found here: nothing moved
+    decode_server.wait_idle()
+    prefill_server.wait_idle()
 
 
 def test_short_prompts_stay_local(decode_server, chat_prompt_ids):

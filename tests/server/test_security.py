@@ -1,6 +1,7 @@
 """`hyperserve serve --api-key`: the same security layer in front of the engine's own server."""
 
 import asyncio
+import hashlib
 
 import httpx
 import pytest
@@ -14,7 +15,10 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory):
     config = tmp_path_factory.mktemp("keys") / "security.yaml"
-    config.write_text("guardrails: {pii_request: redact, reversible_redaction: true, injection: block}\n")
+    keys = "".join(f"  - {{name: {name}, sha256: {hashlib.sha256(name.encode()).hexdigest()}{scope}}}\n"
+                   for name, scope in (("alice", ""), ("bob", ""), ("carol", ", cache_scope: 'key:alice'")))
+    config.write_text("guardrails: {pii_request: redact, reversible_redaction: true, injection: block}\n"
+                      f"keys:\n{keys}")
     server = start_server("--api-key", "s3cret", "--security-config", str(config), "--kv-cache-memory-gb", "0.5",
                           "--embedding-model", "all-MiniLM-L6-v2", "--allowed-origins", "https://app.example",
                           log_name="security")
@@ -40,6 +44,35 @@ def test_websocket_is_refused_without_the_key_and_when_guardrails_need_http(keye
     for headers in ({}, {"Authorization": "Bearer s3cret"}):
         with pytest.raises((websockets.InvalidStatus, websockets.ConnectionClosed)):
             asyncio.run(handshake(headers))
+
+
+def test_keys_share_cached_prompts_only_within_their_cache_scope(keyed_server):
+    """One tenant's prompt, computed, is not cached for another (who could time it): prefix
+    caching and pins follow the key's cache_scope (carol's names alice's), and a client's own
+    cache_salt parts it further."""
+    def cached_tokens(key: str, document: str, salt: str | None = None) -> int:
+        body = {"messages": [{"role": "user", "content": document + " Which season is it?"}], "max_tokens": 1,
+                **({"cache_salt": salt} if salt else {})}
+        reply = httpx.post(f"{keyed_server.url}/v1/chat/completions", json=body,
+                           headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    document = "The orchard's apples ripen slowly under the low autumn sun, one row after another. " * 8
+    assert cached_tokens("alice", document) == 0
+    assert cached_tokens("alice", document) > 100
+    assert cached_tokens("bob", document) == 0
+    assert cached_tokens("carol", document) > 100  # the same scope as alice
+    assert cached_tokens("alice", document, salt="user 7") == 0
+    assert cached_tokens("alice", document, salt="user 7") > 100
+
+    pinned = "A memo on the harbour's new tide tables, to be read before every sailing. " * 8
+    pin = httpx.post(f"{keyed_server.url}/v1/cache", json={"messages": [{"role": "user", "content": pinned}],
+                                                          "ttl": 60},
+                     headers={"Authorization": "Bearer bob"}, timeout=60)
+    assert pin.status_code == 200, pin.text
+    assert cached_tokens("alice", pinned) < pin.json()["cached_tokens"]  # at most the chat template's opening
+    assert cached_tokens("bob", pinned) >= pin.json()["cached_tokens"]
 
 
 def test_embeddings_need_the_key_and_the_encoder_sees_redacted_text(keyed_server):
