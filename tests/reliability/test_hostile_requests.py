@@ -49,6 +49,11 @@ CASES = {
     "repetition_penalty zero": completion(repetition_penalty=0),
     "presence_penalty huge": completion(presence_penalty=HUGE),
     "priority huge": completion(priority=2**40),
+    "cache_salt empty": chat(cache_salt=""),
+    "cache_salt a number": chat(cache_salt=7),
+    "cache_salt a lone surrogate": ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], '
+                                                            '"cache_salt": "\\ud800"}'),
+    "cache_salt over 1024 characters": completion(cache_salt="s" * 1025),
     # fan-out: one request may not run more than 2 x max_num_seqs sequences
     "n zero": completion(n=0),
     "n 1000": completion(n=1000),
