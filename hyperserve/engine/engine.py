@@ -407,6 +407,7 @@ class LLMEngine:
                 continue  # the pool is short: no drafts this step
             request.spec_token_ids, request.spec_probs = proposal.token_ids, proposal.probs
             request.spec_acceptance = proposal.acceptance or request.acceptance
+            request.spec_source = proposal.source
             request.acceptance.steps_without = 0
 
     def _room(self, request: Request) -> int:
@@ -426,6 +427,7 @@ class LLMEngine:
             return False
         request.spec_token_ids, request.spec_probs = forced, None
         request.spec_acceptance = self.forced_acceptance
+        request.spec_source = "grammar"
         return True
 
     def _logprobs(self, out: SamplerOutput, row: int, num: int) -> dict[int, Logprob]:

@@ -60,6 +60,8 @@ class SpecDecodeStats:
     num_drafts: int = 0  # verification steps of a request with at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # where drafts came from (Proposal.source) -> [draft tokens, accepted tokens]
+    by_source: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -108,6 +110,7 @@ class Request:
     draft_num_computed: int = 0
     acceptance: Acceptance = field(default_factory=Acceptance)
     spec_acceptance: Acceptance | None = None
+    spec_source: str = ""  # where the pending drafts came from (Proposal.source)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

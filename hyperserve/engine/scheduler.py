@@ -235,6 +235,9 @@ class Scheduler:
         self.spec_stats.num_drafts += 1
         self.spec_stats.num_draft_tokens += num_drafts
         self.spec_stats.num_accepted_tokens += num_accepted
+        counts = self.spec_stats.by_source.setdefault(request.spec_source, [0, 0])
+        counts[0] += num_drafts
+        counts[1] += num_accepted
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (or abort) a request in any state and return its blocks to the pool."""

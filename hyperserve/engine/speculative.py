@@ -44,6 +44,9 @@ class Proposal:
     token_ids: list[int]
     probs: torch.Tensor | None  # [k, V] the draft's distributions; None: deterministic proposals
     acceptance: Acceptance | None = None  # what its verification updates (None: the request's own)
+    # where the drafts came from, as /metrics counts them: "text" (the request's own prompt and
+    # output), "history" (earlier answers), "draft" or "self" (a model); the engine's "grammar"
+    source: str = "text"
 
 
 def num_tokens_to_propose(acceptance: Acceptance, max_tokens: int, draft_cost: float, verify_cost: float) -> int:
@@ -195,20 +198,20 @@ class NgramProposer:
         for request, limit in zip(requests, num_tokens):
             tokens = request.all_token_ids
             n, continuation = self.lookup(tokens, limit)
-            acceptances = self.acceptance
+            acceptances, source = self.acceptance, "text"
             if self.history is not None:  # earlier answers of its scope: a longer match wins, over a
                 m, earlier = self.history.lookup(tokens, limit, request.scope)  # long own one only a repeated run
                 if m > n and (n < self.ngram_max or m == self.history.longest):
                     # a run between ngram_max and longest shares ngram_max's rate
                     n = m if m <= self.ngram_max or m == self.history.longest else self.ngram_max
-                    continuation, acceptances = earlier, self.history_acceptance
+                    continuation, acceptances, source = earlier, self.history_acceptance, "history"
             if not continuation:
                 proposals.append(Proposal([], None))
                 continue
             acceptance = acceptances[n]
             k = num_tokens_to_propose(acceptance, len(continuation), self.draft_cost, self.verify_cost)
             acceptance.steps_without = 0 if k else acceptance.steps_without + 1
-            proposals.append(Proposal(continuation[:k], None, acceptance))
+            proposals.append(Proposal(continuation[:k], None, acceptance, source))
         return proposals
 
     def lookup(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
@@ -242,6 +245,7 @@ class ModelProposer:
                  kv_caches: list[KVCache], shares_target_kv: bool, draft_cost: float) -> None:
         self.runner, self.kv_cache, self.model, self.kv_caches = runner, kv_cache, model, kv_caches
         self.shares_target_kv = shares_target_kv
+        self.source = "self" if shares_target_kv else "draft"
         self.draft_cost = draft_cost
         self.generator = torch.Generator(device=runner.device).manual_seed(1234)
 
@@ -278,7 +282,7 @@ class ModelProposer:
             active = next_active
         for r, k in zip(requests, num_tokens):
             r.draft_num_computed = r.num_tokens + k - 1  # d_k itself was never fed
-        return [Proposal(d, torch.stack(q) if q else None) for d, q in zip(drafts, probs)]
+        return [Proposal(d, torch.stack(q) if q else None, source=self.source) for d, q in zip(drafts, probs)]
 
 
 def build_proposer(config: SpeculativeConfig, runner: ModelRunner, kv_cache: KVCacheManager,

@@ -59,6 +59,12 @@ class ServerMetrics:
                                      "Accepted over proposed draft tokens, since start", labels, registry=r)
         self.spec_length = Gauge("hyperserve:spec_decode_mean_accepted_length",
                                  "Tokens emitted per verification step, since start", labels, registry=r)
+        # by where the drafts came from: text (the request's own), history (earlier answers), draft or
+        # self (a model), grammar (tokens a grammar forces)
+        self.spec_source_drafts = Counter("hyperserve:spec_decode_num_draft_tokens_by_source",
+                                          "Draft tokens proposed, by source", labels + ["source"], registry=r)
+        self.spec_source_accepted = Counter("hyperserve:spec_decode_num_accepted_tokens_by_source",
+                                            "Draft tokens accepted, by source", labels + ["source"], registry=r)
         self.lora_loaded = Gauge("hyperserve:lora_adapters_loaded", "LoRA adapters held in memory", labels, registry=r)
         self.lora_loads = Counter("hyperserve:lora_adapter_loads", "LoRA adapters read from disk", labels, registry=r)
         self.lora_load_seconds = Counter("hyperserve:lora_adapter_load_seconds", "Time spent reading LoRA adapters",
@@ -124,7 +130,15 @@ class ModelMetrics:
         self._engine = None  # set by the engine's first step
         self._seen = dict.fromkeys(self.families.counters, 0)  # engine totals already exported
         self._seen_lora_hits = {"step": 0, "memory": 0, "disk": 0}
+        self._seen_spec_sources: dict[str, tuple[int, int]] = {}  # source -> (drafted, accepted) exported
         self._last_token_time: dict[str, float] = {}  # request id -> when its last token came out
+
+    def _sync_spec_sources(self, totals: dict[str, tuple[int, int]]) -> None:
+        for source, (drafted, accepted) in totals.items():
+            seen_drafted, seen_accepted = self._seen_spec_sources.get(source, (0, 0))
+            self.families.spec_source_drafts.labels(self.model_name, source).inc(drafted - seen_drafted)
+            self.families.spec_source_accepted.labels(self.model_name, source).inc(accepted - seen_accepted)
+        self._seen_spec_sources = totals
 
     def observe_step(self, engine, outputs: list[RequestOutput]) -> None:
         """Engine-thread hook: what only the step knows (token times, finished requests)."""
@@ -169,6 +183,8 @@ class ModelMetrics:
             if spec.num_drafts != self._seen["spec_drafts"]:
                 self._spec_acceptance.set(spec.acceptance_rate)
                 self._spec_length.set(spec.mean_accepted_length)
+                self._sync_spec_sources({source: (drafted, accepted)
+                                         for source, (drafted, accepted) in list(spec.by_source.items())})
             for key, total in totals.items():
                 if total != self._seen[key]:
                     self._counters[key].inc(total - self._seen[key])

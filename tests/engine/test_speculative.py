@@ -324,6 +324,8 @@ def test_a_repeated_request_is_drafted_from_its_earlier_answer(tiny_target):
     assert accepted[4096][1] > 1.4 * accepted[0][1]  # measured: 77 against 49 of 117 tokens
     # asked again by another tenant (cache_salt): drafted from its own text alone, as without history
     engine = llm.engine
+    by_source = engine.scheduler.spec_stats.by_source
+    assert by_source["history"][1] > 0 and by_source["text"][1] > 0  # /metrics' by-source counts
     before = engine.scheduler.spec_stats.num_accepted_tokens
     for i, prompt in enumerate(prompts):
         engine.add_request(f"other-{i}", prompt, params, cache_salt="another tenant")

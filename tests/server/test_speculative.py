@@ -3,6 +3,7 @@ with the speculation counters in /metrics."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -52,4 +53,8 @@ def test_a_question_asked_again_is_drafted_from_its_first_answer(ngram_server, s
         assert ask(ngram_server.url) == expected
         accepted.append(ngram_server.metric("spec_decode_num_accepted_tokens_total") - before)
     assert accepted[1] > max(2 * accepted[0], 50), accepted  # of 79 tokens after the first
+    by_source = {line.split('source="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                 for line in httpx.get(f"{ngram_server.url}/metrics").text.splitlines()
+                 if line.startswith("hyperserve:spec_decode_num_accepted_tokens_by_source_total{")}
+    assert by_source["history"] > accepted[1] / 2, by_source  # the first answer drafted most of the second
     ngram_server.wait_idle()
