@@ -14,7 +14,8 @@ where a run of one method after another measured it. Decode tokens/s counts outp
 the first over the time from the first token to the last, so prefill time (the same for all) is
 left out. --ignore-eos keeps every answer going to --max-tokens; past its answer SmolLM2 goes on
 to invent a new conversation, which is no longer input-grounded, so --no-ignore-eos (stop where
-the model stops) measures the grounded workload as users get it.
+the model stops) measures the grounded workload as users get it. The last column is the share of
+accepted drafts that came from earlier answers (/metrics' by-source counts).
 
     python benchmarks/speculative.py [--max-tokens 128] [--num-tokens N] [--rounds 2] [--no-ignore-eos]
         [--methods none ngram ngram-own self self:27] [--workloads a b c d]
@@ -99,7 +100,8 @@ def run(methods: list[str], workloads: dict[str, tuple[list[str], str]], max_tok
 
     engines = {method: engine(method, num_tokens) for method in methods}
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-    totals = {(m, w): [0, 0.0, 0, 0, 0] for m in methods for w in workloads}  # tokens, s, drafted, accepted, steps
+    # tokens, s, drafted, accepted, steps, accepted from earlier answers
+    totals = {(m, w): [0, 0.0, 0, 0, 0, 0] for m in methods for w in workloads}
     for round_ in range(rounds):
         print(f"round {round_ + 1}/{rounds} ...", flush=True)
         for workload, (prompts, answers) in workloads.items():
@@ -111,23 +113,26 @@ def run(methods: list[str], workloads: dict[str, tuple[list[str], str]], max_tok
                         forget_answers(llm)
                     elif answers == "again":
                         llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
-                    steps = llm.engine.scheduler.spec_stats.num_drafts
+                    spec = llm.engine.scheduler.spec_stats
+                    steps, from_history = spec.num_drafts, spec.by_source.get("history", [0, 0])[1]
                     out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
                     m, total = out.metrics, totals[(method, workload)]
                     total[0] += len(out.outputs[0].token_ids) - 1
                     total[1] += m.finished_time - m.first_token_time
                     total[2] += m.num_draft_tokens
                     total[3] += m.num_accepted_tokens
-                    total[4] += llm.engine.scheduler.spec_stats.num_drafts - steps
+                    total[4] += spec.num_drafts - steps
+                    total[5] += spec.by_source.get("history", [0, 0])[1] - from_history
     # what the engine timed at start: one more token in a step, relative to a one-token step
     results = {method: {"verify_cost": engines[method].engine.verify_cost} for method in methods}
-    for (method, workload), (tokens, seconds, drafted, accepted, steps) in totals.items():
+    for (method, workload), (tokens, seconds, drafted, accepted, steps, from_history) in totals.items():
         results[method][workload] = {
             "output_tokens": tokens,
             "decode_tps": tokens / seconds,
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_accepted_length": 1 + accepted / steps if steps else None,
             "draft_tokens": drafted,
+            "from_history": from_history / accepted if accepted else None,  # of the accepted drafts
         }
     for llm in engines.values():
         llm.close()
@@ -159,14 +164,16 @@ def main() -> None:
 
     print("verify cost (one more token in a step / a one-token step), timed at start: "
           + ", ".join(f"{method} {r['verify_cost']:.2f}" for method, r in results.items() if method != "none"))
-    print(f"{'workload':<24}{'method':<10}{'decode tok/s':>14}{'speedup':>9}{'accept rate':>13}{'mean len':>10}")
+    print(f"{'workload':<24}{'method':<10}{'decode tok/s':>14}{'speedup':>9}{'accept rate':>13}{'mean len':>10}"
+          f"{'from earlier answers':>22}")
     for workload in workloads:
         base = results["none"][workload]["decode_tps"] if "none" in results else None
         for method, by_workload in results.items():
             r = by_workload[workload]
             speedup = r["decode_tps"] / base if base else None
             print(f"{workload:<24}{method:<10}{r['decode_tps']:>14.1f}{fmt(speedup, '.2f'):>9}"
-                  f"{fmt(r['acceptance_rate'], '.2f'):>13}{fmt(r['mean_accepted_length'], '.2f'):>10}")
+                  f"{fmt(r['acceptance_rate'], '.2f'):>13}{fmt(r['mean_accepted_length'], '.2f'):>10}"
+                  f"{fmt(r['from_history'], '.0%'):>22}")
     with open(args.json, "w") as f:
         json.dump({"args": vars(args), "date": time.strftime("%Y-%m-%d"), "results": results}, f, indent=2)
 
