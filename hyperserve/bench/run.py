@@ -66,6 +66,7 @@ class RequestResult:
     error: str = ""
     status: int | None = None  # the HTTP status, once the server answered
     chunks: int = 0  # chunks with text
+    cached_tokens: int | None = None  # prompt tokens the server took from its prefix cache, if it said
 
     @property
     def tpot(self) -> float:
@@ -160,20 +161,31 @@ def _stream(pool: urllib3.PoolManager, url: str, payload: bytes, timeout_s: floa
         response.release_conn()
 
 
-def _read_event(chunk: dict) -> tuple[str | None, tuple[int | None, int | None] | None]:
+Counts = tuple[int | None, int | None, int | None]  # prompt, output and cached prompt tokens; None: not said
+
+
+def _cached(details: object) -> int | None:
+    """`cached_tokens` of a usage's prompt (or input) token details, as OpenAI and vLLM report it."""
+    return details.get("cached_tokens") if isinstance(details, dict) else None
+
+
+def _read_event(chunk: dict) -> tuple[str | None, Counts | None]:
     """The text of one streamed event (a completions, chat, Responses or Anthropic one), and the
-    (prompt, output) token counts where it reports them."""
+    token counts where it reports them."""
     kind = chunk.get("type")
     if kind in ("message_start", "message_delta", "content_block_delta"):  # Anthropic's Messages API
         usage = (chunk.get("message") or {}).get("usage") if kind == "message_start" else chunk.get("usage")
         text = (chunk.get("delta") or {}).get("text") if kind == "content_block_delta" else None
-        return text, (usage.get("input_tokens"), usage.get("output_tokens")) if usage else None
+        return text, (usage.get("input_tokens"), usage.get("output_tokens"),
+                      usage.get("cache_read_input_tokens")) if usage else None
     if isinstance(kind, str) and kind.startswith("response."):
         usage = (chunk.get("response") or {}).get("usage")
         text = chunk.get("delta") if kind == "response.output_text.delta" else None
-        return text, (usage["input_tokens"], usage["output_tokens"]) if usage else None
+        return text, (usage["input_tokens"], usage["output_tokens"],
+                      _cached(usage.get("input_tokens_details"))) if usage else None
     usage = chunk.get("usage")
-    counts = (usage["prompt_tokens"], usage["completion_tokens"]) if usage else None
+    counts = (usage["prompt_tokens"], usage["completion_tokens"],
+              _cached(usage.get("prompt_tokens_details"))) if usage else None
     choices = chunk.get("choices") or []
     if not choices:
         return None, counts
@@ -195,6 +207,7 @@ def _count(arrivals: list[tuple[float, bytes]], start: float, result: RequestRes
             if usage is not None:  # a count left out (None) keeps the one an earlier event gave
                 result.prompt_tokens = usage[0] if usage[0] is not None else result.prompt_tokens
                 result.output_tokens = usage[1] if usage[1] is not None else result.output_tokens
+                result.cached_tokens = usage[2] if usage[2] is not None else result.cached_tokens
             if not text:
                 continue
             if result.chunks == 0:
@@ -265,6 +278,7 @@ def summarize(results: list[RequestResult], duration: float, args: argparse.Name
     itls = [gap for r in ok for gap in r.itls]
     output_tokens = sum(r.output_tokens for r in ok)
     prompt_tokens = sum(r.prompt_tokens for r in ok)
+    told = [r for r in ok if r.cached_tokens is not None]  # servers that say what their prefix cache gave
     good = [r for r in ok
             if (args.slo_ttft_ms is None or r.ttft * 1000 <= args.slo_ttft_ms)
             and (args.slo_itl_ms is None or r.tpot * 1000 <= args.slo_itl_ms)]
@@ -275,6 +289,10 @@ def summarize(results: list[RequestResult], duration: float, args: argparse.Name
         "num_requests": len(results), "num_ok": len(ok), "num_failed": len(results) - len(ok),
         "duration_s": duration,
         "mean_prompt_tokens": prompt_tokens / len(ok) if ok else 0,
+        # a TTFT is only comparable across servers that cached alike: the share of prompt tokens
+        # that came from the prefix cache (None: the server does not report it)
+        "prompt_cache_hit_rate": (sum(r.cached_tokens for r in told) / max(1, sum(r.prompt_tokens for r in told))
+                                  if told else None),
         "request_throughput": len(ok) / duration,
         "output_token_throughput": output_tokens / duration,
         "total_token_throughput": (output_tokens + prompt_tokens) / duration,
@@ -306,6 +324,8 @@ def print_summary(summary: dict) -> None:
         f"requests ok {summary['num_ok']}/{summary['num_requests']} in {summary['duration_s']:.1f}s | "
         f"{summary['request_throughput']:.2f} req/s | output {summary['output_token_throughput']:.1f} tok/s | "
         f"total {summary['total_token_throughput']:.1f} tok/s | goodput {summary['goodput']:.2f} req/s"
+        + ("" if summary.get("prompt_cache_hit_rate") is None
+           else f" | prompt tokens from the prefix cache {summary['prompt_cache_hit_rate']:.0%}")
     )
     for error in summary["errors"]:
         console.print(f"[red]error:[/red] {error}")
@@ -324,7 +344,7 @@ def print_sweep(runs: dict[str, list[dict]]) -> None:
     title = "latency against throughput" + ("" if several else f": {next(iter(runs))}")
     table = Table(title=f"hyperserve bench, {title} (ms)")
     for column in ("run",) * several + ("load", "ok", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50",
-                                        "ITL p99", "TPOT p50", "goodput"):
+                                        "ITL p99", "TPOT p50", "goodput", "prompt cached"):
         table.add_column(column, justify="left" if column in ("run", "load") else "right")
     for name, summaries in runs.items():
         for s in summaries:
@@ -332,7 +352,8 @@ def print_sweep(runs: dict[str, list[dict]]) -> None:
                           f"{s['request_throughput']:.2f}", f"{s['output_token_throughput']:.1f}",
                           *(f"{s[key]:.1f}" for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
                                                           "tpot_p50_ms")),
-                          f"{s['goodput']:.2f}")
+                          f"{s['goodput']:.2f}",
+                          "-" if s.get("prompt_cache_hit_rate") is None else f"{s['prompt_cache_hit_rate']:.0%}")
     console = Console()
     if not console.is_terminal:  # a log or a pipe: the table's width, not a default 80 columns
         console = Console(width=200)

@@ -57,6 +57,7 @@ def test_streams_are_timed_token_by_token(stub, endpoint):
     # the stub answers "stub says: <prompt>": 2 + ~6 words, one token each, TOKEN_DELAY_S apart
     assert summary["output_token_throughput"] > 0
     assert summary["mean_prompt_tokens"] == 10  # from the stream's usage chunk
+    assert summary["prompt_cache_hit_rate"] == 0.4  # 4 of them cached, in each API's own words
     assert summary["itl_p50_ms"] >= 0.9 * TOKEN_DELAY_S * 1000
     assert summary["itl_p50_ms"] < 20 * TOKEN_DELAY_S * 1000
     assert 0 < summary["ttft_p50_ms"] < summary["e2e_p50_ms"]

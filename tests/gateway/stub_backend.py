@@ -49,7 +49,8 @@ def build_stub(name: str) -> Starlette:
             logprobs = ({"content": [{"token": t, "logprob": lp, "bytes": [], "top_logprobs": []} for t in tokens]}
                         if chat else {"tokens": tokens, "token_logprobs": [lp] * len(tokens),
                                       "top_logprobs": [{}] * len(tokens), "text_offset": [0] * len(tokens)})
-        usage = {"prompt_tokens": 10, "completion_tokens": len(tokens), "total_tokens": 10 + len(tokens)}
+        usage = {"prompt_tokens": 10, "completion_tokens": len(tokens), "total_tokens": 10 + len(tokens),
+                 "prompt_tokens_details": {"cached_tokens": 4}}
         base = {"id": f"stub-{state['count']}", "created": int(time.time()), "model": name}
         if body.get("stream"):
             async def events():
