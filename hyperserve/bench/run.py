@@ -291,8 +291,8 @@ def summarize(results: list[RequestResult], duration: float, args: argparse.Name
         "mean_prompt_tokens": prompt_tokens / len(ok) if ok else 0,
         # a TTFT is only comparable across servers that cached alike: the share of prompt tokens
         # that came from the prefix cache (None: the server does not report it)
-        "prompt_cache_hit_rate": (sum(r.cached_tokens for r in told) / max(1, sum(r.prompt_tokens for r in told))
-                                  if told else None),
+        "prompt_cache_hit_rate": (sum(r.cached_tokens for r in told)
+                                  / max(1, sum(r.prompt_tokens for r in told)) if told else None),
         "request_throughput": len(ok) / duration,
         "output_token_throughput": output_tokens / duration,
         "total_token_throughput": (output_tokens + prompt_tokens) / duration,
@@ -353,7 +353,8 @@ def print_sweep(runs: dict[str, list[dict]]) -> None:
                           *(f"{s[key]:.1f}" for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
                                                           "tpot_p50_ms")),
                           f"{s['goodput']:.2f}",
-                          "-" if s.get("prompt_cache_hit_rate") is None else f"{s['prompt_cache_hit_rate']:.0%}")
+                          "-" if s.get("prompt_cache_hit_rate") is None
+                          else f"{s['prompt_cache_hit_rate']:.0%}")
     console = Console()
     if not console.is_terminal:  # a log or a pipe: the table's width, not a default 80 columns
         console = Console(width=200)

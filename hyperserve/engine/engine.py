@@ -255,7 +255,8 @@ class LLMEngine:
             raise ValueError(f"cannot apply the chat template: {error}") from error
         return list(ids)
 
-    def pin_prefix(self, request_id: str, prompt: str | list[int], ttl_s: float, cache_salt: str = "") -> None:
+    def pin_prefix(self, request_id: str, prompt: str | list[int], ttl_s: float,
+                   cache_salt: str = "") -> None:
         """Compute a prompt's KV and keep it cached for `ttl_s` seconds, safe from eviction, for
         requests of the same `cache_salt`.
 
@@ -274,7 +275,8 @@ class LLMEngine:
                 f"pinning this prefix needs {num_blocks} KV blocks; pins may hold {cap} of the pool's "
                 f"{self.kv_cache.pool.num_blocks} (max_pinned_fraction) and {self.kv_cache.num_pinned_blocks} are "
                 "held", retryable=num_blocks <= cap)
-        self.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0), cache_salt=cache_salt)
+        params = SamplingParams(max_tokens=1, temperature=0)
+        self.add_request(request_id, prompt, params, cache_salt=cache_salt)
         self._groups[request_id].samples[0].pin_until = time.time() + ttl_s
 
     def unpin_prefix(self, request_id: str) -> bool:

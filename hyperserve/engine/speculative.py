@@ -112,7 +112,8 @@ class OutputHistory:
         start = self.base + len(self.tokens)
         answer = [*prompt_token_ids[-self.ngram_max:], *output_token_ids]
         earlier = [-1] * (len(answer) + 1)
-        for position, key in enumerate(self._keys(answer[:-1], scope), start + self.ngram_min):  # each but the last
+        keys = self._keys(answer[:-1], scope)  # each position but the last
+        for position, key in enumerate(keys, start + self.ngram_min):
             earlier[position - start] = self.latest.get(key, -1)
             self.latest[key] = position
         self.tokens.extend(answer)
@@ -142,7 +143,8 @@ class OutputHistory:
             scopes.append(self.scopes.popleft())
         first, dropped = self.base + sum(lengths), 0
         for length, scope in zip(lengths, scopes):
-            for key in self._keys(self.tokens[dropped : dropped + length - 2].tolist(), scope):  # as add() took them
+            answer = self.tokens[dropped : dropped + length - 2].tolist()
+            for key in self._keys(answer, scope):  # as add() took them
                 if self.latest.get(key, first) < first:
                     del self.latest[key]
             dropped += length
@@ -199,8 +201,9 @@ class NgramProposer:
             tokens = request.all_token_ids
             n, continuation = self.lookup(tokens, limit)
             acceptances, source = self.acceptance, "text"
-            if self.history is not None:  # earlier answers of its scope: a longer match wins, over a
-                m, earlier = self.history.lookup(tokens, limit, request.scope)  # long own one only a repeated run
+            if self.history is not None:
+                # earlier answers of its scope: a longer match wins, over a long own one only a repeated run
+                m, earlier = self.history.lookup(tokens, limit, request.scope)
                 if m > n and (n < self.ngram_max or m == self.history.longest):
                     # a run between ngram_max and longest shares ngram_max's rate
                     n = m if m <= self.ngram_max or m == self.history.longest else self.ngram_max

@@ -210,12 +210,14 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         s = await serving(body.model)
-        return await _respond(s, await s.prepare_completion(body, _scope(request)), body.stream, request, settings)
+        job = await s.prepare_completion(body, _scope(request))
+        return await _respond(s, job, body.stream, request, settings)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         s = await serving(body.model)
-        return await _respond(s, await s.prepare_chat(body, _scope(request)), body.stream, request, settings)
+        job = await s.prepare_chat(body, _scope(request))
+        return await _respond(s, job, body.stream, request, settings)
 
     def embedder(model: str | None) -> EmbeddingServing:
         if state.embeddings is None:

@@ -200,7 +200,8 @@ class AsyncEngine:
                 return  # the client left before the engine saw the request
         try:
             if command.pin_ttl_s is not None:
-                self.engine.pin_prefix(command.request_id, command.prompt_ids, command.pin_ttl_s, command.cache_salt)
+                self.engine.pin_prefix(command.request_id, command.prompt_ids, command.pin_ttl_s,
+                                       command.cache_salt)
             else:
                 self.engine.add_request(command.request_id, command.prompt_ids, command.params, command.priority,
                                         command.arrival_time, command.lora_request, command.final_only,

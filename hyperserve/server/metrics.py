@@ -61,10 +61,11 @@ class ServerMetrics:
                                  "Tokens emitted per verification step, since start", labels, registry=r)
         # by where the drafts came from: text (the request's own), history (earlier answers), draft or
         # self (a model), grammar (tokens a grammar forces)
+        by_source = labels + ["source"]
         self.spec_source_drafts = Counter("hyperserve:spec_decode_num_draft_tokens_by_source",
-                                          "Draft tokens proposed, by source", labels + ["source"], registry=r)
+                                          "Draft tokens proposed, by source", by_source, registry=r)
         self.spec_source_accepted = Counter("hyperserve:spec_decode_num_accepted_tokens_by_source",
-                                            "Draft tokens accepted, by source", labels + ["source"], registry=r)
+                                            "Draft tokens accepted, by source", by_source, registry=r)
         self.lora_loaded = Gauge("hyperserve:lora_adapters_loaded", "LoRA adapters held in memory", labels, registry=r)
         self.lora_loads = Counter("hyperserve:lora_adapter_loads", "LoRA adapters read from disk", labels, registry=r)
         self.lora_load_seconds = Counter("hyperserve:lora_adapter_load_seconds", "Time spent reading LoRA adapters",

@@ -355,7 +355,8 @@ class OpenAIServing:
                 pin_ttl_s: float | None = None, lora: LoRARequest | None = None,
                 final_only: bool = False, cache_salt: str = "") -> RequestStream:
         try:
-            return self.engine.submit(request_id, prompt, params, priority, pin_ttl_s, lora, final_only, cache_salt)
+            return self.engine.submit(request_id, prompt, params, priority, pin_ttl_s, lora, final_only,
+                                      cache_salt)
         except (EngineDeadError, RuntimeError) as error:
             raise _api_error(error) from error
 

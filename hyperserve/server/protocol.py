@@ -77,7 +77,8 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)
     user: str | None = Field(default=None, max_length=1024)
     # vLLM extras
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)  # shares cached KV only with its equals
+    # shares prefix-cached KV (and n-gram drafts from earlier answers) only with requests of an equal salt
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     top_k: int | None = Field(default=None, ge=-1, lt=_INT32)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=10)
@@ -372,7 +373,7 @@ class KVPrefillRequest(BaseModel):
     prompt_token_ids: list[int] = Field(min_length=1)
     skip_blocks: int = Field(default=0, ge=0)
     kv_identity: str = Field(min_length=1, max_length=256)  # the decode engine's: the blocks must fit it
-    cache_salt: str = Field(default="", max_length=4096)  # the request's tenant, as the decode server salts it
+    cache_salt: str = Field(default="", max_length=4096)  # the tenant, as the decode server salts it
 
 
 class LoadLoRARequest(BaseModel):
