@@ -18,6 +18,7 @@ Proposers:
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 from collections import deque
 from dataclasses import dataclass
@@ -77,6 +78,13 @@ class Proposer(Protocol):
         """A request's answer is complete (what a proposer may learn from)."""
 
 
+@functools.lru_cache(maxsize=4096)
+def _scope_tag(scope: str) -> int:
+    """64 bits of a scope's hash, the top of its OutputHistory keys (0: the empty scope); kept, as
+    every lookup of every step asks for its request's."""
+    return int.from_bytes(hashlib.blake2b(scope.encode(), digest_size=8).digest()) if scope else 0
+
+
 class OutputHistory:
     """Earlier requests' answers, looked up beside a request's own text: agents, templated tasks
     and repeated questions write the same phrasing again across requests (the idea
@@ -128,8 +136,7 @@ class OutputHistory:
         """The key of each position after the first ngram_min tokens, to the end: those tokens
         packed in one integer, above them 64 bits of the scope's hash (none for the empty scope)."""
         n = self.ngram_min
-        tag = int.from_bytes(hashlib.blake2b(scope.encode(), digest_size=8).digest()) if scope else 0
-        keys = [tag] * (len(answer) - n + 1)
+        keys = [_scope_tag(scope)] * (len(answer) - n + 1)
         for j in range(n):
             keys = [(key << 32) | token for key, token in zip(keys, answer[j : len(answer) - n + 1 + j])]
         return keys

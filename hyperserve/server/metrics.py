@@ -184,8 +184,7 @@ class ModelMetrics:
             if spec.num_drafts != self._seen["spec_drafts"]:
                 self._spec_acceptance.set(spec.acceptance_rate)
                 self._spec_length.set(spec.mean_accepted_length)
-                self._sync_spec_sources({source: (drafted, accepted)
-                                         for source, (drafted, accepted) in list(spec.by_source.items())})
+                self._sync_spec_sources({source: tuple(counts) for source, counts in list(spec.by_source.items())})
             for key, total in totals.items():
                 if total != self._seen[key]:
                     self._counters[key].inc(total - self._seen[key])
