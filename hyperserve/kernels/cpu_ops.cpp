@@ -149,7 +149,7 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps
 std::string isa() { return isa_name(best_isa()); }
 
 void set_one_stream_rows(int64_t rows) {
-  TORCH_CHECK(rows >= 0 && rows <= kBlockRowTile512, "set_one_stream_rows: rows must be in [0, ", kBlockRowTile512,
+  TORCH_CHECK(rows >= 0 && rows <= kBlockRowTile, "set_one_stream_rows: rows must be in [0, ", kBlockRowTile,
               "], got ", rows);
   one_stream_rows = rows;
 }

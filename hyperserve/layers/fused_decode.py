@@ -47,7 +47,7 @@ from hyperserve.layers.quantization import (
 )
 
 logger = logging.getLogger("hyperserve.fused_decode")
-ONE_STREAM_ROWS = 8  # the most rows a pass over a block takes with AVX-512 (kernels' kBlockRowTile512)
+ONE_STREAM_ROWS = 8  # the most rows a pass over a block takes with AVX-512 (kernels' kBlockRowTile)
 
 
 class FusedDecode:

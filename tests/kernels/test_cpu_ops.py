@@ -145,7 +145,9 @@ def eight_bit_product(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tenso
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("in_features", [64, 576])
-@pytest.mark.parametrize("rows", [1, 4, 5, 16])  # row tiles of 4, and what is left over
+# one pass of 1-3 rows (a group's float steps at once) or 4-8 (groups' integer sums first, in chunks
+# of 8 of 18 groups), and passes split evenly (17 rows: 6, 6, 5)
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 9, 17])
 def test_interleaved_q4_1_equals_the_dequantized_weight_against_8_bit_activations(rows, in_features, isa):
     runnable(isa)
     packed, weight = quantized(80, in_features)
@@ -198,7 +200,7 @@ def test_interleaved_rows_do_not_depend_on_their_batch_and_avx2_gives_the_portab
 
 
 @pytest.mark.parametrize("one_stream_rows", [0, 8])  # blocks in pairs; one at a time up to 8 rows
-@pytest.mark.parametrize("rows", [1, 3, 8, 17])  # row tiles of 8, and one left over
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])  # passes of 8 rows or fewer, split evenly
 @pytest.mark.parametrize("out_features", [96, 88])  # blocks of 8 in pairs, and one left alone
 def test_avx512_multiplies_interleaved_blocks_to_the_avx2_kernels_bits(out_features, rows, one_stream_rows):
     """vpdpbusd's 32-bit sums are the AVX2 kernel's exact integer sums and the float steps after
@@ -215,7 +217,7 @@ def test_avx512_multiplies_interleaved_blocks_to_the_avx2_kernels_bits(out_featu
         torch.ops.hyperserve.set_one_stream_rows(0)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 9, 17])  # row tiles of 4 (AVX2) and 8 (AVX-512), and what is left over
+@pytest.mark.parametrize("rows", [1, 4, 5, 9, 17])  # passes of up to 4 rows (AVX2) or 8, split evenly
 def test_interleaved_q8_0_gives_the_row_layouts_product_on_every_instruction_set(rows):
     """The LM head in blocks of 16 channels: 16-bit activations as in the row layout, so within float
     rounding of it, and the same integer sums and float steps on every instruction set, bit for bit.
