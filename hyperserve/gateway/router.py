@@ -3,7 +3,8 @@
 - least-outstanding: the backend with the fewest in-flight requests per unit of weight;
 - prefix-affinity: rendezvous hashing of the prompt's first characters, so conversations that
   share a long prefix land on the replica whose prefix cache already holds it, unless that replica
-  is `affinity_max_imbalance` requests busier than the least-loaded one;
+  is `affinity_max_imbalance` requests busier than the least-loaded one; where the backends keep
+  tenants' caches apart (`cache_salt`), of the tenant and the prefix (Route.affinity_key);
 - a failed attempt (connection error, 5xx, 429) is retried on another backend with exponential
   backoff; the circuit breaker takes a failing backend out and lets one probe back in;
 - a cascade asks its first route and escalates while the answer's mean token log-probability is
@@ -49,6 +50,14 @@ class Route:
     def name(self) -> str:
         return self.config.model
 
+    def affinity_key(self, prefix: str | None, scope: str | None, client_salt: Any) -> str | None:
+        """What places a request on a prefix-affinity route: its prompt's prefix, and the salt its
+        backends' prefix caches will see (the API key's scope on backends that salt tenants, a
+        client's own `cache_salt` on any). One tenant's cached prefix serves no other, so tenants
+        that share a system prompt spread over the replicas instead of crowding the one it hashes to."""
+        salt = cache_salt(scope if any(b.tenant_salt for b, _ in self.backends) else None, client_salt)
+        return prefix if prefix is None or not salt else f"{salt}\x00{prefix}"
+
     def pick(self, affinity_key: str | None, tried: set[str]) -> Backend | None:
         """A backend for the next attempt: one not tried yet if any is available, else any available."""
         now = time.monotonic()
@@ -88,6 +97,7 @@ class Router:
         retry_after: str | None = None
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(5.0, route.config.timeout_s),
                                         sock_read=route.config.timeout_s)
+        affinity_key = route.affinity_key(affinity_key, scope, body.get("cache_salt"))
         for attempt in range(route.config.retries + 1):
             if attempt:
                 await asyncio.sleep(route.config.backoff_s * 2 ** (attempt - 1))

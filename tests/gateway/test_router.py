@@ -71,6 +71,27 @@ def test_prefix_affinity_is_sticky_weighted_and_gives_way_under_load():
     assert route.pick(key, set()) is not a
 
 
+def test_tenants_sharing_a_prefix_spread_over_backends_that_keep_their_caches_apart():
+    """A backend that salts tenants' prefix caches holds one tenant's prefix for that tenant only:
+    the prefix is placed per tenant there, and by itself where caches are shared."""
+    a, b, c = _backend("a"), _backend("b"), _backend("c")
+    shared = _route(a, b, c, balance="prefix-affinity")
+    prefix = "You are a helpful assistant."
+    keys = {shared.affinity_key(prefix, f"tenant {i}", None) for i in range(300)}
+    assert keys == {prefix}  # no salt reaches these backends
+    assert shared.affinity_key(prefix, None, "mine") == shared.affinity_key(prefix, "tenant 1", "mine") != prefix
+
+    for backend in (a, b, c):
+        backend.tenant_salt = True
+    salted = _route(a, b, c, balance="prefix-affinity")
+    picks = Counter(salted.pick(salted.affinity_key(prefix, f"tenant {i}", None), set()).name for i in range(300))
+    assert set(picks) == {"a", "b", "c"} and max(picks.values()) < 150
+    tenant = salted.affinity_key(prefix, "tenant 7", None)
+    assert all(salted.pick(tenant, set()) is salted.pick(tenant, set()) for _ in range(20))  # sticky per tenant
+    assert salted.affinity_key(prefix, "tenant 7", "x") != tenant  # the client's salt divides it further
+    assert salted.affinity_key(None, "tenant 7", None) is None  # no prefix, no affinity
+
+
 def test_mean_logprob_takes_the_least_confident_choice():
     chat = {"choices": [{"logprobs": {"content": [{"logprob": -0.2}, {"logprob": -0.4}]}},
                         {"logprobs": {"content": [{"logprob": -1.0}]}}]}
