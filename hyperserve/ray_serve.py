@@ -38,7 +38,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hyperserve import ray_metrics
-from hyperserve.common.affinity import affinity_text
+from hyperserve.common.affinity import affinity_text, salted_key
+from hyperserve.security.config import cache_salt
 
 logger = logging.getLogger("hyperserve.ray")
 
@@ -102,7 +103,7 @@ class EngineReplica:
         engine_config = EngineConfig.from_kwargs(model=config.model, **config.engine)
         errors: list[Exception] = []
         self.app = build_app(functools.partial(LLMEngine, engine_config), ServerSettings(model_name=config.name),
-                             on_load_error=errors.append)
+                             on_load_error=errors.append, governor=replica_governor(config))
         self.replica = serve.get_replica_context().replica_id.unique_id
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
@@ -180,6 +181,19 @@ class EngineReplica:
                 await asyncio.wait([task], timeout=10)
 
 
+def replica_governor(config: RayServeConfig):
+    """With API keys, a replica checks the key the ingress forwards (in its headers) too, for what
+    is each key's own on a replica as on `hyperserve serve`: files, batches and stored responses,
+    and the cache scope its prefix cache, pins and n-gram history are kept apart by. Limits,
+    guardrails and the audit log stay with the ingress (SecurityConfig.keys_only)."""
+    if config.api_key is None and config.security_config is None:
+        return None
+    from hyperserve.security.config import load_security_config
+    from hyperserve.security.middleware import Governor
+
+    return Governor(load_security_config(config.security_config, config.api_key).keys_only())
+
+
 # ---- the ingress -------------------------------------------------------------------------------
 
 
@@ -207,8 +221,10 @@ def _ingress_app(config: RayServeConfig):
     async def forward(path: str, request: Request) -> Response:
         body = await request.body()
         ingress: Ingress = serve.get_replica_context().servable_object
+        scope = getattr(request.state, "cache_scope", None)  # the API key's, where keys are on
+        key = _prefix_key(body, path, config, scope)
         head, chunks = await ingress.send(request.method, "/" + path, request.url.query,
-                                          list(request.headers.items()), body, _prefix_key(body, path, config))
+                                          list(request.headers.items()), body, key)
         headers = {k: v for k, v in head["headers"] if k.lower() not in HOP_BY_HOP}
         streaming = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(_guarded(chunks, streaming), status_code=head["status"], headers=headers)
@@ -216,7 +232,9 @@ def _ingress_app(config: RayServeConfig):
     return app
 
 
-def _prefix_key(body: bytes, path: str, config: RayServeConfig) -> str | None:
+def _prefix_key(body: bytes, path: str, config: RayServeConfig, scope: str | None) -> str | None:
+    """The request's affinity key: its prompt's prefix, salted as the replica's prefix cache will
+    salt it (the API key's scope, the client's `cache_salt`)."""
     if not config.prefix_affinity or not path.endswith(("chat/completions", "completions")):
         return None
     try:
@@ -225,7 +243,8 @@ def _prefix_key(body: bytes, path: str, config: RayServeConfig) -> str | None:
         return None
     if not isinstance(request, dict):
         return None
-    return affinity_text(request, chat=path.endswith("chat/completions"))[: config.affinity_prefix_chars] or None
+    prefix = affinity_text(request, chat=path.endswith("chat/completions"))[: config.affinity_prefix_chars] or None
+    return salted_key(prefix, cache_salt(scope, request.get("cache_salt")))
 
 
 async def _guarded(chunks: AsyncIterator[bytes], streaming: bool) -> AsyncIterator[bytes]:

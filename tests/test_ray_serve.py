@@ -209,3 +209,34 @@ def test_a_replica_that_dies_before_answering_has_its_request_sent_to_another():
     assert ray_metrics.RETRIED._value.get() == retried + 1
     with pytest.raises(ActorDiedError):
         asyncio.run(Ingress(Handle([True, True])).send("POST", "/v1/completions", "", [], b"{}", None))
+
+
+def test_a_replica_knows_each_api_key_for_what_is_its_own_and_leaves_limits_to_the_ingress(tmp_path):
+    """Behind the ingress a replica checks the forwarded key too: files, batches, stored responses
+    and the cache scope are each key's own there, as on `hyperserve serve`; its limits and
+    guardrails stay with the ingress, which enforces them once. And a prefix is placed per tenant."""
+    from hyperserve.ray_serve import RayServeConfig, _prefix_key, replica_governor
+    from hyperserve.security.config import hash_key
+
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(json.dumps({"keys": [
+        {"name": "alice", "sha256": hash_key("sk-alice"), "limits": {"requests_per_minute": 1},
+         "guardrails": {"injection": "block"}},
+        {"name": "bob", "sha256": hash_key("sk-bob"), "cache_scope": "team"}],
+        "request_limits": {"max_messages": 3}}))
+    assert replica_governor(RayServeConfig()) is None
+    governor = replica_governor(RayServeConfig(security_config=str(keys), api_key="sk-ray"))
+    alice = governor.authenticate({b"authorization": b"Bearer sk-alice"})
+    assert alice.scope == "key:alice" and governor.authenticate({b"x-api-key": b"sk-bob"}).scope == "team"
+    assert governor.authenticate({b"authorization": b"Bearer sk-ray"}).name == "default"
+    with pytest.raises(Exception, match="incorrect API key"):
+        governor.authenticate({b"authorization": b"Bearer sk-mallory"})
+    assert governor.limits(alice).requests_per_minute is None and not governor.needs_http
+    assert governor.config.request_limits.max_messages == 3
+
+    config = RayServeConfig()
+    body = json.dumps({"messages": [{"role": "system", "content": SYSTEM}]}).encode()
+    plain = _prefix_key(body, "v1/chat/completions", config, None)
+    tenants = [_prefix_key(body, "v1/chat/completions", config, scope) for scope in ("key:alice", "team")]
+    assert plain.startswith('[{"role":"system"') and len({plain, *tenants}) == 3
+    assert tenants[0].endswith(plain)

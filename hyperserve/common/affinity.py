@@ -18,6 +18,13 @@ def affinity_text(body: dict[str, Any], chat: bool) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
 
+def salted_key(prefix: str | None, salt: str) -> str | None:
+    """The affinity key of a prompt prefix whose cached KV only requests of the same `salt` share
+    (the engine's, security.config.cache_salt): one key per tenant, so tenants that send the same
+    system prompt spread over the replicas rather than crowding the one it hashes to."""
+    return prefix if prefix is None or not salt else f"{salt}\x00{prefix}"
+
+
 def rendezvous_score(key: str, name: str, weight: float = 1.0) -> float:
     """Weighted rendezvous hashing: the highest-scoring name takes the key, each name winning a
     `weight` share of keys, and a name that goes away moves only its own keys."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from hyperserve.common.affinity import rendezvous_score
+from hyperserve.common.affinity import rendezvous_score, salted_key
 from hyperserve.common.errors import APIError
 from hyperserve.gateway.backends import Backend
 from hyperserve.gateway.config import RouteConfig
@@ -51,12 +51,11 @@ class Route:
         return self.config.model
 
     def affinity_key(self, prefix: str | None, scope: str | None, client_salt: Any) -> str | None:
-        """What places a request on a prefix-affinity route: its prompt's prefix, and the salt its
+        """What places a request on a prefix-affinity route: its prompt's prefix, with the salt its
         backends' prefix caches will see (the API key's scope on backends that salt tenants, a
-        client's own `cache_salt` on any). One tenant's cached prefix serves no other, so tenants
-        that share a system prompt spread over the replicas instead of crowding the one it hashes to."""
-        salt = cache_salt(scope if any(b.tenant_salt for b, _ in self.backends) else None, client_salt)
-        return prefix if prefix is None or not salt else f"{salt}\x00{prefix}"
+        client's own `cache_salt` on any)."""
+        return salted_key(prefix, cache_salt(scope if any(b.tenant_salt for b, _ in self.backends) else None,
+                                             client_salt))
 
     def pick(self, affinity_key: str | None, tried: set[str]) -> Backend | None:
         """A backend for the next attempt: one not tried yet if any is available, else any available."""

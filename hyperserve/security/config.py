@@ -100,6 +100,14 @@ class SecurityConfig(_Section):
     audit_log: str | None = Field(default=None, description="JSON-lines audit log path")
     audit_prompts: bool = Field(default=False, description="also write prompts to the audit log")
 
+    def keys_only(self) -> SecurityConfig:
+        """The same keys and request bounds, without limits, guardrails, Redis or audit log: for an
+        app behind a front that enforces those (Ray Serve's replicas behind its ingress), which
+        still needs each request's key for what belongs to it: its files, batches and stored
+        responses, and its cache scope."""
+        keys = [key.model_copy(update={"limits": None, "guardrails": None}) for key in self.keys]
+        return SecurityConfig(keys=keys, request_limits=self.request_limits)
+
     @model_validator(mode="after")
     def _unique(self) -> SecurityConfig:
         for attribute in ("name", "sha256"):
