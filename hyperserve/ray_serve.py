@@ -30,7 +30,7 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -40,6 +40,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from hyperserve import ray_metrics
 from hyperserve.common.affinity import affinity_text, salted_key
 from hyperserve.security.config import cache_salt
+
+if TYPE_CHECKING:
+    from hyperserve.security.middleware import Governor
 
 logger = logging.getLogger("hyperserve.ray")
 
@@ -181,7 +184,7 @@ class EngineReplica:
                 await asyncio.wait([task], timeout=10)
 
 
-def replica_governor(config: RayServeConfig):
+def replica_governor(config: RayServeConfig) -> Governor | None:
     """With API keys, a replica checks the key the ingress forwards (in its headers) too, for what
     is each key's own on a replica as on `hyperserve serve`: files, batches and stored responses,
     and the cache scope its prefix cache, pins and n-gram history are kept apart by. Limits,
@@ -221,10 +224,10 @@ def _ingress_app(config: RayServeConfig):
     async def forward(path: str, request: Request) -> Response:
         body = await request.body()
         ingress: Ingress = serve.get_replica_context().servable_object
-        scope = getattr(request.state, "cache_scope", None)  # the API key's, where keys are on
-        key = _prefix_key(body, path, config, scope)
+        cache_scope = getattr(request.state, "cache_scope", None)  # the API key's, where keys are on
+        affinity = _prefix_key(body, path, config, cache_scope)
         head, chunks = await ingress.send(request.method, "/" + path, request.url.query,
-                                          list(request.headers.items()), body, key)
+                                          list(request.headers.items()), body, affinity)
         headers = {k: v for k, v in head["headers"] if k.lower() not in HOP_BY_HOP}
         streaming = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(_guarded(chunks, streaming), status_code=head["status"], headers=headers)
@@ -232,7 +235,7 @@ def _ingress_app(config: RayServeConfig):
     return app
 
 
-def _prefix_key(body: bytes, path: str, config: RayServeConfig, scope: str | None) -> str | None:
+def _prefix_key(body: bytes, path: str, config: RayServeConfig, cache_scope: str | None) -> str | None:
     """The request's affinity key: its prompt's prefix, salted as the replica's prefix cache will
     salt it (the API key's scope, the client's `cache_salt`)."""
     if not config.prefix_affinity or not path.endswith(("chat/completions", "completions")):
@@ -244,7 +247,7 @@ def _prefix_key(body: bytes, path: str, config: RayServeConfig, scope: str | Non
     if not isinstance(request, dict):
         return None
     prefix = affinity_text(request, chat=path.endswith("chat/completions"))[: config.affinity_prefix_chars] or None
-    return salted_key(prefix, cache_salt(scope, request.get("cache_salt")))
+    return salted_key(prefix, cache_salt(cache_scope, request.get("cache_salt")))
 
 
 async def _guarded(chunks: AsyncIterator[bytes], streaming: bool) -> AsyncIterator[bytes]:
