@@ -61,21 +61,26 @@ class RayServeConfig(BaseModel):
     min_replicas: int = Field(1, ge=0, description="replicas kept however idle (0: scale to zero)")
     max_replicas: int = Field(1, ge=1, description="replicas at most")
     initial_replicas: int | None = Field(None, ge=0, description="replicas at start (default: min_replicas)")
-    target_ongoing_requests: float = Field(8.0, gt=0, description="requests per replica that autoscaling aims at")
+    target_ongoing_requests: float = Field(8.0, gt=0,
+                                           description="requests per replica that autoscaling aims at")
     upscale_delay_s: float = Field(10.0, ge=0, description="load above target this long adds replicas")
     downscale_delay_s: float = Field(60.0, ge=0, description="load below target this long removes replicas")
-    look_back_period_s: float = Field(30.0, gt=0, description="autoscaling averages the load over this window")
+    look_back_period_s: float = Field(30.0, gt=0,
+                                      description="autoscaling averages the load over this window")
     metrics_interval_s: float = Field(10.0, gt=0, description="how often replicas report their load")
-    max_ongoing_requests: int = Field(32, ge=1, description="requests per replica at most; more wait at the ingress")
+    max_ongoing_requests: int = Field(32, ge=1,
+                                      description="requests per replica at most; more wait at the ingress")
     num_cpus: float = Field(1.0, gt=0, description="CPUs per replica (its engine's threads)")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (give --device cuda with it)")
     memory_gb: float | None = Field(None, gt=0, description="memory per replica that Ray reserves")
     prefix_affinity: bool = Field(True, description="route by prompt prefix (off: least loaded replica)")
-    affinity_prefix_chars: int = Field(512, ge=1, description="characters of the prompt that pick its replica")
+    affinity_prefix_chars: int = Field(512, ge=1,
+                                       description="characters of the prompt that pick its replica")
     max_imbalance: int = Field(4, ge=0, description="in-flight requests over the least loaded replica's that "
                                "the prefix's replica may have and still be chosen")
     api_key: str | None = Field(None, description="one API key for every client")
-    security_config: str | None = Field(None, description="a keys YAML, as `hyperserve serve --security-config`")
+    security_config: str | None = Field(None,
+                                        description="a keys YAML, as `hyperserve serve --security-config`")
 
     @model_validator(mode="after")
     def _replicas_in_order(self) -> RayServeConfig:
@@ -105,8 +110,9 @@ class EngineReplica:
 
         engine_config = EngineConfig.from_kwargs(model=config.model, **config.engine)
         errors: list[Exception] = []
-        self.app = build_app(functools.partial(LLMEngine, engine_config), ServerSettings(model_name=config.name),
-                             on_load_error=errors.append, governor=replica_governor(config))
+        self.app = build_app(functools.partial(LLMEngine, engine_config),
+                             ServerSettings(model_name=config.name), on_load_error=errors.append,
+                             governor=replica_governor(config))
         self.replica = serve.get_replica_context().replica_id.unique_id
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
@@ -122,7 +128,8 @@ class EngineReplica:
         async for message in self._asgi(method, path, query, headers, body):
             if message["type"] == "http.response.start":
                 head = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])]
-                yield {"status": message["status"], "headers": [*head, ("x-hyperserve-replica", self.replica)]}
+                head.append(("x-hyperserve-replica", self.replica))
+                yield {"status": message["status"], "headers": head}
             elif message.get("body"):
                 yield message["body"]
 
@@ -154,7 +161,8 @@ class EngineReplica:
         client disconnected and waits for it to finish (it aborts the engine request)."""
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
                  "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query.encode(),
-                 "root_path": "", "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+                 "root_path": "",
+                 "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
                  "client": ("127.0.0.1", 0), "server": ("hyperserve-replica", 80)}
         messages: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         disconnected = asyncio.Event()
@@ -214,7 +222,8 @@ def _ingress_app(config: RayServeConfig):
     install_error_handlers(app)
     if config.api_key is not None or config.security_config is not None:
         add_security(app, Governor(load_security_config(config.security_config, config.api_key)))
-    app.add_middleware(BodyLimit, max_bytes=ServerSettings(config.name).max_body_bytes)  # added last: outermost
+    # added last: outermost
+    app.add_middleware(BodyLimit, max_bytes=ServerSettings(config.name).max_body_bytes)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -246,7 +255,8 @@ def _prefix_key(body: bytes, path: str, config: RayServeConfig, cache_scope: str
         return None
     if not isinstance(request, dict):
         return None
-    prefix = affinity_text(request, chat=path.endswith("chat/completions"))[: config.affinity_prefix_chars] or None
+    chat = path.endswith("chat/completions")
+    prefix = affinity_text(request, chat)[: config.affinity_prefix_chars] or None
     return salted_key(prefix, cache_salt(cache_scope, request.get("cache_salt")))
 
 
@@ -285,7 +295,8 @@ class Ingress:
                 if attempt:
                     raise
                 ray_metrics.RETRIED.inc()
-                logger.warning("a replica failed before answering; sending the request to another", exc_info=True)
+                logger.warning("a replica failed before answering; sending the request to another",
+                               exc_info=True)
         raise AssertionError("unreachable")
 
 
@@ -328,7 +339,8 @@ def build(args: dict[str, Any] | RayServeConfig | None = None):
     return ingress.bind(engine)
 
 
-def run(config: RayServeConfig, address: str | None = None, host: str = "127.0.0.1", port: int = 8000) -> None:
+def run(config: RayServeConfig, address: str | None = None, host: str = "127.0.0.1",
+        port: int = 8000) -> None:
     """Connect to a Ray cluster (address "auto": the one `ray start` made on this machine; None:
     start one here, stopped again on exit) and serve the application on host:port until SIGINT or
     SIGTERM, which delete it (and stop the cluster this started)."""

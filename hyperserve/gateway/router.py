@@ -82,8 +82,8 @@ class Router:
     def route(self, name: str) -> Route:
         route = self.routes.get(name)
         if route is None:
-            raise APIError(404, f"the model {name!r} does not exist; this gateway serves {sorted(self.routes)}",
-                           param="model", code="model_not_found")
+            raise APIError(404, f"the model {name!r} does not exist; this gateway serves "
+                                f"{sorted(self.routes)}", param="model", code="model_not_found")
         return route
 
     async def _send(self, route: Route, path: str, body: dict[str, Any], affinity_key: str | None,
@@ -116,7 +116,8 @@ class Router:
                     await response.read()
                     response.release()
                     server_error = response.status >= 500
-                    self._done(backend, started, "failure" if server_error else "neutral", f"http_{response.status}")
+                    self._done(backend, started, "failure" if server_error else "neutral",
+                               f"http_{response.status}")
                     failures.append(f"{backend.name}: HTTP {response.status}")
                     if not server_error:
                         retry_after = response.headers.get("Retry-After", "1")
@@ -133,9 +134,10 @@ class Router:
             raise APIError(429, f"every backend for {route.name!r} is overloaded; retry later",
                            type_="rate_limit_error", headers={"Retry-After": retry_after})
         if not failures:
-            raise APIError(503, f"no backend for {route.name!r} is available (all circuits open); retry later",
-                           type_="service_unavailable", headers={"Retry-After": "1"})
-        raise APIError(502, f"every attempt for {route.name!r} failed: {'; '.join(failures)}", type_="bad_gateway")
+            raise APIError(503, f"no backend for {route.name!r} is available (all circuits open); "
+                                "retry later", type_="service_unavailable", headers={"Retry-After": "1"})
+        raise APIError(502, f"every attempt for {route.name!r} failed: {'; '.join(failures)}",
+                       type_="bad_gateway")
 
     def _done(self, backend: Backend, started: float, outcome: str = "ok", error: str | None = None) -> None:
         """outcome: "ok" and "failure" move the circuit breaker; "neutral" (a 429, a client that

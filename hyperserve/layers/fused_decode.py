@@ -85,7 +85,8 @@ class FusedDecode:
         pairs: the faster at one row over every layer's weights, timed here (a few passes, tens of
         ms). The two give the same bits. On a Zen 4 EPYC one stream read SmolLM2's layers 39%
         faster; on the Intel Xeon we measure on, pairs led one row of the AVX2 kernel by 20%."""
-        inputs = [torch.randn(1, w.shape[1] * 32) for w in weights]  # [blocks, groups, 160]: 32 inputs a group
+        # a weight is [blocks, groups, 160]: 32 inputs a group
+        inputs = [torch.randn(1, w.shape[1] * 32) for w in weights]
 
         def seconds(rows: int) -> float:
             torch.ops.hyperserve.set_one_stream_rows(rows)
@@ -100,9 +101,10 @@ class FusedDecode:
                 times.append(seconds(rows))
         best = min(timings, key=lambda rows: min(timings[rows]))
         torch.ops.hyperserve.set_one_stream_rows(best)
-        logger.info("int4 steps of up to %d rows read %s (one row over the layers: %.2f ms in pairs, %.2f ms "
-                    "one block at a time)", ONE_STREAM_ROWS, "one block at a time" if best else "blocks in pairs",
-                    1e3 * min(timings[0]), 1e3 * min(timings[ONE_STREAM_ROWS]))
+        logger.info("int4 steps of up to %d rows read %s (one row over the layers: %.2f ms in pairs, "
+                    "%.2f ms one block at a time)", ONE_STREAM_ROWS,
+                    "one block at a time" if best else "blocks in pairs", 1e3 * min(timings[0]),
+                    1e3 * min(timings[ONE_STREAM_ROWS]))
 
     def takes(self, num_tokens: int) -> bool:
         """Whether a step of this many tokens runs here (see the module's docstring)."""
@@ -136,13 +138,16 @@ class FusedDecode:
         (top_k, renormalize) and every expert's gate_up and down."""
         attn, mlp = layer.self_attn, layer.mlp
         weights = [layer.input_layernorm.weight.detach().float().contiguous(), unwrapped(attn.qkv_proj).q41,
-                   unwrapped(attn.o_proj).q41, layer.post_attention_layernorm.weight.detach().float().contiguous()]
+                   unwrapped(attn.o_proj).q41,
+                   layer.post_attention_layernorm.weight.detach().float().contiguous()]
         weights += [torch.empty(0), torch.empty(0)] if attn.q_norm is None else [
             norm.weight.detach().float().contiguous() for norm in (attn.q_norm, attn.k_norm)]
         if not isinstance(mlp, SparseMoE):
             return weights + [unwrapped(mlp.gate_up_proj).q41, unwrapped(mlp.down_proj).q41]
-        weights += [mlp.gate.weight.detach().float().contiguous(), torch.tensor([mlp.top_k, int(mlp.renormalize)])]
-        return weights + [unwrapped(p).q41 for expert in mlp.experts for p in (expert.gate_up_proj, expert.down_proj)]
+        weights += [mlp.gate.weight.detach().float().contiguous(),
+                    torch.tensor([mlp.top_k, int(mlp.renormalize)])]
+        return weights + [unwrapped(p).q41 for expert in mlp.experts
+                          for p in (expert.gate_up_proj, expert.down_proj)]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  block_tables: torch.Tensor, lengths: torch.Tensor, kv_caches: list[KVCache],
@@ -152,12 +157,13 @@ class FusedDecode:
         context it attends to, itself included; with `lora`, each row's adapter too."""
         hidden = self.embedding.lookup(input_ids)
         cos, signed_sin = self.cos[positions], self.signed_sin[positions]
-        shared = (slots, block_tables, lengths, kv_caches[0].block_size, self.num_heads, self.num_kv_heads, self.eps,
-                  self.scale)
+        shared = (slots, block_tables, lengths, kv_caches[0].block_size, self.num_heads, self.num_kv_heads,
+                  self.eps, self.scale)
         with_lora = lora is not None and bool(lora.adapters)
         if not with_lora and all(self.rotates):
-            torch.ops.hyperserve.decode_layers(hidden, self._all_layers, cos, signed_sin, [c.key for c in kv_caches],
-                                               [c.value for c in kv_caches], *shared)
+            keys, values = [c.key for c in kv_caches], [c.value for c in kv_caches]
+            torch.ops.hyperserve.decode_layers(hidden, self._all_layers, cos, signed_sin, keys, values,
+                                               *shared)
             return hidden
         unrotated = None if all(self.rotates) else (torch.ones_like(cos), torch.zeros_like(signed_sin))
         no_lora = torch.empty(0, dtype=torch.long)
@@ -170,4 +176,5 @@ class FusedDecode:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [S, vocab] of final hidden rows [S, hidden]: the final norm, then the head."""
-        return self.head(torch.ops.hyperserve.rms_norm(hidden, self.final_norm, self.eps))[:, : self.vocab_size]
+        normed = torch.ops.hyperserve.rms_norm(hidden, self.final_norm, self.eps)
+        return self.head(normed)[:, : self.vocab_size]

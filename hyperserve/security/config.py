@@ -32,7 +32,8 @@ class Limits(_Section):
     requests_per_minute: int | None = Field(default=None, ge=1)
     tokens_per_minute: int | None = Field(default=None, ge=1, description="prompt + generated")
     concurrent_requests: int | None = Field(default=None, ge=1)
-    token_budget: int | None = Field(default=None, ge=1, description="prompt + generated tokens per budget period")
+    token_budget: int | None = Field(default=None, ge=1,
+                                     description="prompt + generated tokens per budget period")
     budget_period_s: float = Field(default=86400.0, gt=0)
 
 
@@ -42,7 +43,8 @@ class Guardrails(_Section):
     injection: Literal["off", "log", "block"] = "off"
     pii_request: Action = "off"
     pii_response: Literal["off", "log", "redact"] = "off"  # an answer is filtered, not refused
-    reversible_redaction: bool = Field(default=False, description="put the caller's own PII back into the answer")
+    reversible_redaction: bool = Field(default=False,
+                                       description="put the caller's own PII back into the answer")
     injection_threshold: float = Field(default=INJECTION_THRESHOLD, gt=0, lt=1,
                                        description="classifier probability to flag")
 
@@ -88,13 +90,14 @@ class SecurityConfig(_Section):
     keys: list[KeyEntry] = Field(default_factory=list)
     defaults: Limits = Field(default_factory=Limits, description="limits of keys that set none")
     guardrails: Guardrails = Field(default_factory=Guardrails, description="guardrails of keys that set none")
-    model_guardrails: dict[str, Guardrails] = Field(default_factory=dict,
-                                                    description="per model (a gateway route): for keys that set none")
+    model_guardrails: dict[str, Guardrails] = Field(
+        default_factory=dict, description="per model (a gateway route): for keys that set none")
     request_limits: RequestLimits = Field(default_factory=RequestLimits)
     protect_metrics: bool = False
     redis_url: str | None = Field(default=None, description="share limits between replicas through Redis")
     redis_prefix: str = "hyperserve:limits:"
-    redis_timeout_s: float = Field(default=0.5, gt=0, description="a limiter call slower than this counts as down")
+    redis_timeout_s: float = Field(default=0.5, gt=0,
+                                   description="a limiter call slower than this counts as down")
     redis_unavailable: Literal["open", "closed"] = Field(
         default="open", description="Redis down: admit without limits (open) or refuse with 503 (closed)")
     audit_log: str | None = Field(default=None, description="JSON-lines audit log path")
