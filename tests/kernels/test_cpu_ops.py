@@ -217,7 +217,7 @@ def test_avx512_multiplies_interleaved_blocks_to_the_avx2_kernels_bits(out_featu
         torch.ops.hyperserve.set_one_stream_rows(0)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 9, 17])  # passes of up to 4 rows (AVX2) or 8, split evenly
+@pytest.mark.parametrize("rows", [1, 4, 5, 9, 17])  # passes of up to 3 rows (AVX2) or 8, split evenly
 def test_interleaved_q8_0_gives_the_row_layouts_product_on_every_instruction_set(rows):
     """The LM head in blocks of 16 channels: 16-bit activations as in the row layout, so within float
     rounding of it, and the same integer sums and float steps on every instruction set, bit for bit.
