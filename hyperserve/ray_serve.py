@@ -11,7 +11,10 @@ whose import_path is that builder) deploys two Ray Serve deployments:
   replica to start) and restarts a replica whose process dies or whose engine stops.
 - Ingress: the HTTP front, a FastAPI app with the security layer (API keys, limits, guardrails)
   that hands each request to an Engine replica through a DeploymentHandle and streams its bytes
-  back. A replica that dies before answering: the request goes to another, once; after the first
+  back, with the key it was authenticated by. What outlives a request is kept here, once for all
+  replicas: the Batch API's files and batches (`files_dir`; each line goes to a replica as any
+  request) and stored /v1/responses answers (a later turn's previous_response_id finds them
+  whichever replica answered). A replica that dies before answering: the request goes to another, once; after the first
   byte: a stream ends with an error event and a body is cut short, never a hang.
 
 PrefixAffinityRouter (ray_router.py, Ray Serve's request-router API) picks the replica: requests whose prompts
@@ -40,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from hyperserve import ray_metrics
 from hyperserve.common.affinity import affinity_text, salted_key
 from hyperserve.security.config import cache_salt
+from hyperserve.security.middleware import KEY_DIGEST
 
 if TYPE_CHECKING:
     from hyperserve.security.middleware import Governor
@@ -81,6 +85,8 @@ class RayServeConfig(BaseModel):
     api_key: str | None = Field(None, description="one API key for every client")
     security_config: str | None = Field(None,
                                         description="a keys YAML, as `hyperserve serve --security-config`")
+    files_dir: str | None = Field(None, description="where the ingress keeps the Batch API's files, batches "
+                                  "and results, found again after a restart (None: a temporary directory)")
 
     @model_validator(mode="after")
     def _replicas_in_order(self) -> RayServeConfig:
@@ -123,9 +129,12 @@ class EngineReplica:
         logger.info("replica %s ready", self.replica)
 
     async def handle(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes,
-                     prefix_key: str | None = None) -> AsyncIterator[dict[str, Any] | bytes]:
-        """prefix_key is for the router (PrefixAffinityRouter reads it from the call)."""
-        async for message in self._asgi(method, path, query, headers, body):
+                     key_digest: str | None = None, prefix_key: str | None = None
+                     ) -> AsyncIterator[dict[str, Any] | bytes]:
+        """key_digest: the SHA-256 of the API key the ingress authenticated the request by (a batch
+        line carries no key of its own); prefix_key is for the router (PrefixAffinityRouter reads
+        it from the call)."""
+        async for message in self._asgi(method, path, query, headers, body, key_digest):
             if message["type"] == "http.response.start":
                 head = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])]
                 head.append(("x-hyperserve-replica", self.replica))
@@ -155,8 +164,8 @@ class EngineReplica:
                 chunks.append(message.get("body", b""))
         return status, b"".join(chunks).decode(errors="replace")
 
-    async def _asgi(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes
-                    ) -> AsyncIterator[dict[str, Any]]:
+    async def _asgi(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes,
+                    key_digest: str | None = None) -> AsyncIterator[dict[str, Any]]:
         """The app's messages for one request. Leaving early (the caller went away) tells the app the
         client disconnected and waits for it to finish (it aborts the engine request)."""
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
@@ -164,6 +173,8 @@ class EngineReplica:
                  "root_path": "",
                  "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
                  "client": ("127.0.0.1", 0), "server": ("hyperserve-replica", 80)}
+        if key_digest is not None:  # from the ingress, never from a client's request
+            scope[KEY_DIGEST] = key_digest
         messages: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         disconnected = asyncio.Event()
         pending_body = [body]
@@ -193,10 +204,10 @@ class EngineReplica:
 
 
 def replica_governor(config: RayServeConfig) -> Governor | None:
-    """With API keys, a replica checks the key the ingress forwards (in its headers) too, for what
-    is each key's own on a replica as on `hyperserve serve`: files, batches and stored responses,
-    and the cache scope its prefix cache, pins and n-gram history are kept apart by. Limits,
-    guardrails and the audit log stay with the ingress (SecurityConfig.keys_only)."""
+    """With API keys, a replica knows each request's key too (the one the ingress authenticated it
+    by, passed beside it), for what is each key's own on a replica as on `hyperserve serve`: the
+    cache scope its prefix cache, pins and n-gram history are kept apart by. Limits, guardrails and
+    the audit log stay with the ingress (SecurityConfig.keys_only)."""
     if config.api_key is None and config.security_config is None:
         return None
     from hyperserve.security.config import load_security_config
@@ -209,21 +220,33 @@ def replica_governor(config: RayServeConfig) -> Governor | None:
 
 
 def _ingress_app(config: RayServeConfig):
-    """The ingress's FastAPI app: security, /metrics of the routing, everything else forwarded."""
+    """The ingress's FastAPI app: security, the Batch API and stored responses (as `hyperserve
+    serve` has them), /metrics of the routing, everything else forwarded."""
+    from pathlib import Path
+
     from ray import serve
 
+    from hyperserve.common.batch_api import BatchAPI
     from hyperserve.common.body_limit import BodyLimit
     from hyperserve.common.errors import install_error_handlers
+    from hyperserve.common.responses_api import ResponsesAPI
     from hyperserve.security.config import load_security_config
     from hyperserve.security.middleware import Governor, add_security
     from hyperserve.server.settings import ServerSettings
 
+    settings = ServerSettings(config.name, files_dir=config.files_dir)
     app = FastAPI(title="HyperServe on Ray Serve")
     install_error_handlers(app)
+    governor = None
     if config.api_key is not None or config.security_config is not None:
-        add_security(app, Governor(load_security_config(config.security_config, config.api_key)))
-    # added last: outermost
-    app.add_middleware(BodyLimit, max_bytes=ServerSettings(config.name).max_body_bytes)
+        governor = Governor(load_security_config(config.security_config, config.api_key))
+    add_security(app, governor)
+    app.add_middleware(ResponsesAPI, governor=governor, store_bytes=settings.responses_store_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    # outermost: uploads may exceed max_body_bytes; each batch line goes through everything above
+    app.add_middleware(BatchAPI, governor=governor, files_dir=settings.files_dir and Path(settings.files_dir),
+                       concurrency=settings.batch_concurrency, busy_concurrency=settings.batch_concurrency_busy,
+                       registry=ray_metrics.REGISTRY)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -236,7 +259,8 @@ def _ingress_app(config: RayServeConfig):
         cache_scope = getattr(request.state, "cache_scope", None)  # the API key's, where keys are on
         affinity = _prefix_key(body, path, config, cache_scope)
         head, chunks = await ingress.send(request.method, "/" + path, request.url.query,
-                                          list(request.headers.items()), body, affinity)
+                                          list(request.headers.items()), body,
+                                          getattr(request.state, "key_digest", None), affinity)
         headers = {k: v for k, v in head["headers"] if k.lower() not in HOP_BY_HOP}
         streaming = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(_guarded(chunks, streaming), status_code=head["status"], headers=headers)
@@ -281,12 +305,12 @@ class Ingress:
         self.engine = engine
 
     async def send(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes,
-                   prefix_key: str | None) -> tuple[dict[str, Any], AsyncIterator[bytes]]:
+                   key_digest: str | None, prefix_key: str | None) -> tuple[dict[str, Any], AsyncIterator[bytes]]:
         """The response head and the rest of the body from a replica; a replica that dies before
         its head is replaced by another, once."""
         for attempt in range(2):
             generator = self.engine.options(stream=True).handle.remote(method, path, query, headers, body,
-                                                                     prefix_key=prefix_key)
+                                                                     key_digest=key_digest, prefix_key=prefix_key)
             try:
                 head = await generator.__anext__()
                 return head, _rest(generator)

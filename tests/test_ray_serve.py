@@ -1,7 +1,8 @@
 """HyperServe on Ray Serve, on a local Ray cluster this module starts (and stops): two SmolLM2
-replicas behind the ingress (streaming, prefix affinity with the prefix cache's hits, a replica
-killed mid-answer), then an autoscaled deployment behind an API key growing under load, shrinking
-to zero when idle and starting again for the next request."""
+replicas behind the ingress (streaming, prefix affinity with the prefix cache's hits, the Batch
+API and stored responses kept at the ingress, a replica killed mid-answer), then an autoscaled
+deployment behind an API key growing under load, shrinking to zero when idle, starting again for
+the next request and running a batch with its creator's key."""
 
 from __future__ import annotations
 
@@ -55,6 +56,26 @@ def chat(url: str, content: str, system: str | None = None, headers: dict | None
                                                           **params}, headers=headers, timeout=120)
 
 
+def run_batch(url: str, questions: int, headers: dict | None = None) -> list[dict]:
+    """Upload `questions` chat requests, run them as a batch and return its output lines."""
+    lines = [json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"messages": [{"role": "user", "content": f"Say {i}."}], "max_tokens": 3}})
+             for i in range(questions)]
+    upload = httpx.post(f"{url}/v1/files", files={"file": ("in.jsonl", "\n".join(lines).encode())},
+                        data={"purpose": "batch"}, headers=headers, timeout=30)
+    assert upload.status_code == 200, upload.text
+    batch = httpx.post(f"{url}/v1/batches", json={"input_file_id": upload.json()["id"], "completion_window": "24h",
+                                                  "endpoint": "/v1/chat/completions"}, headers=headers, timeout=30)
+    assert batch.status_code == 200, batch.text
+    batch_id, deadline = batch.json()["id"], time.time() + 120
+    while (card := httpx.get(f"{url}/v1/batches/{batch_id}", headers=headers, timeout=30).json())["status"] != \
+            "completed":
+        assert card["status"] in ("validating", "in_progress", "finalizing") and time.time() < deadline, card
+        time.sleep(0.5)
+    output = httpx.get(f"{url}/v1/files/{card['output_file_id']}/content", headers=headers, timeout=30)
+    return [json.loads(line) for line in output.text.splitlines()]
+
+
 @pytest.fixture(scope="module")
 def two_replicas(cluster):
     deploy(cluster, min_replicas=2, max_replicas=2, max_imbalance=8)
@@ -91,6 +112,22 @@ def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_prefix_cache(
     assert min(cached) >= 96  # the shared system prompt (about 120 tokens) came from the prefix cache
     metrics = httpx.get(f"{two_replicas}/metrics").text
     assert 'hyperserve:ray_routing_decisions_total{decision="affinity"}' in metrics
+
+
+def test_files_batches_and_stored_responses_are_the_ingresss_whichever_replica_answers(two_replicas):
+    """Kept once at the ingress, they are found by every later request: on the replicas, one in
+    two reads of a stored response or a file reached the replica that did not keep it (404)."""
+    url = two_replicas
+    first = httpx.post(f"{url}/v1/responses", json={"input": "Name a colour.", "max_output_tokens": 4}, timeout=60)
+    assert first.status_code == 200, first.text
+    reads = [httpx.get(f"{url}/v1/responses/{first.json()['id']}", timeout=30) for _ in range(6)]
+    assert [r.status_code for r in reads] == [200] * 6 and reads[0].json()["id"] == first.json()["id"]
+    follow_up = httpx.post(f"{url}/v1/responses", json={"input": "And another?", "max_output_tokens": 4,
+                                                        "previous_response_id": first.json()["id"]}, timeout=60)
+    assert follow_up.status_code == 200, follow_up.text
+    output = run_batch(url, 6)
+    assert sorted(line["custom_id"] for line in output) == [f"q{i}" for i in range(6)]
+    assert all(line["response"]["status_code"] == 200 and line["response"]["body"]["choices"] for line in output)
 
 
 def test_a_replica_killed_mid_answer_ends_the_stream_and_is_replaced(two_replicas):
@@ -138,6 +175,10 @@ def test_autoscaling_grows_under_load_shrinks_to_zero_when_idle_and_wakes_for_a_
         assert time.time() < deadline, "the idle replicas were not removed"
         time.sleep(0.5)
     assert chat(cluster, "Anyone there?", headers=key).status_code == 200  # waits for a replica to start
+    # a batch's lines carry no key: the ingress passes its creator's to the replica, which knows it
+    output = run_batch(cluster, 2, headers=key)
+    assert [line["response"]["status_code"] for line in output] == [200, 200], output
+    assert httpx.get(f"{cluster}/v1/batches", timeout=30).status_code == 401
 
 
 def test_the_serve_deploy_example_names_a_builder_and_valid_args():
@@ -198,25 +239,26 @@ def test_a_replica_that_dies_before_answering_has_its_request_sent_to_another():
         def handle(self):
             return self
 
-        def remote(self, *args, prefix_key=None):
+        def remote(self, *args, key_digest=None, prefix_key=None):
             self.sent += 1
             return self.replicas[self.sent - 1]
 
     retried = ray_metrics.RETRIED._value.get()
     handle = Handle([True, False])
-    head, _ = asyncio.run(Ingress(handle).send("POST", "/v1/completions", "", [], b"{}", None))
+    head, _ = asyncio.run(Ingress(handle).send("POST", "/v1/completions", "", [], b"{}", None, None))
     assert head["status"] == 200 and handle.sent == 2 and handle.replicas[0].cancelled
     assert ray_metrics.RETRIED._value.get() == retried + 1
     with pytest.raises(ActorDiedError):
-        asyncio.run(Ingress(Handle([True, True])).send("POST", "/v1/completions", "", [], b"{}", None))
+        asyncio.run(Ingress(Handle([True, True])).send("POST", "/v1/completions", "", [], b"{}", None, None))
 
 
 def test_a_replica_knows_each_api_key_for_what_is_its_own_and_leaves_limits_to_the_ingress(tmp_path):
-    """Behind the ingress a replica checks the forwarded key too: files, batches, stored responses
-    and the cache scope are each key's own there, as on `hyperserve serve`; its limits and
-    guardrails stay with the ingress, which enforces them once. And a prefix is placed per tenant."""
+    """Behind the ingress a replica knows each request's key too: the cache scope is each key's own
+    there, as on `hyperserve serve`; its limits and guardrails stay with the ingress, which enforces
+    them once. And a prefix is placed per tenant."""
     from hyperserve.ray_serve import RayServeConfig, _prefix_key, replica_governor
     from hyperserve.security.config import hash_key
+    from hyperserve.security.middleware import KEY_DIGEST
 
     keys = tmp_path / "keys.yaml"
     keys.write_text(json.dumps({"keys": [
@@ -229,6 +271,8 @@ def test_a_replica_knows_each_api_key_for_what_is_its_own_and_leaves_limits_to_t
     alice = governor.authenticate({b"authorization": b"Bearer sk-alice"})
     assert alice.scope == "key:alice" and governor.authenticate({b"x-api-key": b"sk-bob"}).scope == "team"
     assert governor.authenticate({b"authorization": b"Bearer sk-ray"}).name == "default"
+    # the key the ingress authenticated a request by, passed beside it (a batch line has no header)
+    assert governor.identify({"headers": [], KEY_DIGEST: hash_key("sk-bob")}).name == "bob"
     with pytest.raises(Exception, match="incorrect API key"):
         governor.authenticate({b"authorization": b"Bearer sk-mallory"})
     assert governor.limits(alice).requests_per_minute is None and not governor.needs_http

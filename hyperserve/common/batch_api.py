@@ -24,6 +24,7 @@ client), so a batch needs no secret kept to go on after a restart.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import time
 from dataclasses import dataclass, field, fields
@@ -292,7 +293,10 @@ class BatchAPI:
         return batch
 
     def _start(self, batch: Batch) -> None:
-        task = asyncio.create_task(self._run(batch))
+        """Run the batch in the background, in a context of its own: not the creating request's,
+        whose context variables (Ray Serve's request id, which its router keys requests by) would
+        otherwise pass to every line."""
+        task = asyncio.create_task(self._run(batch), context=contextvars.Context())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

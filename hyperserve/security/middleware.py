@@ -218,6 +218,8 @@ class SecurityMiddleware:
         started = time.perf_counter()
         try:
             key = self.governor.identify(scope)
+            # whose request this is, for an app that hands it on (the Ray ingress, to its replicas)
+            scope.setdefault("state", {})["key_digest"] = key.sha256 if key else None
             managed = MODEL_ADMIN_PATH.fullmatch(scope["path"])
             if managed is not None:  # loading or unloading a model takes the right to use it
                 self.governor.check_model(key, managed.group(1))

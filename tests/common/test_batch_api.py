@@ -4,6 +4,7 @@ and errors, retries of 429, cancellation, validation, owners and size limits."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import time
 
@@ -238,3 +239,28 @@ def test_a_batch_request_body_is_bounded(client):
     headers = {"Authorization": f"Bearer {KEYS['alice']}"}
     response = client.post("/v1/batches", headers=headers, content=b'{"metadata": "' + b"x" * 100_000 + b'"}')
     assert response.status_code == 413 and "too large" in response.json()["error"]["message"]
+
+
+def test_lines_run_in_a_context_of_their_own_not_their_creators(tmp_path):
+    """A line does not see the context variables of the request that created its batch: Ray Serve
+    keys the requests its handles send by one (the request id), and lines that shared their
+    creator's stalled its router (tests/test_ray_serve.py)."""
+    request_id = contextvars.ContextVar("request_id", default=None)
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat():
+        return {"request_id": request_id.get()}
+
+    app.add_middleware(BatchAPI, files_dir=tmp_path)
+
+    async def server(scope, receive, send):  # what a server around the app sets for each request
+        request_id.set(f"{scope['type']} {scope.get('path')}")
+        await app(scope, receive, send)
+
+    with TestClient(server) as client:
+        api = sdk(client)
+        upload = api.files.create(file=("in.jsonl", jsonl({"n": 1}, {"n": 2})), purpose="batch")
+        batch = api.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        answers = [line["response"]["body"] for line in lines(api, finished(api, batch.id).output_file_id)]
+    assert answers == [{"request_id": None}] * 2
