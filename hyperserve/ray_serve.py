@@ -14,14 +14,16 @@ whose import_path is that builder) deploys two Ray Serve deployments:
   back, with the key it was authenticated by. What outlives a request is kept here, once for all
   replicas: the Batch API's files and batches (`files_dir`; each line goes to a replica as any
   request) and stored /v1/responses answers (a later turn's previous_response_id finds them
-  whichever replica answered). A replica that dies before answering: the request goes to another, once; after the first
-  byte: a stream ends with an error event and a body is cut short, never a hang.
+  whichever replica answered). A replica that dies before answering: the request goes to
+  another, once; after the first byte: a stream ends with an error event and a body is cut
+  short, never a hang.
 
-PrefixAffinityRouter (ray_router.py, Ray Serve's request-router API) picks the replica: requests whose prompts
-begin alike (the first `affinity_prefix_chars` characters: the system prompt, a shared document)
-go to the same replica by rendezvous hashing, so that replica's prefix cache holds their KV,
-unless it has `max_imbalance` more requests in flight than the least loaded replica: then the
-least loaded. Routing decisions and requests in flight per replica are on the ingress's /metrics.
+PrefixAffinityRouter (ray_router.py, Ray Serve's request-router API) picks the replica: requests
+whose prompts begin alike (the first `affinity_prefix_chars` characters: the system prompt, a
+shared document) go to the same replica by rendezvous hashing, so that replica's prefix cache
+holds their KV, unless it has `max_imbalance` more requests in flight than the least loaded
+replica: then the least loaded. Routing decisions and requests in flight per replica are on the
+ingress's /metrics.
 """
 
 from __future__ import annotations
@@ -245,8 +247,8 @@ def _ingress_app(config: RayServeConfig):
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     # outermost: uploads may exceed max_body_bytes; each batch line goes through everything above
     app.add_middleware(BatchAPI, governor=governor, files_dir=settings.files_dir and Path(settings.files_dir),
-                       concurrency=settings.batch_concurrency, busy_concurrency=settings.batch_concurrency_busy,
-                       registry=ray_metrics.REGISTRY)
+                       concurrency=settings.batch_concurrency,
+                       busy_concurrency=settings.batch_concurrency_busy, registry=ray_metrics.REGISTRY)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -305,12 +307,13 @@ class Ingress:
         self.engine = engine
 
     async def send(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes,
-                   key_digest: str | None, prefix_key: str | None) -> tuple[dict[str, Any], AsyncIterator[bytes]]:
+                   key_digest: str | None, prefix_key: str | None
+                   ) -> tuple[dict[str, Any], AsyncIterator[bytes]]:
         """The response head and the rest of the body from a replica; a replica that dies before
         its head is replaced by another, once."""
         for attempt in range(2):
-            generator = self.engine.options(stream=True).handle.remote(method, path, query, headers, body,
-                                                                     key_digest=key_digest, prefix_key=prefix_key)
+            generator = self.engine.options(stream=True).handle.remote(
+                method, path, query, headers, body, key_digest=key_digest, prefix_key=prefix_key)
             try:
                 head = await generator.__anext__()
                 return head, _rest(generator)

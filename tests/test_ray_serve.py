@@ -50,10 +50,12 @@ def engine_replicas(state: str = "RUNNING") -> int:
     return serve.status().applications["hyperserve"].deployments["Engine"].replica_states.get(state, 0)
 
 
-def chat(url: str, content: str, system: str | None = None, headers: dict | None = None, **params) -> httpx.Response:
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
-    return httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0,
-                                                          **params}, headers=headers, timeout=120)
+def chat(url: str, content: str, system: str | None = None, headers: dict | None = None,
+         **params) -> httpx.Response:
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": content})
+    return httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=120,
+                      json={"messages": messages, "max_tokens": 4, "temperature": 0, **params})
 
 
 def run_batch(url: str, questions: int, headers: dict | None = None) -> list[dict]:
@@ -64,12 +66,13 @@ def run_batch(url: str, questions: int, headers: dict | None = None) -> list[dic
     upload = httpx.post(f"{url}/v1/files", files={"file": ("in.jsonl", "\n".join(lines).encode())},
                         data={"purpose": "batch"}, headers=headers, timeout=30)
     assert upload.status_code == 200, upload.text
-    batch = httpx.post(f"{url}/v1/batches", json={"input_file_id": upload.json()["id"], "completion_window": "24h",
-                                                  "endpoint": "/v1/chat/completions"}, headers=headers, timeout=30)
+    batch = httpx.post(f"{url}/v1/batches", headers=headers, timeout=30,
+                       json={"input_file_id": upload.json()["id"], "completion_window": "24h",
+                             "endpoint": "/v1/chat/completions"})
     assert batch.status_code == 200, batch.text
     batch_id, deadline = batch.json()["id"], time.time() + 120
-    while (card := httpx.get(f"{url}/v1/batches/{batch_id}", headers=headers, timeout=30).json())["status"] != \
-            "completed":
+    while (card := httpx.get(f"{url}/v1/batches/{batch_id}", headers=headers, timeout=30).json())["status"] \
+            != "completed":
         assert card["status"] in ("validating", "in_progress", "finalizing") and time.time() < deadline, card
         time.sleep(0.5)
     output = httpx.get(f"{url}/v1/files/{card['output_file_id']}/content", headers=headers, timeout=30)
@@ -83,7 +86,8 @@ def two_replicas(cluster):
 
 
 def test_streaming_through_the_ingress_answers_as_the_plain_server(two_replicas):
-    body = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 12, "temperature": 0}
+    body = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 12,
+            "temperature": 0}
     whole = httpx.post(f"{two_replicas}/v1/chat/completions", json=body, timeout=60)
     assert whole.status_code == 200 and whole.headers["x-hyperserve-replica"]
     with httpx.stream("POST", f"{two_replicas}/v1/chat/completions", json={**body, "stream": True},
@@ -100,7 +104,7 @@ def test_streaming_through_the_ingress_answers_as_the_plain_server(two_replicas)
 
 def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_prefix_cache(two_replicas):
     replicas, cached = {}, []
-    for tenant in range(40):  # until the tenants' prefixes have reached both replicas (each one does by chance)
+    for tenant in range(40):  # until the tenants' prefixes have reached both replicas (each does by chance)
         if len(replicas) >= 4 and len(set().union(*replicas.values())) == 2:
             break
         system = f"Tenant {tenant}. {SYSTEM}"
@@ -118,20 +122,23 @@ def test_files_batches_and_stored_responses_are_the_ingresss_whichever_replica_a
     """Kept once at the ingress, they are found by every later request: on the replicas, one in
     two reads of a stored response or a file reached the replica that did not keep it (404)."""
     url = two_replicas
-    first = httpx.post(f"{url}/v1/responses", json={"input": "Name a colour.", "max_output_tokens": 4}, timeout=60)
+    first = httpx.post(f"{url}/v1/responses", json={"input": "Name a colour.", "max_output_tokens": 4},
+                       timeout=60)
     assert first.status_code == 200, first.text
     reads = [httpx.get(f"{url}/v1/responses/{first.json()['id']}", timeout=30) for _ in range(6)]
     assert [r.status_code for r in reads] == [200] * 6 and reads[0].json()["id"] == first.json()["id"]
-    follow_up = httpx.post(f"{url}/v1/responses", json={"input": "And another?", "max_output_tokens": 4,
-                                                        "previous_response_id": first.json()["id"]}, timeout=60)
+    follow_up = httpx.post(f"{url}/v1/responses", timeout=60, json={
+        "input": "And another?", "max_output_tokens": 4, "previous_response_id": first.json()["id"]})
     assert follow_up.status_code == 200, follow_up.text
     output = run_batch(url, 6)
     assert sorted(line["custom_id"] for line in output) == [f"q{i}" for i in range(6)]
-    assert all(line["response"]["status_code"] == 200 and line["response"]["body"]["choices"] for line in output)
+    assert all(line["response"]["status_code"] == 200 and line["response"]["body"]["choices"]
+               for line in output)
 
 
 def test_a_replica_killed_mid_answer_ends_the_stream_and_is_replaced(two_replicas):
-    body = {"messages": [{"role": "user", "content": "Write a long story about a dragon."}], "max_tokens": 400,
+    body = {"messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+            "max_tokens": 400,
             "stream": True, "ignore_eos": True}
     started = time.time()
     with httpx.stream("POST", f"{two_replicas}/v1/chat/completions", json=body, timeout=60) as response:
@@ -151,7 +158,8 @@ def test_a_replica_killed_mid_answer_ends_the_stream_and_is_replaced(two_replica
 
 def test_autoscaling_grows_under_load_shrinks_to_zero_when_idle_and_wakes_for_a_request(cluster):
     deploy(cluster, min_replicas=0, initial_replicas=1, max_replicas=2, target_ongoing_requests=1,
-           upscale_delay_s=0, downscale_delay_s=2, look_back_period_s=2, metrics_interval_s=0.5, api_key="sk-ray")
+           upscale_delay_s=0, downscale_delay_s=2, look_back_period_s=2, metrics_interval_s=0.5,
+           api_key="sk-ray")
     assert engine_replicas() == 1
     assert chat(cluster, "Who are you?").status_code == 401  # the ingress checks keys
     key = {"Authorization": "Bearer sk-ray"}
@@ -191,7 +199,8 @@ def test_the_serve_deploy_example_names_a_builder_and_valid_args():
 
     from hyperserve.ray_serve import RayServeConfig
 
-    example = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "ray" / "serve.yaml").read_text())
+    example_path = Path(__file__).resolve().parents[1] / "examples" / "ray" / "serve.yaml"
+    example = yaml.safe_load(example_path.read_text())
     (app,) = example["applications"]
     module, _, name = app["import_path"].partition(":")
     assert callable(getattr(importlib.import_module(module), name))

@@ -61,7 +61,8 @@ class Batch:
     endpoint: str
     input_file_id: str
     metadata: dict[str, str] | None
-    status: str = "validating"  # -> in_progress -> finalizing -> completed | failed | cancelling -> cancelled | expired
+    # -> in_progress -> finalizing -> completed | failed | cancelling -> cancelled | expired
+    status: str = "validating"
     errors: list[dict[str, Any]] = field(default_factory=list)
     total: int = 0
     completed: int = 0
@@ -74,7 +75,8 @@ class Batch:
 
     def record(self) -> bytes:
         """What is kept on disk of it (all but the event a cancel sets, which its status says)."""
-        return json.dumps({f.name: getattr(self, f.name) for f in fields(self) if f.name != "cancelled"}).encode()
+        kept = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "cancelled"}
+        return json.dumps(kept).encode()
 
     def enter(self, status: str) -> None:
         self.status = status
@@ -87,8 +89,8 @@ class Batch:
     def card(self) -> dict[str, Any]:
         stamps = ("created_at", "in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
                   "cancelling_at", "cancelled_at")
-        return {"id": self.id, "object": "batch", "endpoint": self.endpoint, "input_file_id": self.input_file_id,
-                "completion_window": "24h", "status": self.status,
+        return {"id": self.id, "object": "batch", "endpoint": self.endpoint,
+                "input_file_id": self.input_file_id, "completion_window": "24h", "status": self.status,
                 "errors": {"object": "list", "data": self.errors} if self.errors else None,
                 "output_file_id": self.output_file_id, "error_file_id": self.error_file_id,
                 "expires_at": self.expires_at, **{stamp: self.times.get(stamp) for stamp in stamps},
@@ -141,13 +143,15 @@ class BatchAPI:
     one their bodies get where they set none (None: none, for backends that take no `priority`);
     `registry`: where the batch metrics go."""
 
-    def __init__(self, app, governor=None, files_dir: Path | None = None, max_file_bytes: int = MAX_FILE_BYTES,
-                 max_stored_bytes: int = 4 * 2**30, concurrency: int = 16, busy_concurrency: int = 2,
+    def __init__(self, app, governor=None, files_dir: Path | None = None,
+                 max_file_bytes: int = MAX_FILE_BYTES, max_stored_bytes: int = 4 * 2**30,
+                 concurrency: int = 16, busy_concurrency: int = 2,
                  priority: int | None = BATCH_PRIORITY, registry: CollectorRegistry | None = None) -> None:
         self.app, self.governor, self.priority = app, governor, priority
-        self.lines_done = Counter("hyperserve:batch_requests", "Batch lines ended, by outcome: answered (2xx), "
-                                  "failed (any other status), not_run (the batch was cancelled or expired)",
-                                  ["outcome"], registry=registry)
+        self.lines_done = Counter("hyperserve:batch_requests",
+                                  "Batch lines ended, by outcome: answered (2xx), failed (any other status), "
+                                  "not_run (the batch was cancelled or expired)", ["outcome"],
+                                  registry=registry)
         Gauge("hyperserve:batches_running", "Batches validating, in progress, finalizing or cancelling",
               registry=registry).set_function(lambda: sum(b.status in ACTIVE for b in self.batches.values()))
         self.max_file_bytes = max_file_bytes
@@ -212,15 +216,16 @@ class BatchAPI:
         """A multipart upload (`file`, `purpose`), refused past max_file_bytes as it arrives."""
         too_large = APIError(413, f"files take at most {self.max_file_bytes} bytes", code="file_too_large")
         try:  # the form's own fields come besides the file
-            form = await Request(scope, limited_receive(receive, self.max_file_bytes + 64 * 1024, too_large)).form(
-                max_files=1, max_fields=8)
+            bounded = limited_receive(receive, self.max_file_bytes + 64 * 1024, too_large)
+            form = await Request(scope, bounded).form(max_files=1, max_fields=8)
         except APIError:
             raise
         except Exception as error:  # noqa: BLE001 - a malformed body from the client: say why
             raise APIError(400, f"expected a multipart form with 'file' and 'purpose': {error}") from None
         upload, purpose = form.get("file"), form.get("purpose")
         if purpose != "batch":
-            raise APIError(400, "purpose must be 'batch': this server keeps files for the Batch API", param="purpose")
+            raise APIError(400, "purpose must be 'batch': this server keeps files for the Batch API",
+                           param="purpose")
         if upload is None or isinstance(upload, str):
             raise APIError(400, "the form holds no file", param="file")
         data = await upload.read()
@@ -281,7 +286,8 @@ class BatchAPI:
                            param="metadata")
         source = self.store.get(owner, str(body.get("input_file_id")), param="input_file_id")
         if source.purpose != "batch":
-            raise APIError(400, "the input file must have been uploaded with purpose 'batch'", param="input_file_id")
+            raise APIError(400, "the input file must have been uploaded with purpose 'batch'",
+                           param="input_file_id")
         if sum(b.status in ACTIVE for b in self.batches.values()) >= MAX_ACTIVE_BATCHES:
             raise APIError(429, f"{MAX_ACTIVE_BATCHES} batches are running; retry once one has finished",
                            type_="rate_limit_error", headers={"Retry-After": "60"})
@@ -311,7 +317,8 @@ class BatchAPI:
         """Validate the input, run its lines, write the output and error files; anything that stops
         that (the input deleted meanwhile, the store full) fails the batch, saying why."""
         try:
-            await self._process(batch, self.store.get(batch.owner, batch.input_file_id, param="input_file_id"))
+            source = self.store.get(batch.owner, batch.input_file_id, param="input_file_id")
+            await self._process(batch, source)
         except Exception as error:  # noqa: BLE001 - the batch's own failure, reported on it
             message = error.message if isinstance(error, APIError) else f"{type(error).__name__}: {error}"
             batch.errors = [{"code": "batch_failed", "message": message, "param": None, "line": None}]
@@ -373,9 +380,9 @@ class BatchAPI:
         async with self.slots.line():
             while True:
                 if batch.cancelled.is_set() or time.time() >= batch.expires_at:
+                    code = "batch_cancelled" if batch.cancelled.is_set() else "batch_expired"
                     result = {"id": line_id, "custom_id": request["custom_id"], "response": None,
-                              "error": {"code": "batch_cancelled" if batch.cancelled.is_set() else "batch_expired",
-                                        "message": "the batch ended before this request ran"}}
+                              "error": {"code": code, "message": "the batch ended before this request ran"}}
                     break
                 status, answer_headers, answer = await self._post(batch, body)
                 if batch.cancelled.is_set():  # it was aborted: what the app answered then is not its answer
@@ -384,8 +391,9 @@ class BatchAPI:
                     retry_after = answer_headers.get(b"retry-after", b"1").decode()
                     await _sleep_or_cancel(batch, float(retry_after) if retry_after.isdigit() else 1.0)
                     continue
-                result = {"id": line_id, "custom_id": request["custom_id"],
-                          "response": {"status_code": status, "request_id": line_id, "body": answer}, "error": None}
+                response = {"status_code": status, "request_id": line_id, "body": answer}
+                result = {"id": line_id, "custom_id": request["custom_id"], "response": response,
+                          "error": None}
                 break
         outcome = "answered" if _succeeded(result) else "failed" if result["response"] else "not_run"
         if outcome == "answered":
@@ -404,7 +412,8 @@ class BatchAPI:
         inner = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
                  "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
                  "query_string": b"", "client": None, "server": None,
-                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]}
+                 "headers": [(b"content-type", b"application/json"),
+                             (b"content-length", str(len(data)).encode())]}
         inner.update(self._context)
         if "state" in inner:
             inner["state"] = dict(inner["state"])  # a copy per request, as ASGI servers give it

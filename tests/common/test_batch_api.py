@@ -36,7 +36,8 @@ def client(tmp_path):
     async def chat(request: Request):
         body = await request.json()
         if body.get("fail"):
-            return JSONResponse({"error": {"message": "bad", "type": "invalid_request_error"}}, status_code=400)
+            error = {"error": {"message": "bad", "type": "invalid_request_error"}}
+            return JSONResponse(error, status_code=400)
         if body.get("busy") and body["busy"] not in app.state.busy:
             app.state.busy.add(body["busy"])
             return JSONResponse({"error": {"message": "busy"}}, status_code=429, headers={"Retry-After": "0"})
@@ -64,10 +65,17 @@ def jsonl(*bodies: dict, url: str = "/v1/chat/completions") -> bytes:
 
 def finished(api: openai.OpenAI, batch_id: str, timeout: float = 10):
     deadline = time.time() + timeout
-    while (batch := api.batches.retrieve(batch_id)).status not in ("completed", "failed", "cancelled", "expired"):
+    ended = ("completed", "failed", "cancelled", "expired")
+    while (batch := api.batches.retrieve(batch_id)).status not in ended:
         assert time.time() < deadline, batch.status
         time.sleep(0.02)
     return batch
+
+
+def start(api: openai.OpenAI, file_id: str, **options):
+    """A batch of chat requests over an uploaded file."""
+    return api.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
+                              **options)
 
 
 def lines(api: openai.OpenAI, file_id: str | None) -> list[dict]:
@@ -76,22 +84,21 @@ def lines(api: openai.OpenAI, file_id: str | None) -> list[dict]:
 
 def test_a_batch_answers_each_line_through_the_app_in_order(client):
     api = sdk(client)
-    upload = api.files.create(file=("in.jsonl", jsonl({"n": 1}, {"n": 2, "fail": True}, {"n": 3, "busy": "x"},
-                                                      {"n": 4, "priority": -5, "stream": True})), purpose="batch")
-    assert (upload.purpose, upload.bytes, upload.filename) == ("batch", len(jsonl({"n": 1}, {"n": 2, "fail": True},
-                                                               {"n": 3, "busy": "x"}, {"n": 4, "priority": -5,
-                                                                                        "stream": True})), "in.jsonl")
-    batch = api.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h",
-                               metadata={"job": "nightly"})
+    data = jsonl({"n": 1}, {"n": 2, "fail": True}, {"n": 3, "busy": "x"},
+                 {"n": 4, "priority": -5, "stream": True})
+    upload = api.files.create(file=("in.jsonl", data), purpose="batch")
+    assert (upload.purpose, upload.bytes, upload.filename) == ("batch", len(data), "in.jsonl")
+    batch = start(api, upload.id, metadata={"job": "nightly"})
     assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
     batch = finished(api, batch.id)
     assert batch.status == "completed" and batch.completed_at and batch.in_progress_at
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (4, 3, 1)
+    counts = batch.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (4, 3, 1)
     output = lines(api, batch.output_file_id)
     assert [line["custom_id"] for line in output] == ["r0", "r2", "r3"]  # input order; the 429 was retried
     echoed = [line["response"]["body"]["echo"] for line in output]
-    assert [(e["n"], e["priority"], e["stream"]) for e in echoed] == [(1, BATCH_PRIORITY, False),
-                                                                      (3, BATCH_PRIORITY, False), (4, -5, False)]
+    assert [(e["n"], e["priority"], e["stream"]) for e in echoed] == [
+        (1, BATCH_PRIORITY, False), (3, BATCH_PRIORITY, False), (4, -5, False)]
     assert all(line["response"]["status_code"] == 200 and line["error"] is None for line in output)
     [error] = lines(api, batch.error_file_id)
     assert (error["custom_id"], error["response"]["status_code"]) == ("r1", 400)
@@ -99,7 +106,8 @@ def test_a_batch_answers_each_line_through_the_app_in_order(client):
     assert api.files.retrieve(batch.output_file_id).purpose == "batch_output"
     assert [b.id for b in api.batches.list()] == [batch.id]
     metric = client.app.state.registry.get_sample_value
-    assert [metric("hyperserve:batch_requests_total", {"outcome": o}) for o in ("answered", "failed")] == [3, 1]
+    assert [metric("hyperserve:batch_requests_total", {"outcome": o}) for o in ("answered", "failed")] \
+        == [3, 1]
     assert metric("hyperserve:batches_running") == 0
 
 
@@ -122,7 +130,7 @@ def test_a_cancelled_batch_aborts_its_running_lines_and_keeps_what_finished(clie
     api = sdk(client)
     upload = api.files.create(file=("in.jsonl", jsonl({"n": 0}, *({"wait": True} for _ in range(4)))),
                               purpose="batch")
-    batch = api.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = start(api, upload.id)
     deadline = time.time() + 10
     while api.batches.retrieve(batch.id).request_counts.completed < 1:
         assert time.time() < deadline
@@ -134,7 +142,8 @@ def test_a_cancelled_batch_aborts_its_running_lines_and_keeps_what_finished(clie
     errors = lines(api, batch.error_file_id)
     assert len(errors) == 4 and client.app.state.aborted == 2  # two ran (concurrency 2) and were disconnected
     assert {e["error"]["code"] for e in errors if e["response"] is None} == {"batch_cancelled"}
-    assert client.app.state.registry.get_sample_value("hyperserve:batch_requests_total", {"outcome": "not_run"}) == 4
+    metric = client.app.state.registry.get_sample_value
+    assert metric("hyperserve:batch_requests_total", {"outcome": "not_run"}) == 4
 
 
 def test_files_and_batches_are_their_owners_alone_and_need_a_key(client):
@@ -143,8 +152,8 @@ def test_files_and_batches_are_their_owners_alone_and_need_a_key(client):
     with pytest.raises(openai.NotFoundError):
         bob.files.retrieve(upload.id)
     with pytest.raises(openai.NotFoundError):
-        bob.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
-    batch = alice.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        start(bob, upload.id)
+    batch = start(alice, upload.id)
     with pytest.raises(openai.NotFoundError):
         bob.batches.retrieve(batch.id)
     assert [f.id for f in bob.files.list()] == [] and upload.id in [f.id for f in alice.files.list()]
@@ -199,7 +208,7 @@ def test_a_restarted_server_keeps_files_and_batches_and_goes_on_without_sending_
         api = sdk(client)
         upload = api.files.create(file=("in.jsonl", jsonl({"n": 1}, {"n": 2}, {"n": 3, "hold": True},
                                                           {"n": 4, "hold": True}, {"n": 5})), purpose="batch")
-        batch = api.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        batch = start(api, upload.id)
         deadline = time.time() + 10
         while api.batches.retrieve(batch.id).request_counts.completed < 2 or len(first.state.seen) < 4:
             assert time.time() < deadline
@@ -212,7 +221,8 @@ def test_a_restarted_server_keeps_files_and_batches_and_goes_on_without_sending_
         done = finished(api, batch.id)
         assert done.status == "completed" and done.request_counts.completed == 5
         assert {f.id for f in api.files.list()} == {upload.id, done.output_file_id}
-        assert [line["response"]["body"]["echo"] for line in lines(api, done.output_file_id)] == [1, 2, 3, 4, 5]
+        echoed = [line["response"]["body"]["echo"] for line in lines(api, done.output_file_id)]
+        assert echoed == [1, 2, 3, 4, 5]
         assert sorted(second.state.seen) == [3, 4, 5]  # what had not finished, and no line twice
         with pytest.raises(openai.NotFoundError):
             sdk(client, "bob").batches.retrieve(batch.id)
@@ -261,6 +271,6 @@ def test_lines_run_in_a_context_of_their_own_not_their_creators(tmp_path):
     with TestClient(server) as client:
         api = sdk(client)
         upload = api.files.create(file=("in.jsonl", jsonl({"n": 1}, {"n": 2})), purpose="batch")
-        batch = api.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        batch = start(api, upload.id)
         answers = [line["response"]["body"] for line in lines(api, finished(api, batch.id).output_file_id)]
     assert answers == [{"request_id": None}] * 2
