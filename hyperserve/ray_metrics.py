@@ -1,4 +1,4 @@
-"""The Ray Serve ingress's routing metrics, on its /metrics.
+"""The Ray Serve ingress's routing metrics, on its /metrics, and the Engine replicas it routes to.
 
 A module of their own: Ray pickles the ingress app's functions and the request router by value
 into the ingress process, and a module is pickled by name, so every reference reaches the same
@@ -15,5 +15,8 @@ DECISIONS = Counter("hyperserve:ray_routing_decisions", "Replica choices: affini
                     ["decision"], registry=REGISTRY)
 IN_FLIGHT = Gauge("hyperserve:ray_replica_requests_in_flight", "Requests this ingress has in flight on each replica "
                   "(what Ray Serve's autoscaling counts, seen from here)", ["replica"], registry=REGISTRY)
+# the unique ids of the Engine replicas the ingress's router routes to now (PrefixAffinityRouter
+# keeps it), whose own /metrics the ingress's adds
+REPLICAS: set[str] = set()
 RETRIED = Counter("hyperserve:ray_retried_requests", "Requests sent again because their replica died before "
                   "answering", registry=REGISTRY)

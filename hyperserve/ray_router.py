@@ -16,7 +16,8 @@ from hyperserve.common.affinity import rendezvous_score
 
 class PrefixAffinityRouter(RequestRouter):
     """Requests with the same prefix key to the same replica (rendezvous hashing), unless it has
-    max_imbalance more in flight than the least loaded; requests without a key to the least loaded.
+    max_imbalance more in flight than the least loaded; requests without a key to the least loaded;
+    a request that names its replica (the ingress reading each one's /metrics) to that one alone.
     Ray Serve tries the first group of replicas returned, then the next, each only while under its
     max_ongoing_requests. In-flight counts are this router's own: sends minus completions."""
 
@@ -26,18 +27,27 @@ class PrefixAffinityRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        if kwargs.get("replica") is not None:  # none while it is gone: the caller's timeout ends the wait
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == kwargs["replica"]]]
         by_load = sorted(candidate_replicas, key=lambda r: self._in_flight[r.replica_id])
-        key = pending_request.kwargs.get("prefix_key") if pending_request is not None else None
+        key = kwargs.get("prefix_key")
         if not by_load or not key:
             decision, ranked = "no_key", [by_load]
         else:
             preferred = max(by_load, key=lambda r: rendezvous_score(key, r.replica_id.unique_id))
-            if self._in_flight[preferred.replica_id] <= self._in_flight[by_load[0].replica_id] + self.max_imbalance:
+            least = self._in_flight[by_load[0].replica_id]
+            if self._in_flight[preferred.replica_id] <= least + self.max_imbalance:
                 decision, ranked = "affinity", [[preferred], [r for r in by_load if r is not preferred]]
             else:
                 decision, ranked = "balance", [by_load]
         ray_metrics.DECISIONS.labels(decision).inc()
         return ranked
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        ray_metrics.REPLICAS.clear()
+        ray_metrics.REPLICAS.update(r.replica_id.unique_id for r in replicas)
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)
@@ -52,5 +62,6 @@ class PrefixAffinityRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
+        ray_metrics.REPLICAS.discard(replica_id.unique_id)
         if self._in_flight.pop(replica_id, None) is not None:
             ray_metrics.IN_FLIGHT.labels(replica_id.unique_id).set(0)

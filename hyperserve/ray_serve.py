@@ -131,11 +131,11 @@ class EngineReplica:
         logger.info("replica %s ready", self.replica)
 
     async def handle(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes,
-                     key_digest: str | None = None, prefix_key: str | None = None
+                     key_digest: str | None = None, prefix_key: str | None = None, replica: str | None = None
                      ) -> AsyncIterator[dict[str, Any] | bytes]:
         """key_digest: the SHA-256 of the API key the ingress authenticated the request by (a batch
-        line carries no key of its own); prefix_key is for the router (PrefixAffinityRouter reads
-        it from the call)."""
+        line carries no key of its own); prefix_key and replica (this one's id, where the request
+        is for it alone) are for the router, which reads them from the call."""
         async for message in self._asgi(method, path, query, headers, body, key_digest):
             if message["type"] == "http.response.start":
                 head = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])]
@@ -252,7 +252,8 @@ def _ingress_app(config: RayServeConfig):
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(ray_metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        ingress: Ingress = serve.get_replica_context().servable_object
+        return Response(await ingress.metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(path: str, request: Request) -> Response:
@@ -325,6 +326,52 @@ class Ingress:
                 logger.warning("a replica failed before answering; sending the request to another",
                                exc_info=True)
         raise AssertionError("unreachable")
+
+    async def metrics(self, timeout_s: float = 5.0) -> bytes:
+        """The ingress's metrics and every Engine replica's own (TTFT, KV cache usage, …), each
+        replica's samples labelled with its id: one scrape sees the whole application. A replica
+        that does not answer within timeout_s is left out of this scrape."""
+        replicas = sorted(ray_metrics.REPLICAS) or [None]  # None: any one (the router then learns them all)
+        scraped = await asyncio.gather(*(self._scrape(replica, timeout_s) for replica in replicas))
+        return merge_metrics(generate_latest(ray_metrics.REGISTRY), dict(s for s in scraped if s is not None))
+
+    async def _scrape(self, replica: str | None, timeout_s: float) -> tuple[str, bytes] | None:
+        """(replica id, its /metrics), or None if it did not answer."""
+        generator = self.engine.options(stream=True).handle.remote("GET", "/metrics", "", [], b"",
+                                                                 replica=replica)
+        try:
+            async with asyncio.timeout(timeout_s):
+                head = await generator.__anext__()
+                body = b"".join([chunk async for chunk in generator])
+        except Exception as error:  # noqa: BLE001 - gone or busy past the timeout: this scrape goes without
+            logger.warning("no metrics from replica %s: %r", replica or "(any)", error)
+            return None
+        finally:
+            generator.cancel()
+        headers = dict(head["headers"])
+        return (headers["x-hyperserve-replica"], body) if head["status"] == 200 else None
+
+
+def merge_metrics(own: bytes, replicas: dict[str, bytes]) -> bytes:
+    """One exposition of the ingress's metrics and each replica's, its samples labelled
+    `replica`; families of one name (the Batch API's, which the ingress and replicas both have)
+    become one."""
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Metric] = {}
+    for replica, text in [(None, own), *replicas.items()]:
+        for family in text_string_to_metric_families(text.decode()):
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type,
+                                                             family.unit))
+            labels = {} if replica is None else {"replica": replica}
+            merged.samples += [s._replace(labels={**s.labels, **labels}) for s in family.samples]
+
+    class Exposition:
+        def collect(self):
+            return families.values()
+
+    return generate_latest(Exposition())
 
 
 async def _rest(generator) -> AsyncIterator[bytes]:

@@ -7,6 +7,7 @@ the next request and running a batch with its creator's key."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -116,6 +117,13 @@ def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_prefix_cache(
     assert min(cached) >= 96  # the shared system prompt (about 120 tokens) came from the prefix cache
     metrics = httpx.get(f"{two_replicas}/metrics").text
     assert 'hyperserve:ray_routing_decisions_total{decision="affinity"}' in metrics
+    # with each replica's own metrics, labelled with it: one scrape of the ingress sees the whole app
+    sample = r'^hyperserve:prefix_cache_hits_total\{[^}]*replica="([^"]+)"\} (\S+)$'
+    labelled = re.findall(sample, metrics, re.M)
+    assert {replica for replica, _ in labelled} == set().union(*replicas.values())
+    assert all(float(hits) > 0 for _, hits in labelled)
+    # a family the ingress and the replicas all have is one
+    assert metrics.count("# TYPE hyperserve:batch_requests_total counter") == 1
 
 
 def test_files_batches_and_stored_responses_are_the_ingresss_whichever_replica_answers(two_replicas):

@@ -106,8 +106,8 @@ class SecurityConfig(_Section):
     def keys_only(self) -> SecurityConfig:
         """The same keys and request bounds, without limits, guardrails, Redis or audit log: for an
         app behind a front that enforces those (Ray Serve's replicas behind its ingress), which
-        still needs each request's key for what belongs to it: its files, batches and stored
-        responses, and its cache scope."""
+        still needs each request's key for what belongs to it there: its cache scope. /metrics
+        stays open to the front, which gathers every replica's."""
         keys = [key.model_copy(update={"limits": None, "guardrails": None}) for key in self.keys]
         return SecurityConfig(keys=keys, request_limits=self.request_limits)
 
