@@ -29,6 +29,7 @@ ingress's /metrics.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import json
 import logging
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("hyperserve.ray")
 
 APP_NAME = "hyperserve"
+PINS = "v1/cache"  # POST pins a prefix's KV on a replica; DELETE v1/cache/{id} unpins it
 HOP_BY_HOP = {"content-length", "transfer-encoding", "connection"}
 
 
@@ -261,10 +263,16 @@ def _ingress_app(config: RayServeConfig):
         ingress: Ingress = serve.get_replica_context().servable_object
         cache_scope = getattr(request.state, "cache_scope", None)  # the API key's, where keys are on
         affinity = _prefix_key(body, path, config, cache_scope)
+        pinned = path.startswith(PINS + "/") and request.method == "DELETE"  # a pin is one replica's
         head, chunks = await ingress.send(request.method, "/" + path, request.url.query,
                                           list(request.headers.items()), body,
-                                          getattr(request.state, "key_digest", None), affinity)
+                                          getattr(request.state, "key_digest", None), affinity,
+                                          ingress.pins.replica(path[len(PINS) + 1:]) if pinned else None)
         headers = {k: v for k, v in head["headers"] if k.lower() not in HOP_BY_HOP}
+        if path == PINS and request.method == "POST" and head["status"] == 200:
+            answer = b"".join([chunk async for chunk in chunks])
+            ingress.pins.add(answer, headers["x-hyperserve-replica"])
+            return Response(answer, status_code=200, headers=headers)
         streaming = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(_guarded(chunks, streaming), status_code=head["status"], headers=headers)
 
@@ -273,8 +281,9 @@ def _ingress_app(config: RayServeConfig):
 
 def _prefix_key(body: bytes, path: str, config: RayServeConfig, cache_scope: str | None) -> str | None:
     """The request's affinity key: its prompt's prefix, salted as the replica's prefix cache will
-    salt it (the API key's scope, the client's `cache_salt`)."""
-    if not config.prefix_affinity or not path.endswith(("chat/completions", "completions")):
+    salt it (the API key's scope, the client's `cache_salt`). A /v1/cache pin's too, so that it is
+    made where the requests that begin with it go."""
+    if not config.prefix_affinity or not path.endswith(("chat/completions", "completions", PINS)):
         return None
     try:
         request = json.loads(body)
@@ -282,7 +291,7 @@ def _prefix_key(body: bytes, path: str, config: RayServeConfig, cache_scope: str
         return None
     if not isinstance(request, dict):
         return None
-    chat = path.endswith("chat/completions")
+    chat = path.endswith("chat/completions") or (path == PINS and "messages" in request)
     prefix = affinity_text(request, chat)[: config.affinity_prefix_chars] or None
     return salted_key(prefix, cache_salt(cache_scope, request.get("cache_salt")))
 
@@ -301,20 +310,41 @@ async def _guarded(chunks: AsyncIterator[bytes], streaming: bool) -> AsyncIterat
             yield f"data: {json.dumps(error_body)}\n\n".encode()
 
 
+class PinReplicas:
+    """Which replica holds each /v1/cache pin (its KV is that replica's), so that the pin's DELETE
+    reaches it; an entry goes once its pin has expired."""
+
+    def __init__(self) -> None:
+        self._where: dict[str, tuple[str, float]] = {}  # pin id -> (replica, expires_at)
+
+    def add(self, answer: bytes, replica: str) -> None:
+        now = time.time()
+        self._where = {pin: place for pin, place in self._where.items() if place[1] > now}
+        pin = json.loads(answer)
+        self._where[pin["id"]] = (replica, pin["expires_at"])
+
+    def replica(self, pin_id: str) -> str | None:
+        """The pin's replica while it routes requests there (None: any; its 404 says the rest)."""
+        replica, _ = self._where.get(pin_id, (None, 0.0))
+        return replica if replica in ray_metrics.REPLICAS else None
+
+
 class Ingress:
     """The ingress deployment: the Engine deployment's handle, and how a request reaches a replica."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
+        self.pins = PinReplicas()
 
     async def send(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes,
-                   key_digest: str | None, prefix_key: str | None
+                   key_digest: str | None, prefix_key: str | None, replica: str | None = None
                    ) -> tuple[dict[str, Any], AsyncIterator[bytes]]:
-        """The response head and the rest of the body from a replica; a replica that dies before
-        its head is replaced by another, once."""
+        """The response head and the rest of the body from a replica (`replica`: that one); a
+        replica that dies before its head is replaced by another, once."""
         for attempt in range(2):
             generator = self.engine.options(stream=True).handle.remote(
-                method, path, query, headers, body, key_digest=key_digest, prefix_key=prefix_key)
+                method, path, query, headers, body, key_digest=key_digest, prefix_key=prefix_key,
+                replica=replica if not attempt else None)
             try:
                 head = await generator.__anext__()
                 return head, _rest(generator)
@@ -332,7 +362,11 @@ class Ingress:
         replica's samples labelled with its id: one scrape sees the whole application. A replica
         that does not answer within timeout_s is left out of this scrape."""
         replicas = sorted(ray_metrics.REPLICAS) or [None]  # None: any one (the router then learns them all)
-        scraped = await asyncio.gather(*(self._scrape(replica, timeout_s) for replica in replicas))
+        # each in a context of its own: handle calls from one request's context share its Ray request
+        # id, and the second of two such calls in flight at once never reached its replica
+        scraped = await asyncio.gather(*(asyncio.create_task(self._scrape(replica, timeout_s),
+                                                             context=contextvars.Context())
+                                         for replica in replicas))
         return merge_metrics(generate_latest(ray_metrics.REGISTRY), dict(s for s in scraped if s is not None))
 
     async def _scrape(self, replica: str | None, timeout_s: float) -> tuple[str, bytes] | None:

@@ -1,6 +1,6 @@
 """HyperServe on Ray Serve, on a local Ray cluster this module starts (and stops): two SmolLM2
-replicas behind the ingress (streaming, prefix affinity with the prefix cache's hits, the Batch
-API and stored responses kept at the ingress, a replica killed mid-answer), then an autoscaled
+replicas behind the ingress (streaming, prefix affinity with the prefix cache's hits, pins, the
+Batch API and stored responses kept at the ingress, a replica killed mid-answer), then an autoscaled
 deployment behind an API key growing under load, shrinking to zero when idle, starting again for
 the next request and running a batch with its creator's key."""
 
@@ -115,7 +115,7 @@ def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_prefix_cache(
     assert all(len(seen) == 1 for seen in replicas.values()), replicas  # each prefix keeps its replica
     assert len(set().union(*replicas.values())) == 2  # and the prefixes spread over both
     assert min(cached) >= 96  # the shared system prompt (about 120 tokens) came from the prefix cache
-    metrics = httpx.get(f"{two_replicas}/metrics").text
+    metrics = httpx.get(f"{two_replicas}/metrics", timeout=30).text
     assert 'hyperserve:ray_routing_decisions_total{decision="affinity"}' in metrics
     # with each replica's own metrics, labelled with it: one scrape of the ingress sees the whole app
     sample = r'^hyperserve:prefix_cache_hits_total\{[^}]*replica="([^"]+)"\} (\S+)$'
@@ -124,6 +124,21 @@ def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_prefix_cache(
     assert all(float(hits) > 0 for _, hits in labelled)
     # a family the ingress and the replicas all have is one
     assert metrics.count("# TYPE hyperserve:batch_requests_total counter") == 1
+
+
+def test_a_pinned_prefix_is_made_where_its_requests_go_and_unpinned_there(two_replicas):
+    """A /v1/cache pin is one replica's KV: it is routed by its prefix as the requests that begin
+    with it are, and its DELETE goes to the replica that holds it (elsewhere: 404)."""
+    for tenant in range(4):
+        system = f"Pinned tenant {tenant}. {SYSTEM}"
+        pin = httpx.post(f"{two_replicas}/v1/cache", timeout=60,
+                         json={"messages": [{"role": "system", "content": system}], "ttl": 120})
+        assert pin.status_code == 200, pin.text
+        answer = chat(two_replicas, "Hello?", system)
+        assert answer.headers["x-hyperserve-replica"] == pin.headers["x-hyperserve-replica"]
+        cached = answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= pin.json()["cached_tokens"] > 0
+        assert httpx.delete(f"{two_replicas}/v1/cache/{pin.json()['id']}", timeout=30).status_code == 200
 
 
 def test_files_batches_and_stored_responses_are_the_ingresss_whichever_replica_answers(two_replicas):
@@ -256,7 +271,7 @@ def test_a_replica_that_dies_before_answering_has_its_request_sent_to_another():
         def handle(self):
             return self
 
-        def remote(self, *args, key_digest=None, prefix_key=None):
+        def remote(self, *args, key_digest=None, prefix_key=None, replica=None):
             self.sent += 1
             return self.replicas[self.sent - 1]
 
