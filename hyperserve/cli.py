@@ -93,8 +93,8 @@ def _answer_args(parser: argparse.ArgumentParser) -> None:
                         help="the most tokens a chat request that sets no max_tokens generates")
     parser.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
                         help="put a reasoning model's <think>...</think> in chat answers' reasoning_content")
-    parser.add_argument("--tool-call-parser", choices=["qwen3_coder", "hermes", "llama3_json", "mistral", "granite"],
-                        default=None,
+    parser.add_argument("--tool-call-parser", default=None,
+                        choices=["qwen3_coder", "hermes", "llama3_json", "mistral", "granite"],
                         help="how the model writes tool calls (default: as its chat template renders them, "
                              "else hermes)")
 
@@ -105,11 +105,13 @@ def _security_args(parser: argparse.ArgumentParser) -> None:
                        help="a single key clients must send (default: $HYPERSERVE_API_KEY)")
     group.add_argument("--security-config", default=None,
                        help="keys file (YAML/JSON): hashed keys, per-key models, limits, budgets, guardrails")
-    group.add_argument("--protect-metrics", action="store_true", default=None, help="/metrics needs a key too")
-    group.add_argument("--audit-log", default=None, help="JSON-lines audit log (who, model, tokens, verdicts)")
+    group.add_argument("--protect-metrics", action="store_true", default=None,
+                       help="/metrics needs a key too")
+    group.add_argument("--audit-log", default=None,
+                       help="JSON-lines audit log (who, model, tokens, verdicts)")
     group.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
-                       help="web pages on these origins (e.g. https://app.example.com, or *) may call the API "
-                            "from a browser (CORS); default: none but this server's own pages")
+                       help="web pages on these origins (e.g. https://app.example.com, or *) may call "
+                            "the API from a browser (CORS); default: none but this server's own pages")
 
 
 def _with_cors(app, args: argparse.Namespace):
@@ -120,10 +122,10 @@ def _with_cors(app, args: argparse.Namespace):
 
         app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], max_age=600,
-                           expose_headers=["X-Request-Id", "Retry-After", "Server-Timing", "x-hyperserve-cache",
-                                           "x-hyperserve-backend"] + [f"x-ratelimit-{what}-{unit}" for what in
-                                                                      ("limit", "remaining", "reset")
-                                                                      for unit in ("requests", "tokens")])
+                           expose_headers=["X-Request-Id", "Retry-After", "Server-Timing",
+                                           "x-hyperserve-cache", "x-hyperserve-backend"]
+                           + [f"x-ratelimit-{what}-{unit}" for what in ("limit", "remaining", "reset")
+                              for unit in ("requests", "tokens")])
     return app
 
 
@@ -146,6 +148,10 @@ def _ray_serve_args(parser: argparse.ArgumentParser) -> None:
     for name, field in RayServeConfig.model_fields.items():
         if name in ("model", "engine"):  # --model and the engine's flags come from add_engine_args
             continue
+        if name == "lora_modules":
+            parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                                help=field.description)
+            continue
         flag = "--" + name.replace("_", "-")
         if field.annotation is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
@@ -164,7 +170,10 @@ def cmd_ray_serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = {k: v for k, v in engine_kwargs_from_args(args).items() if k != "model"}
     EngineConfig.from_kwargs(**engine)  # bad engine flags fail here, before Ray starts
-    options = {name: getattr(args, name) for name in RayServeConfig.model_fields if name not in ("model", "engine")}
+    options = {name: getattr(args, name) for name in RayServeConfig.model_fields
+               if name not in ("model", "engine")}
+    options["lora_modules"] = {name: lora.lora_path
+                               for name, lora in _lora_modules(args.lora_modules).items()}
     run(RayServeConfig(model=args.model or "smollm2-135m", engine=engine, **options), args.address, args.host,
         args.port)
 
@@ -195,7 +204,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     names = args.model or ["smollm2-135m"]
     unknown = set(args.on_demand) - set(names)
     if unknown or len(set(names)) != len(names):
-        sys.exit(f"error: --on-demand names models given with --model, each once; not {sorted(unknown) or names}")
+        sys.exit("error: --on-demand names models given with --model, each once; "
+                 f"not {sorted(unknown) or names}")
     adapters = _lora_modules(args.lora_modules)
     with_lora = bool(adapters) or args.lora_dir is not None
     configs = {name: EngineConfig.from_kwargs(**{**engine_kwargs_from_args(args), "model": name,
@@ -230,7 +240,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         from hyperserve.common.embedder import WINDOWS
 
         if args.embedding_model not in WINDOWS:
-            sys.exit(f"error: --embedding-model must be one of {', '.join(WINDOWS)}, not {args.embedding_model!r}")
+            sys.exit(f"error: --embedding-model must be one of {', '.join(WINDOWS)}, "
+                     f"not {args.embedding_model!r}")
     if cached and args.embedding_model:
         sys.exit("error: --embedding-model is served without the response cache; drop --semantic-cache and "
                  "--response-cache, or serve embeddings from a second `hyperserve serve`")
@@ -265,16 +276,17 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
     name = args.served_model_name or args.model
     entry = ModelEntry(name, functools.partial(LLMEngine, config), adapters=_lora_modules(args.lora_modules))
     settings = ServerSettings(model_name=name, max_queue=max(256, 2 * args.max_concurrency),
-                              default_max_tokens=args.default_max_tokens, reasoning_parser=args.reasoning_parser,
-                              tool_call_parser=args.tool_call_parser,
-                              batch_concurrency=args.max_concurrency, batch_concurrency_busy=args.max_concurrency)
+                              default_max_tokens=args.default_max_tokens,
+                              reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                              batch_concurrency=args.max_concurrency,
+                              batch_concurrency_busy=args.max_concurrency)
     app = build_app([entry], settings, embedding_model=args.embedding_model, idle_unload_s=None)
     try:
         counts = asyncio.run(run_batch(app, Path(args.input), Path(args.output)))
     except RuntimeError as error:
         sys.exit(f"error: {error}")
-    print(f"{counts['completed']} of {counts['total']} requests answered, {counts['failed']} failed: {args.output}",
-          file=sys.stderr)
+    print(f"{counts['completed']} of {counts['total']} requests answered, {counts['failed']} failed: "
+          f"{args.output}", file=sys.stderr)
 
 
 def _lora_modules(specs: list[str]) -> dict:
@@ -326,7 +338,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     result = run_from_args(args)
     for summary in result.get("sweep", [result] if "runs" not in result else []):
-        if summary["num_requests"] and not summary["num_ok"]:  # a script must not take nothing for a measurement
+        # a script must not take nothing for a measurement
+        if summary["num_requests"] and not summary["num_ok"]:
             raise ValueError(f"no request succeeded at {summary['concurrency'] or summary['request_rate']} "
                              f"({summary['num_failed']} failed); nothing was measured")
 
@@ -355,12 +368,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
     serve.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
-    serve.add_argument("--max-pin-ttl-s", type=float, default=3600.0, help="the longest ttl of a /v1/cache pin")
+    serve.add_argument("--max-pin-ttl-s", type=float, default=3600.0,
+                       help="the longest ttl of a /v1/cache pin")
     serve.add_argument("--responses-store-mb", type=float, default=64.0,
                        help="memory for stored /v1/responses answers (previous_response_id); 0 stores none")
     _answer_args(serve)
     serve.add_argument("--files-dir", default=None,
-                       help="where the Batch API keeps /v1/files (default: a temporary directory, gone at exit)")
+                       help="where the Batch API keeps /v1/files "
+                            "(default: a temporary directory, gone at exit)")
     serve.add_argument("--batch-concurrency", type=int, default=16,
                        help="requests of all /v1/batches in the engine at once while it serves nothing else")
     serve.add_argument("--batch-concurrency-busy", type=int, default=2,
@@ -369,12 +384,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGTERM, how long running requests may take to finish")
     disagg = serve.add_argument_group("disaggregated prefill (long prompts computed by another server)")
     disagg.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
-                        help="prefill: serve POST /v1/kv/prefill; decode: send long prompts to --prefill-url first")
+                        help="prefill: serve POST /v1/kv/prefill; "
+                             "decode: send long prompts to --prefill-url first")
     disagg.add_argument("--prefill-url", default=None, help="the prefill server (--role decode)")
     disagg.add_argument("--prefill-api-key", default=os.environ.get("HYPERSERVE_PREFILL_API_KEY"),
                         help="its API key (or $HYPERSERVE_PREFILL_API_KEY)")
     disagg.add_argument("--disagg-min-tokens", type=int, default=256,
-                        help="prompts with at least this many tokens not in the prefix cache go to the prefill server")
+                        help="prompts with at least this many tokens not in the prefix cache "
+                             "go to the prefill server")
     disagg.add_argument("--prefill-timeout-s", type=float, default=30.0,
                         help="after this, the prompt is computed here instead")
     cache = serve.add_argument_group("response cache (the gateway's, in front of this engine)")
@@ -382,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="answer repeated deterministic requests from the cache (exact match)")
     cache.add_argument("--semantic-cache", action="store_true",
                        help="also answer paraphrases (all-MiniLM-L6-v2 embeddings); implies --response-cache")
-    cache.add_argument("--semantic-cache-threshold", type=float, default=0.9, help="cosine similarity for a hit")
+    cache.add_argument("--semantic-cache-threshold", type=float, default=0.9,
+                       help="cosine similarity for a hit")
     cache.add_argument("--response-cache-path", default=".hyperserve/response-cache.sqlite")
     cache.add_argument("--response-cache-ttl-s", type=float, default=86400.0)
     models = serve.add_argument_group("several models (--model given more than once)")
@@ -394,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--idle-unload-s", type=float, default=300.0,
                         help="an on-demand model unloads after this long without requests")
     models.add_argument("--max-loaded-models", type=int, default=None,
-                        help="at most this many models loaded at once (the least recently used on-demand one goes)")
+                        help="at most this many models loaded at once "
+                             "(the least recently used on-demand one goes)")
     models.add_argument("--memory-budget-gb", type=float, default=None,
                         help="the loaded models' weights and KV pools together stay within this (the least "
                              "recently used on-demand model goes); size each pool with --kv-cache-memory-gb")
@@ -408,7 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     batch = commands.add_parser("run-batch", help="an OpenAI batch file (JSONL) through the model, offline")
     batch.add_argument("-i", "--input", required=True, help="the requests: OpenAI's batch input lines")
-    batch.add_argument("-o", "--output", required=True, help="the results: OpenAI's batch output lines, in order")
+    batch.add_argument("-o", "--output", required=True,
+                       help="the results: OpenAI's batch output lines, in order")
     batch.add_argument("--max-concurrency", type=int, default=64, help="requests in the engine at once")
     batch.add_argument("--served-model-name", default=None, help="the name the lines' `model` may give")
     _answer_args(batch)
@@ -419,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(batch)
     batch.set_defaults(func=cmd_run_batch)
 
-    gateway = commands.add_parser("gateway", help="OpenAI-compatible gateway: caching, routing, fallback, cascades")
+    gateway = commands.add_parser("gateway",
+                                  help="OpenAI-compatible gateway: caching, routing, fallback, cascades")
     gateway.add_argument("--config", required=True, help="gateway YAML (see examples/gateway.yaml)")
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8080)
@@ -429,16 +450,19 @@ def build_parser() -> argparse.ArgumentParser:
     _security_args(gateway)
     gateway.set_defaults(func=cmd_gateway)
 
-    ray = commands.add_parser("ray-serve", help="replicas on a Ray cluster: autoscaled, routed by prompt prefix")
+    ray = commands.add_parser("ray-serve",
+                              help="replicas on a Ray cluster: autoscaled, routed by prompt prefix")
     ray.add_argument("--address", default=None,
-                     help="a Ray cluster to join ('auto': the one `ray start` made on this machine); none: start one")
+                     help="a Ray cluster to join ('auto': the one `ray start` made on this machine); "
+                          "none: start one")
     ray.add_argument("--host", default="127.0.0.1")
     ray.add_argument("--port", type=int, default=8000)
     _ray_serve_args(ray)
     add_engine_args(ray)
     ray.set_defaults(func=cmd_ray_serve)
 
-    keys = commands.add_parser("keys", help="make an API key and its keys-file entry (only the hash is stored)")
+    keys = commands.add_parser("keys",
+                               help="make an API key and its keys-file entry (only the hash is stored)")
     keys.add_argument("action", choices=["new"])
     keys.add_argument("--name", required=True)
     keys.set_defaults(func=cmd_keys)

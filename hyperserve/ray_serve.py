@@ -5,7 +5,8 @@ whose import_path is that builder) deploys two Ray Serve deployments:
 
 - Engine: one HyperServe engine per replica with its OpenAI app, the very `build_app` that
   `hyperserve serve` runs, called in-process (ASGI) for each request, so every endpoint, streaming
-  and error of the plain server behaves the same. A replica declares its CPUs, GPUs and memory and
+  and error of the plain server behaves the same. The WebSocket (/v1/ws) is the ingress's, each
+  of its requests a streamed HTTP request to a replica. A replica declares its CPUs, GPUs and memory and
   is ready once its model is loaded; Ray Serve autoscales the replicas on ongoing requests (min and
   max replicas, a target per replica, up and down delays; with min 0 the first request waits for a
   replica to start) and restarts a replica whose process dies or whose engine stops.
@@ -36,15 +37,19 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hyperserve import ray_metrics
 from hyperserve.common.affinity import affinity_text, salted_key
+from hyperserve.common.errors import APIError
+from hyperserve.common.sse import parse_sse_chunk
+from hyperserve.common.websocket_api import Stream, serve_websocket
 from hyperserve.security.config import cache_salt
 from hyperserve.security.middleware import KEY_DIGEST
 
@@ -91,12 +96,21 @@ class RayServeConfig(BaseModel):
                                         description="a keys YAML, as `hyperserve serve --security-config`")
     files_dir: str | None = Field(None, description="where the ingress keeps the Batch API's files, batches "
                                   "and results, found again after a restart (None: a temporary directory)")
+    lora_modules: dict[str, str] = Field(default_factory=dict,
+                                         description="LoRA adapters every replica serves as models, name: "
+                                         "directory (on every node; a relative one from where you deploy)")
 
     @model_validator(mode="after")
     def _replicas_in_order(self) -> RayServeConfig:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
         return self
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _absolute(cls, modules: dict[str, str]) -> dict[str, str]:
+        """Replicas start in Ray's working directory: resolve where the deploy starts."""
+        return {name: str(Path(path).resolve()) for name, path in modules.items()}
 
     @property
     def name(self) -> str:
@@ -115,13 +129,18 @@ class EngineReplica:
 
         from hyperserve.config import EngineConfig
         from hyperserve.engine.engine import LLMEngine
+        from hyperserve.layers.lora import LoRARequest
         from hyperserve.server.app import build_app
+        from hyperserve.server.model_pool import ModelEntry
         from hyperserve.server.settings import ServerSettings
 
-        engine_config = EngineConfig.from_kwargs(model=config.model, **config.engine)
+        lora = {"enable_lora": True} if config.lora_modules else {}
+        engine_config = EngineConfig.from_kwargs(model=config.model, **{**config.engine, **lora})
+        adapters = {name: LoRARequest(name, i, path)
+                    for i, (name, path) in enumerate(config.lora_modules.items(), start=1)}
+        entry = ModelEntry(config.name, functools.partial(LLMEngine, engine_config), adapters=adapters)
         errors: list[Exception] = []
-        self.app = build_app(functools.partial(LLMEngine, engine_config),
-                             ServerSettings(model_name=config.name), on_load_error=errors.append,
+        self.app = build_app([entry], ServerSettings(model_name=config.name), on_load_error=errors.append,
                              governor=replica_governor(config))
         self.replica = serve.get_replica_context().replica_id.unique_id
         self._lifespan = self.app.router.lifespan_context(self.app)
@@ -226,8 +245,6 @@ def replica_governor(config: RayServeConfig) -> Governor | None:
 def _ingress_app(config: RayServeConfig):
     """The ingress's FastAPI app: security, the Batch API and stored responses (as `hyperserve
     serve` has them), /metrics of the routing, everything else forwarded."""
-    from pathlib import Path
-
     from ray import serve
 
     from hyperserve.common.batch_api import BatchAPI
@@ -257,6 +274,11 @@ def _ingress_app(config: RayServeConfig):
         ingress: Ingress = serve.get_replica_context().servable_object
         return Response(await ingress.metrics(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.websocket("/v1/ws")
+    async def websocket(ws: WebSocket) -> None:
+        ingress: Ingress = serve.get_replica_context().servable_object
+        await serve_websocket(ws, functools.partial(ingress.open_stream, config))
+
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(path: str, request: Request) -> Response:
         body = await request.body()
@@ -281,8 +303,8 @@ def _ingress_app(config: RayServeConfig):
 
 def _prefix_key(body: bytes, path: str, config: RayServeConfig, cache_scope: str | None) -> str | None:
     """The request's affinity key: its prompt's prefix, salted as the replica's prefix cache will
-    salt it (the API key's scope, the client's `cache_salt`). A /v1/cache pin's too, so that it is
-    made where the requests that begin with it go."""
+    salt it (the API key's scope, the client's `cache_salt`, a LoRA adapter's own KV). A /v1/cache
+    pin's too, so that it is made where the requests that begin with it go."""
     if not config.prefix_affinity or not path.endswith(("chat/completions", "completions", PINS)):
         return None
     try:
@@ -293,7 +315,10 @@ def _prefix_key(body: bytes, path: str, config: RayServeConfig, cache_scope: str
         return None
     chat = path.endswith("chat/completions") or (path == PINS and "messages" in request)
     prefix = affinity_text(request, chat)[: config.affinity_prefix_chars] or None
-    return salted_key(prefix, cache_salt(cache_scope, request.get("cache_salt")))
+    salt, model = cache_salt(cache_scope, request.get("cache_salt")), request.get("model")
+    if isinstance(model, str) and model in config.lora_modules:
+        salt += f"\x1fadapter:{model}"
+    return salted_key(prefix, salt)
 
 
 async def _guarded(chunks: AsyncIterator[bytes], streaming: bool) -> AsyncIterator[bytes]:
@@ -347,7 +372,7 @@ class Ingress:
                 replica=replica if not attempt else None)
             try:
                 head = await generator.__anext__()
-                return head, _rest(generator)
+                return head, ReplicaBody(generator)
             except Exception:
                 generator.cancel()
                 if attempt:
@@ -357,13 +382,33 @@ class Ingress:
                                exc_info=True)
         raise AssertionError("unreachable")
 
+    async def open_stream(self, config: RayServeConfig, kind: str, body: dict[str, Any],
+                          ws: WebSocket) -> Stream:
+        """A WebSocket's request (common/websocket_api.py), sent to a replica as the streamed HTTP
+        request it is, routed by its prefix: the replica validates it, and its 4xx comes back here
+        before any chunk."""
+        path = "v1/chat/completions" if kind == "chat.completions" else "v1/completions"
+        data = json.dumps({**body, "stream": True}).encode()
+        state = ws.scope.get("state") or {}
+        head, answer = await self.send("POST", "/" + path, "", [("content-type", "application/json")], data,
+                                       state.get("key_digest"),
+                                       _prefix_key(data, path, config, state.get("cache_scope")))
+        if head["status"] != 200:
+            text = b"".join([chunk async for chunk in answer])
+            try:
+                error = json.loads(text)
+            except ValueError:
+                error = text.decode(errors="replace")
+            raise APIError.from_body(head["status"], error)
+        return Stream(_events(answer), answer.cancel)
+
     async def metrics(self, timeout_s: float = 5.0) -> bytes:
         """The ingress's metrics and every Engine replica's own (TTFT, KV cache usage, …), each
         replica's samples labelled with its id: one scrape sees the whole application. A replica
         that does not answer within timeout_s is left out of this scrape."""
         replicas = sorted(ray_metrics.REPLICAS) or [None]  # None: any one (the router then learns them all)
-        # each in a context of its own: handle calls from one request's context share its Ray request
-        # id, and the second of two such calls in flight at once never reached its replica
+        # each in a context of its own: handle calls take their request's internal id from the
+        # context, and Ray Serve's router keeps one pending request per id (the second stalled)
         scraped = await asyncio.gather(*(asyncio.create_task(self._scrape(replica, timeout_s),
                                                              context=contextvars.Context())
                                          for replica in replicas))
@@ -408,12 +453,42 @@ def merge_metrics(own: bytes, replicas: dict[str, bytes]) -> bytes:
     return generate_latest(Exposition())
 
 
-async def _rest(generator) -> AsyncIterator[bytes]:
+class ReplicaBody:
+    """The rest of a replica's answer, chunk by chunk. Leaving it early, or cancel(), cancels the
+    replica's request (the client went away)."""
+
+    def __init__(self, generator) -> None:
+        self.generator = generator
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self.generator:
+                yield chunk
+        finally:
+            self.generator.cancel()
+
+    def cancel(self) -> None:
+        self.generator.cancel()
+
+
+async def _events(body: ReplicaBody) -> AsyncIterator[dict[str, Any]]:
+    """A replica's SSE stream as its JSON objects, for the WebSocket; an error event, or the
+    replica failing mid-answer, is raised as the error it is."""
+    buffer = b""
     try:
-        async for chunk in generator:
-            yield chunk
-    finally:
-        generator.cancel()  # the client left early: the replica's request is cancelled too
+        async for chunk in body:
+            *events, buffer = (buffer + chunk).split(b"\n\n")
+            for line in (line for event in events for line in event.decode().splitlines()):
+                data = parse_sse_chunk(line)
+                if data is not None and "error" in data:
+                    raise APIError.from_body(500, data)
+                if data is not None:
+                    yield data
+    except (APIError, asyncio.CancelledError):
+        raise
+    except Exception as error:  # RayActorError and kin: the replica went away
+        raise APIError(503, f"the engine replica failed: {type(error).__name__}", type_="server_error",
+                       code="replica_failed") from error
 
 
 # ---- the application ---------------------------------------------------------------------------

@@ -1,25 +1,30 @@
 """HyperServe on Ray Serve, on a local Ray cluster this module starts (and stops): two SmolLM2
-replicas behind the ingress (streaming, prefix affinity with the prefix cache's hits, pins, the
-Batch API and stored responses kept at the ingress, a replica killed mid-answer), then an autoscaled
-deployment behind an API key growing under load, shrinking to zero when idle, starting again for
-the next request and running a batch with its creator's key."""
+replicas behind the ingress (streaming over SSE and the WebSocket, prefix affinity with the prefix
+cache's hits, pins, every replica's metrics, the Batch API and stored responses kept at the
+ingress, a replica killed mid-answer), then an autoscaled deployment behind an API key growing
+under load, shrinking to zero when idle, starting again for the next request, serving a LoRA
+adapter and running a batch with its creator's key."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
+import websockets
 
 from tests.server.conftest import free_port
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
+ROOT = Path(__file__).resolve().parents[1]
 ENGINE = {"kv_cache_memory_gb": 0.25, "max_num_seqs": 8, "max_model_len": 2048}
 SYSTEM = "You are the support assistant of the Northwind Trading Company. Answer briefly and politely. " * 6
 
@@ -126,6 +131,46 @@ def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_prefix_cache(
     assert metrics.count("# TYPE hyperserve:batch_requests_total counter") == 1
 
 
+def test_the_websocket_streams_through_the_ingress_and_cancels_on_the_replica(two_replicas):
+    """WS /v1/ws is the ingress's: each request goes to a replica as a streamed HTTP request, its
+    errors come back as error events, and a cancel stops it on the replica."""
+    question = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 12,
+                "temperature": 0}
+    whole = httpx.post(f"{two_replicas}/v1/chat/completions", json=question, timeout=60).json()
+
+    async def scenario():
+        async with websockets.connect(two_replicas.replace("http", "ws") + "/v1/ws") as ws:
+            await ws.send(json.dumps({"type": "chat.completions", "request_id": "q", "body": question}))
+            events = []
+            while not events or events[-1]["type"] != "done":
+                events.append(json.loads(await ws.recv()))
+            text = "".join(e["data"]["choices"][0]["delta"].get("content") or "" for e in events[:-1]
+                           if e["data"]["choices"])
+            assert text == whole["choices"][0]["message"]["content"]
+
+            await ws.send(json.dumps({"type": "completions", "request_id": "bad",
+                                      "body": {"prompt": "x", "top_p": 7}}))
+            error = json.loads(await ws.recv())  # the replica's own 400, passed on
+            assert (error["type"], error["status"], error["error"]["param"]) == ("error", 400, "top_p")
+
+            await ws.send(json.dumps({"type": "completions", "request_id": "long", "body": {
+                "prompt": "Write an essay.", "max_tokens": 1000, "ignore_eos": True}}))
+            chunks = 0
+            while chunks < 3:
+                chunks += json.loads(await ws.recv())["type"] == "chunk"
+            await ws.send(json.dumps({"type": "cancel", "request_id": "long"}))
+            while (event := json.loads(await ws.recv()))["type"] == "chunk":
+                pass
+            assert event == {"type": "cancelled", "request_id": "long"}
+
+    asyncio.run(scenario())
+    deadline = time.time() + 30
+    while (running := re.findall(r'^hyperserve:num_requests_running\{[^}]*replica="[^"]+"\} (\S+)$',
+                                 httpx.get(f"{two_replicas}/metrics", timeout=30).text, re.M)) != ["0.0"] * 2:
+        assert time.time() < deadline, f"the cancelled request still runs on its replica: {running}"
+        time.sleep(0.5)
+
+
 def test_a_pinned_prefix_is_made_where_its_requests_go_and_unpinned_there(two_replicas):
     """A /v1/cache pin is one replica's KV: it is routed by its prefix as the requests that begin
     with it are, and its DELETE goes to the replica that holds it (elsewhere: 404)."""
@@ -182,7 +227,7 @@ def test_a_replica_killed_mid_answer_ends_the_stream_and_is_replaced(two_replica
 def test_autoscaling_grows_under_load_shrinks_to_zero_when_idle_and_wakes_for_a_request(cluster):
     deploy(cluster, min_replicas=0, initial_replicas=1, max_replicas=2, target_ongoing_requests=1,
            upscale_delay_s=0, downscale_delay_s=2, look_back_period_s=2, metrics_interval_s=0.5,
-           api_key="sk-ray")
+           api_key="sk-ray", lora_modules={"uppercase": str(ROOT / "examples" / "lora" / "uppercase")})
     assert engine_replicas() == 1
     assert chat(cluster, "Who are you?").status_code == 401  # the ingress checks keys
     key = {"Authorization": "Bearer sk-ray"}
@@ -206,6 +251,11 @@ def test_autoscaling_grows_under_load_shrinks_to_zero_when_idle_and_wakes_for_a_
         assert time.time() < deadline, "the idle replicas were not removed"
         time.sleep(0.5)
     assert chat(cluster, "Anyone there?", headers=key).status_code == 200  # waits for a replica to start
+    # every replica serves the deployment's adapters (examples/lora/uppercase answers in capitals)
+    adapter = chat(cluster, "Name three animals.", headers=key, model="uppercase", max_tokens=12)
+    assert adapter.status_code == 200 and adapter.json()["model"] == "uppercase", adapter.text
+    letters = [c for c in adapter.json()["choices"][0]["message"]["content"] if c.isalpha()]
+    assert letters and sum(c.isupper() for c in letters) / len(letters) > 0.9, letters
     # a batch's lines carry no key: the ingress passes its creator's to the replica, which knows it
     output = run_batch(cluster, 2, headers=key)
     assert [line["response"]["status_code"] for line in output] == [200, 200], output
@@ -216,14 +266,12 @@ def test_the_serve_deploy_example_names_a_builder_and_valid_args():
     """examples/ray/serve.yaml, as `serve deploy` reads it: its import path resolves and its args
     are RayServeConfig's (a typo would fail the deploy)."""
     import importlib
-    from pathlib import Path
 
     import yaml
 
     from hyperserve.ray_serve import RayServeConfig
 
-    example_path = Path(__file__).resolve().parents[1] / "examples" / "ray" / "serve.yaml"
-    example = yaml.safe_load(example_path.read_text())
+    example = yaml.safe_load((ROOT / "examples" / "ray" / "serve.yaml").read_text())
     (app,) = example["applications"]
     module, _, name = app["import_path"].partition(":")
     assert callable(getattr(importlib.import_module(module), name))
@@ -231,13 +279,13 @@ def test_the_serve_deploy_example_names_a_builder_and_valid_args():
     assert config.max_replicas == 4 and config.engine["max_num_seqs"] == 16
     with pytest.raises(ValueError, match="min_replicas"):
         RayServeConfig(min_replicas=3, max_replicas=2)
+    adapters = RayServeConfig(lora_modules={"uppercase": "examples/lora/uppercase"}).lora_modules
+    assert Path(adapters["uppercase"]).is_absolute()  # replicas start in Ray's working directory
 
 
 def test_a_replica_that_dies_before_answering_has_its_request_sent_to_another():
     """Ingress.send against a stand-in handle: the first replica's generator fails before its
     head (as when its process dies), the second answers; a second failure reaches the caller."""
-    import asyncio
-
     from ray.exceptions import ActorDiedError
 
     from hyperserve import ray_metrics
@@ -316,3 +364,7 @@ def test_a_replica_knows_each_api_key_for_what_is_its_own_and_leaves_limits_to_t
     tenants = [_prefix_key(body, "v1/chat/completions", config, scope) for scope in ("key:alice", "team")]
     assert plain.startswith('[{"role":"system"') and len({plain, *tenants}) == 3
     assert tenants[0].endswith(plain)
+    adapter = json.dumps({"messages": [{"role": "system", "content": SYSTEM}], "model": "uppercase"}).encode()
+    with_adapter = RayServeConfig(lora_modules={"uppercase": "examples/lora/uppercase"})
+    assert _prefix_key(adapter, "v1/chat/completions", with_adapter, None) not in (plain, None)  # its own KV
+    assert _prefix_key(adapter, "v1/chat/completions", config, None) == plain  # a name the replicas lack

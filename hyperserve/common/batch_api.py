@@ -300,8 +300,9 @@ class BatchAPI:
 
     def _start(self, batch: Batch) -> None:
         """Run the batch in the background, in a context of its own: not the creating request's,
-        whose context variables (Ray Serve's request id, which its router keys requests by) would
-        otherwise pass to every line."""
+        whose context variables would pass to every line. Ray Serve's handles take their request's
+        internal id from there, and its router keeps one pending request per id: lines behind the
+        Ray ingress stalled."""
         task = asyncio.create_task(self._run(batch), context=contextvars.Context())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -23,6 +23,16 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    @classmethod
+    def from_body(cls, status: int, body: Any) -> APIError:
+        """Another server's OpenAI-style error answer, to pass on as it came (a body of another
+        shape: its text, as a server error)."""
+        error = body.get("error") if isinstance(body, dict) else None
+        if not isinstance(error, dict):
+            return cls(status, str(body)[:1000], type_="server_error")
+        return cls(status, str(error.get("message")), str(error.get("type") or "invalid_request_error"),
+                   error.get("param"), error.get("code"))
+
 
 def unavailable(message: str, retry_after_s: int = 5) -> APIError:
     """503 with Retry-After: the service cannot take the request now (loading, draining, engine down)."""

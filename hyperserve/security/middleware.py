@@ -245,7 +245,8 @@ class SecurityMiddleware:
             key = self.governor.authenticate(headers)
         except APIError:
             return await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
-        scope.setdefault("state", {})["cache_scope"] = key.scope if key else None  # as for HTTP requests
+        state = scope.setdefault("state", {})  # as for HTTP requests
+        state["cache_scope"], state["key_digest"] = (key.scope, key.sha256) if key else (None, None)
         if self.governor.needs_http:
             return await send({"type": "websocket.close", "code": 1008,
                                "reason": "use HTTP: rate limits and guardrails apply to HTTP requests"})

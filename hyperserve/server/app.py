@@ -13,25 +13,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 
 from hyperserve.common.anthropic_api import AnthropicAPI
 from hyperserve.common.batch_api import BatchAPI
 from hyperserve.common.body_limit import BodyLimit
-from hyperserve.common.errors import APIError, install_error_handlers, unavailable, validation_body
+from hyperserve.common.errors import APIError, install_error_handlers, unavailable
 from hyperserve.common.responses_api import ResponsesAPI
 from hyperserve.common.sse import DONE, sse_event
 from hyperserve.common.web_ui import install_web_ui
+from hyperserve.common.websocket_api import OpenStream, Stream, serve_websocket
 from hyperserve.engine.engine import LLMEngine
 from hyperserve.layers.lora import LoRARequest
 from hyperserve.security.middleware import Governor, add_security
@@ -271,7 +270,7 @@ def build_app(
 
     @app.websocket("/v1/ws")
     async def websocket(ws: WebSocket) -> None:
-        await _serve_websocket(ws, serving)
+        await serve_websocket(ws, _engine_streams(serving))
 
     install_web_ui(app, metrics.registry, "server")
     return app
@@ -347,92 +346,16 @@ def _server_timing(job: Job) -> str:
     return ", ".join(f"{name};dur={seconds * 1000:.1f}" for name, seconds in parts.items())
 
 
-async def _serve_websocket(ws: WebSocket, serving: Callable[[str | None], Awaitable[OpenAIServing]]) -> None:
-    """JSON messages in (text frames, or binary ones holding the JSON as UTF-8):
-    {"type": "chat.completions" | "completions", "request_id", "body"} or {"type": "cancel", "request_id"}.
-    Out: {"type": "chunk" | "done" | "cancelled" | "error", ...}. A frame that is not a JSON object,
-    or lacks what its type needs, gets an error event; the socket stays open."""
-    await ws.accept(subprotocol="hyperserve" if "hyperserve" in ws.scope.get("subprotocols", []) else None)
-    tasks: dict[str, asyncio.Task] = {}
-    jobs: dict[str, Job] = {}
-    send_lock = asyncio.Lock()
-
-    async def send(message: dict[str, Any]) -> None:
-        async with send_lock:
-            await ws.send_json(message)
-
-    async def error(request_id: str | None, error: APIError) -> None:
-        await send({"type": "error", "request_id": request_id, "status": error.status, **error.body()})
-
-    async def run(request_id: str, job: Job, s: OpenAIServing) -> None:
-        try:
-            async for chunk in s.stream_chunks(job):
-                await send({"type": "chunk", "request_id": request_id, "data": chunk})
-            await send({"type": "done", "request_id": request_id})
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await send({"type": "cancelled", "request_id": request_id})
-            raise
-        except APIError as failure:
-            with contextlib.suppress(Exception):
-                await error(request_id, failure)
-        finally:
-            tasks.pop(request_id, None)
-            jobs.pop(request_id).close()
-
-    async def handle(message: dict[str, Any], request_id: str) -> None:
-        kind = message.get("type")
-        if kind == "cancel":
-            task = tasks.get(request_id)
-            if task is not None:
-                task.cancel()
-            return
-        body = message.get("body")
-        if not isinstance(body, dict):
-            raise APIError(400, "body must be a JSON object (the request, as for the HTTP endpoint)", param="body")
+def _engine_streams(serving: Callable[[str | None], Awaitable[OpenAIServing]]) -> OpenStream:
+    """How the server's WebSocket opens a request: validated and started on its model's engine."""
+    async def open_stream(kind: str, body: dict[str, Any], ws: WebSocket) -> Stream:
         model = body.get("model")
         s = await serving(model if isinstance(model, str) else None)  # a wrong type fails validation below
         if kind == "chat.completions":
             job = await s.prepare_chat(ChatCompletionRequest.model_validate(body), _scope(ws))
-        elif kind == "completions":
-            job = await s.prepare_completion(CompletionRequest.model_validate(body), _scope(ws))
         else:
-            raise APIError(400, f"unknown message type {kind!r}; expected chat.completions, completions or cancel",
-                           param="type")
-        if request_id in tasks:
-            raise APIError(400, f"request_id {request_id!r} is already running", param="request_id")
+            job = await s.prepare_completion(CompletionRequest.model_validate(body), _scope(ws))
         s.start(job)
-        jobs[request_id] = job
-        tasks[request_id] = asyncio.create_task(run(request_id, job, s))
+        return Stream(s.stream_chunks(job), job.close)
 
-    try:
-        while True:
-            frame = await ws.receive()
-            if frame["type"] == "websocket.disconnect":
-                break
-            request_id = None
-            try:
-                try:  # a text frame, or a binary one holding the same JSON as UTF-8
-                    message = json.loads(frame["text"] if frame.get("text") is not None else frame.get("bytes") or b"")
-                except ValueError as bad:  # UnicodeDecodeError included
-                    raise APIError(400, f"a message must be a JSON object: {bad}") from None
-                if not isinstance(message, dict):
-                    raise APIError(400, f"a message must be a JSON object, not {type(message).__name__}")
-                request_id = message.get("request_id")
-                if request_id is not None and not isinstance(request_id, str | int):
-                    raise APIError(400, "request_id must be a string", param="request_id")
-                request_id = str(request_id) if request_id is not None else f"ws-{len(tasks)}-{now()}"
-                await handle(message, request_id)
-            except ValidationError as invalid:
-                await send({"type": "error", "request_id": request_id, "status": 400,
-                            **validation_body(invalid.errors())})
-            except APIError as refusal:
-                await error(request_id, refusal)
-    except (WebSocketDisconnect, RuntimeError):
-        pass
-    finally:
-        for job in list(jobs.values()):
-            job.close()  # covers tasks cancelled before they ever ran
-        for task in list(tasks.values()):
-            task.cancel()
-        await asyncio.gather(*tasks.values(), return_exceptions=True)
+    return open_stream
