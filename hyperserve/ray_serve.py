@@ -5,11 +5,12 @@ whose import_path is that builder) deploys two Ray Serve deployments:
 
 - Engine: one HyperServe engine per replica with its OpenAI app, the very `build_app` that
   `hyperserve serve` runs, called in-process (ASGI) for each request, so every endpoint, streaming
-  and error of the plain server behaves the same. The WebSocket (/v1/ws) is the ingress's, each
-  of its requests a streamed HTTP request to a replica. A replica declares its CPUs, GPUs and memory and
-  is ready once its model is loaded; Ray Serve autoscales the replicas on ongoing requests (min and
-  max replicas, a target per replica, up and down delays; with min 0 the first request waits for a
-  replica to start) and restarts a replica whose process dies or whose engine stops.
+  and error of the plain server behaves the same (the WebSocket, /v1/ws, is the ingress's: each of
+  its requests is a streamed HTTP request to a replica). A replica declares its CPUs, GPUs and
+  memory and is ready once its model is loaded; Ray Serve autoscales the replicas on ongoing
+  requests (min and max replicas, a target per replica, up and down delays; with min 0 the first
+  request waits for a replica to start) and restarts a replica whose process dies or whose engine
+  stops.
 - Ingress: the HTTP front, a FastAPI app with the security layer (API keys, limits, guardrails)
   that hands each request to an Engine replica through a DeploymentHandle and streams its bytes
   back, with the key it was authenticated by. What outlives a request is kept here, once for all
@@ -23,8 +24,8 @@ PrefixAffinityRouter (ray_router.py, Ray Serve's request-router API) picks the r
 whose prompts begin alike (the first `affinity_prefix_chars` characters: the system prompt, a
 shared document) go to the same replica by rendezvous hashing, so that replica's prefix cache
 holds their KV, unless it has `max_imbalance` more requests in flight than the least loaded
-replica: then the least loaded. Routing decisions and requests in flight per replica are on the
-ingress's /metrics.
+replica: then the least loaded. The ingress's /metrics has the routing decisions and requests in
+flight per replica, beside every replica's own metrics.
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ def replica_governor(config: RayServeConfig) -> Governor | None:
 
 def _ingress_app(config: RayServeConfig):
     """The ingress's FastAPI app: security, the Batch API and stored responses (as `hyperserve
-    serve` has them), /metrics of the routing, everything else forwarded."""
+    serve` has them), the whole application's /metrics, the WebSocket, everything else forwarded."""
     from ray import serve
 
     from hyperserve.common.batch_api import BatchAPI
@@ -363,7 +364,7 @@ class Ingress:
 
     async def send(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes,
                    key_digest: str | None, prefix_key: str | None, replica: str | None = None
-                   ) -> tuple[dict[str, Any], AsyncIterator[bytes]]:
+                   ) -> tuple[dict[str, Any], ReplicaBody]:
         """The response head and the rest of the body from a replica (`replica`: that one); a
         replica that dies before its head is replaced by another, once."""
         for attempt in range(2):

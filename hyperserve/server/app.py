@@ -88,9 +88,9 @@ def build_app(
     async def start() -> None:
         if embedding_model is not None:
             try:
-                state.embeddings = await asyncio.to_thread(EmbeddingServing, embedding_model, settings.max_queue,
-                                                           metrics)
-            except Exception as error:  # noqa: BLE001 - reported by /health, and on_load_error stops the server
+                state.embeddings = await asyncio.to_thread(EmbeddingServing, embedding_model,
+                                                           settings.max_queue, metrics)
+            except Exception as error:  # noqa: BLE001 - reported by /health; on_load_error stops the server
                 state.embedding_error = f"{embedding_model}: {error}"
                 if on_load_error is not None:
                     on_load_error(RuntimeError(state.embedding_error))
@@ -118,8 +118,8 @@ def build_app(
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     # outermost: uploads may exceed max_body_bytes; each batch line goes through everything above
     app.add_middleware(BatchAPI, governor=governor, files_dir=settings.files_dir and Path(settings.files_dir),
-                       concurrency=settings.batch_concurrency, busy_concurrency=settings.batch_concurrency_busy,
-                       registry=metrics.registry)
+                       concurrency=settings.batch_concurrency,
+                       busy_concurrency=settings.batch_concurrency_busy, registry=metrics.registry)
 
     async def serving(model: str | None) -> OpenAIServing:
         if state.shutting_down:
@@ -155,7 +155,8 @@ def build_app(
         for model in pool.models.values():
             cards.append(_model_card(model))
             cards += [{"id": name, "object": "model", "created": now(), "owned_by": "hyperserve",
-                       "parent": model.name, "root": lora.lora_path} for name, lora in model.entry.adapters.items()]
+                       "parent": model.name, "root": lora.lora_path}
+                      for name, lora in model.entry.adapters.items()]
         if state.embeddings is not None:
             cards.append(state.embeddings.card())
         return {"object": "list", "data": cards}
@@ -164,7 +165,8 @@ def build_app(
     async def load_lora_adapter(body: LoadLoRARequest) -> dict[str, Any]:
         """Serve another adapter (on the first model), from inside --lora-dir only."""
         model = pool.model(None)
-        if body.lora_name in pool.models or any(body.lora_name in m.entry.adapters for m in pool.models.values()):
+        served = any(body.lora_name in m.entry.adapters for m in pool.models.values())
+        if body.lora_name in pool.models or served:
             raise APIError(400, f"the name {body.lora_name!r} is already served", param="lora_name")
         if lora_dir is None:
             raise APIError(400, "this server loads no adapters at run time: start it with --lora-dir",
@@ -172,8 +174,8 @@ def build_app(
         path = Path(body.lora_path).resolve()
         if not path.is_relative_to(lora_dir.resolve()):
             raise APIError(400, "lora_path must be inside the server's --lora-dir", param="lora_path")
-        lora = LoRARequest(body.lora_name, 1 + max((a.lora_int_id for a in model.entry.adapters.values()), default=0),
-                           str(path))
+        lora_id = 1 + max((a.lora_int_id for a in model.entry.adapters.values()), default=0)
+        lora = LoRARequest(body.lora_name, lora_id, str(path))
         s = await serving(model.name)
         try:
             await asyncio.to_thread(s.engine.engine.check_lora, lora)
@@ -291,7 +293,8 @@ def _model_card(model: ServedModel) -> dict[str, Any]:
     return card
 
 
-async def _respond(s: OpenAIServing, job: Job, stream: bool, request: Request, settings: ServerSettings) -> Response:
+async def _respond(s: OpenAIServing, job: Job, stream: bool, request: Request,
+                   settings: ServerSettings) -> Response:
     s.start(job, final_only=not stream)
     if stream:
         return StreamingResponse(_sse(s, job), media_type="text/event-stream",
