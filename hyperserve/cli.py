@@ -87,8 +87,11 @@ def cmd_chat(args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": answer})
 
 
+ANSWER_FLAGS = ("default_max_tokens", "reasoning_parser", "tool_call_parser")  # what _answer_args adds
+
+
 def _answer_args(parser: argparse.ArgumentParser) -> None:
-    """What `serve` and `run-batch` decide of chat answers above the engine."""
+    """What `serve`, `ray-serve` and `run-batch` decide of chat answers above the engine."""
     parser.add_argument("--default-max-tokens", type=int, default=2048,
                         help="the most tokens a chat request that sets no max_tokens generates")
     parser.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
@@ -146,7 +149,7 @@ def _ray_serve_args(parser: argparse.ArgumentParser) -> None:
     from hyperserve.ray_serve import RayServeConfig
 
     for name, field in RayServeConfig.model_fields.items():
-        if name in ("model", "engine"):  # --model and the engine's flags come from add_engine_args
+        if name in ("model", "engine") or name in ANSWER_FLAGS:  # add_engine_args' and _answer_args'
             continue
         if name == "lora_modules":
             parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
@@ -458,6 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--host", default="127.0.0.1")
     ray.add_argument("--port", type=int, default=8000)
     _ray_serve_args(ray)
+    _answer_args(ray)
     add_engine_args(ray)
     ray.set_defaults(func=cmd_ray_serve)
 

@@ -56,6 +56,7 @@ from hyperserve.security.middleware import KEY_DIGEST
 
 if TYPE_CHECKING:
     from hyperserve.security.middleware import Governor
+    from hyperserve.server.settings import ServerSettings
 
 logger = logging.getLogger("hyperserve.ray")
 
@@ -100,12 +101,35 @@ class RayServeConfig(BaseModel):
     lora_modules: dict[str, str] = Field(default_factory=dict,
                                          description="LoRA adapters every replica serves as models, name: "
                                          "directory (on every node; a relative one from where you deploy)")
+    embedding_model: str | None = Field(None, description="a sentence encoder every replica serves "
+                                        "/v1/embeddings with: all-MiniLM-L6-v2 or multilingual-e5-small")
+    # chat answers, as `hyperserve serve` decides them above the engine (ServerSettings)
+    default_max_tokens: int = Field(2048, ge=1, description="the most tokens a chat request that sets "
+                                    "no max_tokens generates")
+    reasoning_parser: str | None = Field(None, description="qwen3 or deepseek_r1: a reasoning model's "
+                                         "<think>...</think> in chat answers' reasoning_content")
+    tool_call_parser: str | None = Field(None, description="how the model writes tool calls (default: as its "
+                                         "chat template renders them, else hermes)")
 
     @model_validator(mode="after")
-    def _replicas_in_order(self) -> RayServeConfig:
+    def _consistent(self) -> RayServeConfig:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        if self.embedding_model is not None:
+            from hyperserve.common.embedder import WINDOWS
+
+            if self.embedding_model not in WINDOWS:
+                raise ValueError(f"embedding_model must be one of {sorted(WINDOWS)}, "
+                                 f"got {self.embedding_model!r}")
+        self.server_settings()  # a parser's name, checked here rather than by every replica at start
         return self
+
+    def server_settings(self) -> ServerSettings:
+        """What replicas and the ingress decide above the engine, as `hyperserve serve` would."""
+        from hyperserve.server.settings import ServerSettings
+
+        return ServerSettings(self.name, default_max_tokens=self.default_max_tokens, files_dir=self.files_dir,
+                              reasoning_parser=self.reasoning_parser, tool_call_parser=self.tool_call_parser)
 
     @field_validator("lora_modules")
     @classmethod
@@ -133,7 +157,6 @@ class EngineReplica:
         from hyperserve.layers.lora import LoRARequest
         from hyperserve.server.app import build_app
         from hyperserve.server.model_pool import ModelEntry
-        from hyperserve.server.settings import ServerSettings
 
         lora = {"enable_lora": True} if config.lora_modules else {}
         engine_config = EngineConfig.from_kwargs(model=config.model, **{**config.engine, **lora})
@@ -141,8 +164,8 @@ class EngineReplica:
                     for i, (name, path) in enumerate(config.lora_modules.items(), start=1)}
         entry = ModelEntry(config.name, functools.partial(LLMEngine, engine_config), adapters=adapters)
         errors: list[Exception] = []
-        self.app = build_app([entry], ServerSettings(model_name=config.name), on_load_error=errors.append,
-                             governor=replica_governor(config))
+        self.app = build_app([entry], config.server_settings(), on_load_error=errors.append,
+                             governor=replica_governor(config), embedding_model=config.embedding_model)
         self.replica = serve.get_replica_context().replica_id.unique_id
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
@@ -254,9 +277,8 @@ def _ingress_app(config: RayServeConfig):
     from hyperserve.common.responses_api import ResponsesAPI
     from hyperserve.security.config import load_security_config
     from hyperserve.security.middleware import Governor, add_security
-    from hyperserve.server.settings import ServerSettings
 
-    settings = ServerSettings(config.name, files_dir=config.files_dir)
+    settings = config.server_settings()
     app = FastAPI(title="HyperServe on Ray Serve")
     install_error_handlers(app)
     governor = None

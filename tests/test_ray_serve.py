@@ -87,7 +87,7 @@ def run_batch(url: str, questions: int, headers: dict | None = None) -> list[dic
 
 @pytest.fixture(scope="module")
 def two_replicas(cluster):
-    deploy(cluster, min_replicas=2, max_replicas=2, max_imbalance=8)
+    deploy(cluster, min_replicas=2, max_replicas=2, max_imbalance=8, embedding_model="all-MiniLM-L6-v2")
     return cluster
 
 
@@ -106,6 +106,10 @@ def test_streaming_through_the_ingress_answers_as_the_plain_server(two_replicas)
     assert text == whole.json()["choices"][0]["message"]["content"]
     bad = httpx.post(f"{two_replicas}/v1/chat/completions", json={"messages": "nope"}, timeout=30)
     assert bad.status_code == 400 and "error" in bad.json()  # the server's own validation, through Ray
+    embedded = [httpx.post(f"{two_replicas}/v1/embeddings", json={"input": "a red fox"}, timeout=60)
+                for _ in range(4)]  # every replica serves the deployment's encoder
+    assert {len(e.json()["data"][0]["embedding"]) for e in embedded} == {384}
+    assert len({tuple(e.json()["data"][0]["embedding"]) for e in embedded}) == 1
 
 
 def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_prefix_cache(two_replicas):
@@ -228,7 +232,10 @@ def test_autoscaling_grows_under_load_shrinks_to_zero_when_idle_and_wakes_for_a_
     deploy(cluster, min_replicas=0, initial_replicas=1, max_replicas=2, target_ongoing_requests=1,
            upscale_delay_s=0, downscale_delay_s=2, look_back_period_s=2, metrics_interval_s=0.5,
            api_key="sk-ray", lora_modules={"uppercase": str(ROOT / "examples" / "lora" / "uppercase")})
-    assert engine_replicas() == 1
+    deadline = time.time() + 30
+    while engine_replicas() != 1:  # Ray Serve's status can lag the deploy by a moment
+        assert time.time() < deadline, f"{engine_replicas()} replicas at start, not initial_replicas=1"
+        time.sleep(0.2)
     assert chat(cluster, "Who are you?").status_code == 401  # the ingress checks keys
     key = {"Authorization": "Bearer sk-ray"}
     stop = threading.Event()
@@ -281,6 +288,11 @@ def test_the_serve_deploy_example_names_a_builder_and_valid_args():
         RayServeConfig(min_replicas=3, max_replicas=2)
     adapters = RayServeConfig(lora_modules={"uppercase": "examples/lora/uppercase"}).lora_modules
     assert Path(adapters["uppercase"]).is_absolute()  # replicas start in Ray's working directory
+    answers = RayServeConfig(default_max_tokens=7, reasoning_parser="qwen3").server_settings()
+    assert (answers.default_max_tokens, answers.reasoning_parser) == (7, "qwen3")
+    for wrong in ({"reasoning_parser": "nope"}, {"tool_call_parser": "nope"}, {"embedding_model": "bert"}):
+        with pytest.raises(ValueError, match=next(iter(wrong))):  # before any replica starts
+            RayServeConfig(**wrong)
 
 
 def test_a_replica_that_dies_before_answering_has_its_request_sent_to_another():
