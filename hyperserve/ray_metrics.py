@@ -15,8 +15,8 @@ DECISIONS = Counter("hyperserve:ray_routing_decisions", "Replica choices: affini
                     ["decision"], registry=REGISTRY)
 IN_FLIGHT = Gauge("hyperserve:ray_replica_requests_in_flight", "Requests this ingress has in flight on each replica "
                   "(what Ray Serve's autoscaling counts, seen from here)", ["replica"], registry=REGISTRY)
-# the unique ids of the Engine replicas the ingress's router routes to now (PrefixAffinityRouter
-# keeps it), whose own /metrics the ingress's adds
-REPLICAS: set[str] = set()
+# the unique ids of the Engine replicas the ingress's router routes to now, whose own /metrics the
+# ingress's adds: PrefixAffinityRouter replaces it whole (it runs on Ray's router thread)
+REPLICAS: frozenset[str] = frozenset()
 RETRIED = Counter("hyperserve:ray_retried_requests", "Requests sent again because their replica died before "
                   "answering", registry=REGISTRY)

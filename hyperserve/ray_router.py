@@ -46,8 +46,7 @@ class PrefixAffinityRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        ray_metrics.REPLICAS.clear()
-        ray_metrics.REPLICAS.update(r.replica_id.unique_id for r in replicas)
+        ray_metrics.REPLICAS = frozenset(r.replica_id.unique_id for r in replicas)
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)
@@ -62,6 +61,6 @@ class PrefixAffinityRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        ray_metrics.REPLICAS.discard(replica_id.unique_id)
+        ray_metrics.REPLICAS -= {replica_id.unique_id}
         if self._in_flight.pop(replica_id, None) is not None:
             ray_metrics.IN_FLIGHT.labels(replica_id.unique_id).set(0)
