@@ -413,9 +413,13 @@ class Ingress:
         path = "v1/chat/completions" if kind == "chat.completions" else "v1/completions"
         data = json.dumps({**body, "stream": True}).encode()
         state = ws.scope.get("state") or {}
-        head, answer = await self.send("POST", "/" + path, "", [("content-type", "application/json")], data,
-                                       state.get("key_digest"),
-                                       _prefix_key(data, path, config, state.get("cache_scope")))
+        try:
+            head, answer = await self.send("POST", "/" + path, "", [("content-type", "application/json")],
+                                           data, state.get("key_digest"),
+                                           _prefix_key(data, path, config, state.get("cache_scope")))
+        except Exception as error:  # RayActorError and kin, twice: this request's error, not the socket's
+            raise APIError(503, f"the engine replica failed: {type(error).__name__}", type_="server_error",
+                           code="replica_failed", headers={"Retry-After": "1"}) from error
         if head["status"] != 200:
             text = b"".join([chunk async for chunk in answer])
             try:

@@ -297,11 +297,15 @@ def test_the_serve_deploy_example_names_a_builder_and_valid_args():
 
 def test_a_replica_that_dies_before_answering_has_its_request_sent_to_another():
     """Ingress.send against a stand-in handle: the first replica's generator fails before its
-    head (as when its process dies), the second answers; a second failure reaches the caller."""
+    head (as when its process dies), the second answers; a second failure reaches the caller (on
+    the WebSocket, as that request's error)."""
+    from types import SimpleNamespace
+
     from ray.exceptions import ActorDiedError
 
     from hyperserve import ray_metrics
-    from hyperserve.ray_serve import Ingress
+    from hyperserve.common.errors import APIError
+    from hyperserve.ray_serve import Ingress, RayServeConfig
 
     class Replica:
         def __init__(self, fails: bool) -> None:
@@ -342,6 +346,11 @@ def test_a_replica_that_dies_before_answering_has_its_request_sent_to_another():
     assert ray_metrics.RETRIED._value.get() == retried + 1
     with pytest.raises(ActorDiedError):
         asyncio.run(Ingress(Handle([True, True])).send("POST", "/v1/completions", "", [], b"{}", None, None))
+    # on the WebSocket, that is the one request's error event, not the socket's end
+    socket = SimpleNamespace(scope={})
+    with pytest.raises(APIError) as failed:
+        asyncio.run(Ingress(Handle([True, True])).open_stream(RayServeConfig(), "completions", {}, socket))
+    assert (failed.value.status, failed.value.code) == (503, "replica_failed")
 
 
 def test_a_replica_knows_each_api_key_for_what_is_its_own_and_leaves_limits_to_the_ingress(tmp_path):
