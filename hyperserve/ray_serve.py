@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from hyperserve import ray_metrics
 from hyperserve.common.affinity import affinity_text, salted_key
 from hyperserve.common.errors import APIError
-from hyperserve.common.sse import parse_sse_chunk
+from hyperserve.common.sse import sse_chunks
 from hyperserve.common.websocket_api import Stream, serve_websocket
 from hyperserve.security.config import cache_salt
 from hyperserve.security.middleware import KEY_DIGEST
@@ -353,9 +353,13 @@ async def _guarded(chunks: AsyncIterator[bytes], streaming: bool) -> AsyncIterat
     except Exception as error:  # RayActorError and kin: the replica went away
         logger.warning("a replica failed mid-answer: %s", error)
         if streaming:
-            error_body = {"error": {"message": f"the engine replica failed: {type(error).__name__}",
-                                    "type": "server_error", "code": "replica_failed"}}
-            yield f"data: {json.dumps(error_body)}\n\n".encode()
+            yield f"data: {json.dumps(_replica_failed(error).body())}\n\n".encode()
+
+
+def _replica_failed(error: Exception) -> APIError:
+    """What a client is told of a replica that went away (RayActorError and kin)."""
+    return APIError(503, f"the engine replica failed: {type(error).__name__}", type_="server_error",
+                    code="replica_failed", headers={"Retry-After": "1"})
 
 
 class PinReplicas:
@@ -418,8 +422,7 @@ class Ingress:
                                            data, state.get("key_digest"),
                                            _prefix_key(data, path, config, state.get("cache_scope")))
         except Exception as error:  # RayActorError and kin, twice: this request's error, not the socket's
-            raise APIError(503, f"the engine replica failed: {type(error).__name__}", type_="server_error",
-                           code="replica_failed", headers={"Retry-After": "1"}) from error
+            raise _replica_failed(error) from error
         if head["status"] != 200:
             text = b"".join([chunk async for chunk in answer])
             try:
@@ -504,18 +507,15 @@ async def _events(body: ReplicaBody) -> AsyncIterator[dict[str, Any]]:
     buffer = b""
     try:
         async for chunk in body:
-            *events, buffer = (buffer + chunk).split(b"\n\n")
-            for line in (line for event in events for line in event.decode().splitlines()):
-                data = parse_sse_chunk(line)
-                if data is not None and "error" in data:
+            events, _, buffer = (buffer + chunk).rpartition(b"\n\n")
+            for data in sse_chunks(events):
+                if "error" in data:
                     raise APIError.from_body(500, data)
-                if data is not None:
-                    yield data
+                yield data
     except (APIError, asyncio.CancelledError):
         raise
     except Exception as error:  # RayActorError and kin: the replica went away
-        raise APIError(503, f"the engine replica failed: {type(error).__name__}", type_="server_error",
-                       code="replica_failed") from error
+        raise _replica_failed(error) from error
 
 
 # ---- the application ---------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from hyperserve.common.asgi import is_event_stream, read_body, replay, without_content_length
 from hyperserve.common.errors import APIError
-from hyperserve.common.sse import parse_sse_chunk
+from hyperserve.common.sse import sse_chunks
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -84,14 +84,7 @@ class ChatRelay:
         more = message.get("more_body", False)
         if self._streaming:
             done, _, self._buffer = self._buffer.rpartition(b"\n\n") if more else (self._buffer, b"", b"")
-            events = []
-            for line in done.decode(errors="replace").splitlines():
-                try:
-                    chunk = parse_sse_chunk(line)
-                except ValueError:  # a data line that is not JSON: nothing to translate
-                    continue
-                if chunk is not None:
-                    events += self.translator.feed(chunk)
+            events = [event for chunk in sse_chunks(done) for event in self.translator.feed(chunk)]
             if not more:
                 events += self.translator.finish()
             return await self._events(events, more)

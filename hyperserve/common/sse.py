@@ -20,6 +20,20 @@ def parse_sse_data(line: str) -> str | None:
     return line[5:].strip()
 
 
+def sse_chunks(events: bytes) -> list[dict[str, Any]]:
+    """The JSON objects of whole events' `data:` lines; DONE, other lines and data that is not a
+    JSON object are left out."""
+    chunks = []
+    for line in events.decode(errors="replace").splitlines():
+        try:
+            chunk = parse_sse_chunk(line)
+        except ValueError:
+            continue
+        if chunk is not None:
+            chunks.append(chunk)
+    return chunks
+
+
 def parse_sse_chunk(line: str) -> dict[str, Any] | None:
     """The JSON object of a `data:` line; None for DONE, other lines and non-object payloads.
     Raises ValueError for a payload that is not JSON."""
