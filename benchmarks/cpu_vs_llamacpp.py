@@ -70,8 +70,8 @@ def cpu_header(threads: int) -> str:
 
 def run_llama_bench(bin_dir: Path, gguf: Path, threads: int, *args: str) -> list[dict]:
     """llama-bench's JSON rows for these arguments (-p, -n, -d, -r ...)."""
-    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), *args, "-o", "json"],
-                         capture_output=True, text=True, check=True).stdout
+    command = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), *args, "-o", "json"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     return json.loads(out)
 
 
@@ -89,7 +89,8 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int) -> dict:
 
 def _memory_mb(pid: int) -> tuple[float, float]:
     """(VmRSS, VmHWM) of a process, in MB."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
@@ -101,10 +102,10 @@ def _bench(port: int, concurrency: int, num_requests: int, seed: int = 0) -> dic
         str(num_requests), "--input-tokens", "200", "--output-tokens", "128", "--seed", str(seed)]))
 
 
-def start_timed(command: list[str], port: int) -> tuple[subprocess.Popen, float]:
+def start_timed(command: list[str], port: int, cwd: Path | None = None) -> tuple[subprocess.Popen, float]:
     """A server, and the seconds from launch to its /health answering 200 (ours: model loaded)."""
     started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
     while True:
         if process.poll() is not None:
             raise RuntimeError(f"{command[0]} exited with {process.returncode}")
@@ -169,7 +170,8 @@ def decode_at_depths(llm: LLM, bin_dir: Path, gguf: Path, threads: int, depths: 
             metrics = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=33, ignore_eos=True),
                                    use_tqdm=False)[0].metrics
             ours.append(32 / (metrics.finished_time - metrics.first_token_time))
-        results[str(depth)] = {"decode_tok_s": statistics.median(ours), "llama_decode_tok_s": statistics.median(theirs)}
+        results[str(depth)] = {"decode_tok_s": statistics.median(ours),
+                               "llama_decode_tok_s": statistics.median(theirs)}
         print(f"decode at {depth} tokens of context: ours {results[str(depth)]['decode_tok_s']:.1f}, "
               f"llama.cpp {results[str(depth)]['llama_decode_tok_s']:.1f} tok/s", flush=True)
     return results
@@ -182,8 +184,8 @@ def hyperserve_offline(config: str, bin_dir: Path, gguf: Path, threads: int, rou
     llm = LLM(**options)
     result = speed(llm)
     if rounds:
-        result["decode_tok_s"], result["paired_llama_decode_tok_s"] = paired_decode(llm, bin_dir, gguf, threads,
-                                                                                    rounds)
+        paired = paired_decode(llm, bin_dir, gguf, threads, rounds)
+        result["decode_tok_s"], result["paired_llama_decode_tok_s"] = paired
     if depths:
         result["decode_at_depth"] = decode_at_depths(llm, bin_dir, gguf, threads, depths, rounds)
     if prompt_lengths:
@@ -222,8 +224,16 @@ def print_in_turns(results: dict, key: str, sizes: list[int], label: str) -> Non
             continue
         ours = key.removesuffix("_at_depth").removesuffix("_at_length") + "_tok_s"
         pairs = [(r[key][str(size)][ours], r[key][str(size)]["llama_" + ours]) for size in sizes]
-        print(f"| llama.cpp (turns beside {name}) | " + " | ".join(f"{theirs:.1f}" for _, theirs in pairs) + " |")
-        print(f"| {name} | " + " | ".join(f"{mine:.1f} ({mine / theirs:.2f}x)" for mine, theirs in pairs) + " |")
+        theirs_cells = " | ".join(f"{theirs:.1f}" for _, theirs in pairs)
+        ours_cells = " | ".join(f"{mine:.1f} ({mine / theirs:.2f}x)" for mine, theirs in pairs)
+        print(f"| llama.cpp (turns beside {name}) | {theirs_cells} |")
+        print(f"| {name} | {ours_cells} |")
+
+
+def llama_server_command(bin_dir: Path, gguf: Path, threads: int, port: int) -> list[str]:
+    """llama-server as its users run it for 16 streams: 16 slots sharing 8,192 tokens of context."""
+    return [str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(threads), "-np", "16", "-c", "8192",
+            "--host", "127.0.0.1", "--port", str(port)]
 
 
 def server_command(config: str, port: int) -> list[str]:
@@ -232,20 +242,24 @@ def server_command(config: str, port: int) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["default", "float32"])
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--rounds", type=int, default=5,
-                        help="medians of this many turns: decode (llama-bench tg128 and ours) and the servers' loads")
+                        help="medians of this many turns: decode (llama-bench tg128 and ours) and the "
+                             "servers' loads")
     parser.add_argument("--depths", nargs="*", type=int, default=[],
                         help="also decode after this many tokens of context (e.g. 1000 4000 8000)")
     parser.add_argument("--prompt-lengths", nargs="*", type=int, default=[],
-                        help="also prefill prompts of this many tokens (e.g. 2048 4096), against llama-bench ppN")
+                        help="also prefill prompts of this many tokens (e.g. 2048 4096), against "
+                             "llama-bench ppN")
     parser.add_argument("--isa", choices=["native", "avx2"], default="native",
                         help="avx2: both systems' AVX2 code paths, on a CPU that has more")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/cpu_vs_llamacpp[-ISA].json")
     args = parser.parse_args()
-    if args.isa == "avx2" and os.environ.get("HYPERSERVE_MAX_ISA") != "avx2":  # before anything reads the flags
+    # before anything reads the flags
+    if args.isa == "avx2" and os.environ.get("HYPERSERVE_MAX_ISA") != "avx2":
         os.environ.update(HYPERSERVE_MAX_ISA="avx2", LLAMA_CPP_ISA="avx2")
         os.execv(sys.executable, [sys.executable, *sys.argv])
     suffix = "" if args.isa == "native" else f"-{args.isa}"
@@ -255,14 +269,13 @@ def main() -> None:
     results = {"llama.cpp": llama_bench(bin_dir, source.path, args.threads)}
     for config in args.configs:
         print(f"offline: {config} ...", flush=True)
-        results[f"hyperserve {config}"] = hyperserve_offline(config, bin_dir, source.path, args.threads, args.rounds,
-                                                             args.depths, args.prompt_lengths)
+        results[f"hyperserve {config}"] = hyperserve_offline(config, bin_dir, source.path, args.threads,
+                                                             args.rounds, args.depths, args.prompt_lengths)
     servers = {}
     try:
         for name in results:
             port = free_port()
-            command = ([str(bin_dir / "llama-server"), "-m", str(source.path), "-t", str(args.threads), "-np", "16",
-                        "-c", "8192", "--host", "127.0.0.1", "--port", str(port)] if name == "llama.cpp"
+            command = (llama_server_command(bin_dir, source.path, args.threads, port) if name == "llama.cpp"
                        else server_command(name.removeprefix("hyperserve "), port))
             process, results[name]["startup_s"] = start_timed(command, port)
             servers[name] = (process, port)

@@ -13,6 +13,9 @@ Free blocks are handed out in this order, so that the pool's memory grows with w
 2. blocks never used, lowest id first: the KV tensors are allocated untouched (see
    `KVCache.allocate`), so the process's memory grows only as these are first written;
 3. cached blocks, least recently freed first: evicting from the prefix cache comes last.
+A pool given `min_idle_cached` (the CPU's default pool, whose pages are touched on demand) swaps
+the last two once the prefix cache holds as many idle blocks as it may: otherwise every prompt's
+blocks stay cached and the process grows to the pool's cap (4 GB) over a day of unrelated prompts.
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ from collections.abc import Callable, Hashable
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, min_idle_cached: int | None = None) -> None:
+        """min_idle_cached: None keeps idle cached blocks until no never-used block is left. A
+        number: a never-used block is taken only while fewer than max(min_idle_cached, the most
+        blocks in use at once so far) idle blocks are cached, so the cache holds about as much as the
+        running requests did at their peak, and at least min_idle_cached blocks."""
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -30,6 +37,8 @@ class BlockPool:
         self._num_fresh = num_blocks  # blocks num_blocks - _num_fresh ... num_blocks - 1 were never used
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU first
         self._ref_counts = [0] * num_blocks
+        self.min_idle_cached = min_idle_cached
+        self.peak_in_use = 0  # the most blocks referenced at once
         self._hash_of: dict[int, Hashable] = {}  # block id -> its prefix hash
         self._block_of: dict[Hashable, int] = {}  # prefix hash -> block id
         self.num_evictions = 0
@@ -61,7 +70,7 @@ class BlockPool:
         for _ in range(num_blocks):
             if self._free_uncached:
                 block_id, _ = self._free_uncached.popitem(last=False)
-            elif self._num_fresh:
+            elif self._num_fresh and self._grows_for_cache():
                 block_id = self.num_blocks - self._num_fresh
                 self._num_fresh -= 1
             else:
@@ -69,7 +78,13 @@ class BlockPool:
                 self._evict(block_id)
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
+        self.peak_in_use = max(self.peak_in_use, self.num_blocks - self.num_free_blocks)
         return block_ids
+
+    def _grows_for_cache(self) -> bool:
+        """Whether a never-used block goes before evicting an idle cached one."""
+        return (not self._free_cached or self.min_idle_cached is None
+                or len(self._free_cached) < max(self.min_idle_cached, self.peak_in_use))
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference to each block, in order; unreferenced cached ones join the LRU tail.
@@ -96,6 +111,7 @@ class BlockPool:
             self._free_cached.pop(block_id, None)
             self._free_uncached.pop(block_id, None)
         self._ref_counts[block_id] += 1
+        self.peak_in_use = max(self.peak_in_use, self.num_blocks - self.num_free_blocks)
 
     def cache(self, block_id: int, block_hash: Hashable) -> None:
         """Record that a full block holds the KV of this prefix (first writer wins)."""

@@ -101,11 +101,22 @@ class LLMEngine:
             self.close()
             raise
 
+    def _min_idle_cached(self) -> int | None:
+        """The CPU's default pool, written on demand up to its 4 GB cap, keeps at least one full
+        context's blocks idle in the prefix cache, and more only as the running requests once needed
+        (BlockPool); a pool sized by the user, or on a GPU (allocated whole), caches until full."""
+        cache = self.config.cache
+        sized = cache.num_kv_blocks is not None or cache.kv_cache_memory_gb is not None
+        if self.config.model.device != "cpu" or sized:
+            return None
+        return -(-self.max_model_len // cache.block_size)
+
     def _build(self, config: EngineConfig) -> None:
         source = self.source
         model = loader.load_model(config, self.workers.group if self.workers is not None else None)
         num_blocks = num_kv_blocks(model, self.config, self.hf_config, self.max_model_len)
-        num_blocks, window, num_window_blocks = kv_groups(model, self.config, num_blocks, self._disk_tier_enabled())
+        num_blocks, window, num_window_blocks = kv_groups(model, self.config, num_blocks,
+                                                          self._disk_tier_enabled())
         if num_blocks * config.cache.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV pool ({num_blocks} blocks of {config.cache.block_size} tokens) cannot hold one "
@@ -114,13 +125,17 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.start(num_blocks, num_window_blocks)
         # before the runner, which looks through the LoRA wrappers for its fused int4 decode
-        self.lora = LoRAManager(model, config.lora, model.model.norm.weight.dtype) if config.lora.enable_lora else None
+        self.lora = (LoRAManager(model, config.lora, model.model.norm.weight.dtype) if config.lora.enable_lora
+                     else None)
         self.eos_token_ids = loader.load_eos_token_ids(source, self.hf_config, self.tokenizer)
-        self.grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, self._grammar_eos_token_id())
+        self.grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size,
+                                        self._grammar_eos_token_id())
         self.runner = ModelRunner(model, config, num_blocks, self.grammars, self.lora, num_window_blocks,
                                   self.workers)
-        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                       self._disk_tier(), config.cache.max_pinned_fraction, window, num_window_blocks)
+        cache = config.cache
+        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                       self._disk_tier(), cache.max_pinned_fraction, window,
+                                       num_window_blocks, self._min_idle_cached())
         if self.kv_cache.lower_tier is not None:
             self.kv_cache.pool.on_evict = self.kv_cache.lower_tier.spill
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,
@@ -160,7 +175,8 @@ class LLMEngine:
             self._num_failed_steps += 1
             # under tensor parallelism a failed step may leave the ranks out of step
             if _is_fatal(error) or self._num_failed_steps >= MAX_FAILED_STEPS or self.workers is not None:
-                raise EngineDeadError(f"the engine cannot continue: {type(error).__name__}: {error}") from error
+                raise EngineDeadError(
+                    f"the engine cannot continue: {type(error).__name__}: {error}") from error
             logger.exception("a step failed; failing its %d request(s)", len(out.requests))
             outputs = self._fail({_group_id(r) for r in out.requests}, f"{type(error).__name__}: {error}")
         else:
@@ -249,8 +265,8 @@ class LLMEngine:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         try:
             ids = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
-                continue_final_message=continue_final_message, **(template_kwargs or {}))
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True,
+                return_dict=False, continue_final_message=continue_final_message, **(template_kwargs or {}))
         except Exception as error:  # jinja raises its own types for template errors
             raise ValueError(f"cannot apply the chat template: {error}") from error
         return list(ids)
@@ -273,8 +289,8 @@ class LLMEngine:
         if num_blocks > cap - self.kv_cache.num_pinned_blocks:
             raise PinLimitError(
                 f"pinning this prefix needs {num_blocks} KV blocks; pins may hold {cap} of the pool's "
-                f"{self.kv_cache.pool.num_blocks} (max_pinned_fraction) and {self.kv_cache.num_pinned_blocks} are "
-                "held", retryable=num_blocks <= cap)
+                f"{self.kv_cache.pool.num_blocks} (max_pinned_fraction) and "
+                f"{self.kv_cache.num_pinned_blocks} are held", retryable=num_blocks <= cap)
         params = SamplingParams(max_tokens=1, temperature=0)
         self.add_request(request_id, prompt, params, cache_salt=cache_salt)
         self._groups[request_id].samples[0].pin_until = time.time() + ttl_s
@@ -318,7 +334,8 @@ class LLMEngine:
         ones included) and its KV pool at full size (on the CPU it is touched only as it fills)."""
         model = self.runner.model
         tensors = [*model.parameters(), *model.buffers(),
-                   *(v for module in model.modules() for v in vars(module).values() if isinstance(v, torch.Tensor))]
+                   *(v for module in model.modules() for v in vars(module).values()
+                     if isinstance(v, torch.Tensor))]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in tensors if t.device.type != "meta"}
         kv = sum(t.nbytes for cache in self.runner.kv_caches
@@ -335,12 +352,14 @@ class LLMEngine:
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _process_outputs(self, updated: list[Request], result: StepResult, num_before: dict[str, int]) -> None:
+    def _process_outputs(self, updated: list[Request], result: StepResult,
+                         num_before: dict[str, int]) -> None:
         now = time.time()
         for chunk in result.prompt_logprobs:
             request, num = chunk.request, chunk.request.sampling_params.prompt_logprobs
             for i in range(len(chunk.output.token_ids)):
-                if chunk.position + i == len(request.prompt_logprobs):  # not yet known (a recomputed prompt's are)
+                # not yet known (a recomputed prompt's are)
+                if chunk.position + i == len(request.prompt_logprobs):
                     request.prompt_logprobs.append(self._logprobs(chunk.output, i, num))
         first_row, row = {}, 0
         for request, tokens in zip(result.requests, result.token_ids):
@@ -356,7 +375,8 @@ class LLMEngine:
                                                            request.sampling_params.logprobs or 0))
                 if request.detokenizer is None or request.is_stop_token(token_id):
                     continue
-                past_min = start + i + 1 >= request.sampling_params.min_tokens  # a stop string before min_tokens
+                # a stop string before min_tokens does not count
+                past_min = start + i + 1 >= request.sampling_params.min_tokens
                 if request.detokenizer.add_token(token_id, check_stop=past_min):  # does not end the answer
                     request.discard_output_after(start + i + 1)  # drafts accepted past the stop string
                     if not request.is_finished:
@@ -394,7 +414,8 @@ class LLMEngine:
             k = min(self.config.speculative.num_speculative_tokens, self._room(request))
             if not sized_after:
                 k = num_tokens_to_propose(request.acceptance, k, self.proposer.draft_cost, self.verify_cost)
-            if k > 0 and (sized_after or self.kv_cache.allocate_slots(request.request_id, request.num_tokens + k)):
+            if k > 0 and (sized_after
+                          or self.kv_cache.allocate_slots(request.request_id, request.num_tokens + k)):
                 requests.append(request)
                 num_tokens.append(k)
             else:
@@ -425,7 +446,8 @@ class LLMEngine:
         has any (and the KV slots for them). They are the grammar's own tokenization of forced
         text: the model may spell it otherwise, and verification then keeps its own tokens."""
         forced = request.grammar.forced_tokens()[: max(0, min(MAX_FORCED_DRAFTS, self._room(request)))]
-        if not forced or not self.kv_cache.allocate_slots(request.request_id, request.num_tokens + len(forced)):
+        if not forced or not self.kv_cache.allocate_slots(request.request_id,
+                                                          request.num_tokens + len(forced)):
             return False
         request.spec_token_ids, request.spec_probs = forced, None
         request.spec_acceptance = self.forced_acceptance
@@ -472,8 +494,9 @@ class LLMEngine:
         metrics = first.metrics
         if len(group.samples) > 1:  # the group's first token and last finish
             metrics = _merge_metrics([r.metrics for r in group.samples])
+        prompt_logprobs = list(first.prompt_logprobs) if first.prompt_logprobs is not None else None
         return RequestOutput(group_id, group.prompt, first.prompt_token_ids, completions, finished, metrics,
-                             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None)
+                             prompt_logprobs=prompt_logprobs)
 
     def check_lora(self, lora_request: LoRARequest) -> bytes:
         """Load the adapter now (ValueError if it is unusable); its prefix-cache salt."""
@@ -486,7 +509,8 @@ class LLMEngine:
         sizes bounded so that no request costs the engine more than its own tokens."""
         vocab = self.hf_config.vocab_size
         if len(params.stop) > MAX_STOP_STRINGS or sum(len(s) for s in params.stop) > MAX_STOP_CHARS:
-            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all")
+            raise ValueError(
+                f"stop takes at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all")
         if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
         if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
@@ -501,7 +525,8 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)  # cached: add_request will not compile again
 
-    def process_prompt(self, prompt: str | list[int], truncate: int | None = None) -> tuple[str | None, list[int]]:
+    def process_prompt(self, prompt: str | list[int],
+                       truncate: int | None = None) -> tuple[str | None, list[int]]:
         """Tokenize and validate a prompt without touching engine state (safe from any thread);
         `truncate`: keep only its last this many tokens."""
         if isinstance(prompt, str):
@@ -537,8 +562,9 @@ class LLMEngine:
         another engine with the same identity are interchangeable with its own."""
         cache, model = self.config.cache, self.config.model
         return loader.model_identity(
-            self.source, self.hf_config, model.load_format, model.seed if model.load_format == "random" else None,
-            model.torch_dtype, model.quantization, cache.kv_cache_dtype, cache.block_size)
+            self.source, self.hf_config, model.load_format,
+            model.seed if model.load_format == "random" else None, model.torch_dtype, model.quantization,
+            cache.kv_cache_dtype, cache.block_size)
 
     def _disk_tier_enabled(self) -> bool:
         return self.config.cache.disk_cache_dir is not None and self.config.cache.enable_prefix_caching
@@ -568,10 +594,12 @@ class LLMEngine:
 def _check_tensor_parallel(config: EngineConfig, hf_config) -> None:
     """What tensor parallelism cannot split or does not run with yet, refused before any process starts."""
     size = config.parallel.tensor_parallel_size
-    if loader.model_class(hf_config) is not LlamaForCausalLM or hf_config.model_type in ("mixtral", "qwen3_moe"):
-        raise ValueError("tensor parallelism runs the dense Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2) "
-                         f"so far, not {hf_config.model_type}")
-    TensorParallel(0, size).head_slice(hf_config.num_attention_heads, hf_config.num_key_value_heads)  # K/V heads
+    dense_llama = loader.model_class(hf_config) is LlamaForCausalLM
+    if not dense_llama or hf_config.model_type in ("mixtral", "qwen3_moe"):
+        raise ValueError("tensor parallelism runs the dense Llama family (Llama, Mistral, Qwen2, Qwen3, "
+                         f"SmolLM2) so far, not {hf_config.model_type}")
+    # refuses more ranks than K/V heads
+    TensorParallel(0, size).head_slice(hf_config.num_attention_heads, hf_config.num_key_value_heads)
     refused = {"enable_lora": config.lora.enable_lora,
                "speculative_method=self": config.speculative.speculative_method == "self",
                "disk_cache_dir": config.cache.disk_cache_dir is not None}

@@ -28,12 +28,14 @@ from hyperserve.engine.block_pool import BlockPool
 from hyperserve.engine.request import Request
 
 
-def extend_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, salt: bytes = b"") -> list[bytes]:
+def extend_hashes(hashes: list[bytes], token_ids: list[int], block_size: int,
+                  salt: bytes = b"") -> list[bytes]:
     """Extend `hashes` (the chain of token_ids' first len(hashes) full blocks) over every full block."""
     while (len(hashes) + 1) * block_size <= len(token_ids):
         start = len(hashes) * block_size
         parent = hashes[-1] if hashes else salt
-        hashes.append(hashlib.sha256(parent + array("q", token_ids[start : start + block_size]).tobytes()).digest())
+        block = array("q", token_ids[start : start + block_size]).tobytes()
+        hashes.append(hashlib.sha256(parent + block).digest())
     return hashes
 
 
@@ -97,17 +99,20 @@ class KVGroup:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  lower_tier: PrefixTier | None = None, max_pinned_fraction: float = 0.5,
-                 window: int | None = None, num_window_blocks: int | None = None) -> None:
+                 window: int | None = None, num_window_blocks: int | None = None,
+                 min_idle_cached: int | None = None) -> None:
         """One group of num_blocks, windowed if `window` is given; with num_window_blocks as well,
-        two: the full-attention layers' (num_blocks) and the windowed layers' (num_window_blocks)."""
+        two: the full-attention layers' (num_blocks) and the windowed layers' (num_window_blocks).
+        min_idle_cached: see BlockPool (the first group's; a windowed group's pool is small)."""
         self.block_size = block_size
         self.max_pinned_blocks = int(num_blocks * max_pinned_fraction)  # pins never starve running requests
         self.lower_tier = lower_tier
         self.enable_prefix_caching = enable_prefix_caching
         if num_window_blocks is None:
-            self.groups = [KVGroup(BlockPool(num_blocks), window)]
+            self.groups = [KVGroup(BlockPool(num_blocks, min_idle_cached), window)]
         else:
-            self.groups = [KVGroup(BlockPool(num_blocks)), KVGroup(BlockPool(num_window_blocks), window)]
+            self.groups = [KVGroup(BlockPool(num_blocks, min_idle_cached)),
+                           KVGroup(BlockPool(num_window_blocks), window)]
         if lower_tier is not None and window is not None:
             raise ValueError("the lower prefix tier keeps whole blocks of every layer: not with windowed KV")
         self.pool = self.groups[0].pool
@@ -164,7 +169,8 @@ class KVCacheManager:
                 tables.append(blocks[:num_blocks])
             else:
                 skip = self.first_visible_block(group, num_blocks * self.block_size)
-                tables.append([group.padding_block] * skip + [group.pool.lookup(h) for h in hashes[skip:num_blocks]])
+                found = [group.pool.lookup(h) for h in hashes[skip:num_blocks]]
+                tables.append([group.padding_block] * skip + found)
         return CachedPrefix(tables, num_blocks, num_promoted)
 
     def _window_hit(self, group: KVGroup, hashes: list[bytes], num_blocks: int) -> int:

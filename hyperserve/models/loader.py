@@ -7,6 +7,7 @@ stays near the size of the weights.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -16,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,6 +45,7 @@ from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
 from hyperserve.models.registry import SUPPORTED_ARCHITECTURES, ModelSource, resolve_model
 
 logger = logging.getLogger("hyperserve.loader")
+_BUILD_LOCK = threading.Lock()  # see _without_init
 
 _GGUF_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -101,13 +104,14 @@ def _read_gguf_index(path: Path) -> dict:
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
-    architecture = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else ""
+    fields = reader.fields
+    architecture = fields["general.architecture"].contents() if "general.architecture" in fields else ""
     used = f"{architecture}.expert_used_count"
     return {
         "tensors": [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in reversed(t.shape)],
                      "offset": int(t.data_offset), "bytes": int(t.n_bytes)} for t in reader.tensors],
-        "eos_token_ids": [int(reader.fields[key].contents()) for key in _GGUF_EOS_KEYS if key in reader.fields],
-        "experts_per_token": int(reader.fields[used].contents()) if used in reader.fields else None,
+        "eos_token_ids": [int(fields[key].contents()) for key in _GGUF_EOS_KEYS if key in fields],
+        "experts_per_token": int(fields[used].contents()) if used in fields else None,
     }
 
 
@@ -124,7 +128,8 @@ def gguf_metadata_directory(path: Path) -> Path | None:
     kept ~150 MB of it, so a child process parses, once. None where that fails: the caller then
     parses in process."""
     stat = path.stat()
-    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{_GGUF_METADATA_VERSION}"
+    identity = (f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+                f"|{_GGUF_METADATA_VERSION}")
     root = Path(os.environ.get("HYPERSERVE_GGUF_CACHE", Path.home() / ".cache" / "hyperserve" / "gguf"))
     directory = root / hashlib.sha256(identity.encode()).hexdigest()[:16]
     if not (directory / "gguf_index.json").exists():
@@ -132,7 +137,8 @@ def gguf_metadata_directory(path: Path) -> Path | None:
         done = subprocess.run([sys.executable, "-c", convert, str(path), str(directory)],
                               capture_output=True, text=True)
         if done.returncode != 0:
-            logger.warning("could not save %s's metadata as files: %s", path, done.stderr.strip().splitlines()[-1:])
+            logger.warning("could not save %s's metadata as files: %s", path,
+                           done.stderr.strip().splitlines()[-1:])
             return None
     return directory
 
@@ -275,7 +281,7 @@ def build_model(
     (layers/huge_pages.py)."""
     # int4/int8 quantize from the checkpoint's own values (exact for Q4_1); fp8 loses nothing to bfloat16
     load_dtype = torch.float32 if quantization in ("int4", "int8") else dtype
-    with torch.device("meta"):
+    with torch.device("meta"), _without_init():
         if tp is not None and tp.size > 1:  # the Llama family only (the engine checks)
             model = LlamaForCausalLM(config, backend, max_position, tp).to(load_dtype)
         else:
@@ -302,6 +308,25 @@ def build_model(
     return model
 
 
+@contextlib.contextmanager
+def _without_init() -> Iterator[None]:
+    """torch.nn.init's functions do nothing while the model is built on the meta device: every
+    tensor is filled later anyway, and a meta tensor's init runs through torch._refs, whose first
+    call imports torch._dynamo, Triton and sympy: 0.9 s of start-up and ~100 MB of a CPU server's
+    memory that it never uses (150 MB of the load's peak). One build at a time, as the functions
+    are the module's (engines of a multi-model server load in threads)."""
+    names = [name for name in torch.nn.init.__all__ if name.endswith("_")]
+    with _BUILD_LOCK:
+        originals = {name: getattr(torch.nn.init, name) for name in names}
+        for name in names:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        try:
+            yield
+        finally:
+            for name, function in originals.items():
+                setattr(torch.nn.init, name, function)
+
+
 def load_model(config: EngineConfig, tp: TensorParallel | None = None, name: str | None = None,
                max_position: int | None = None, seed_offset: int = 0) -> LlamaForCausalLM:
     """The model an engine of this config serves (this rank's slice of it, with `tp`), or the
@@ -311,8 +336,8 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None, name: str
     return build_model(
         hf_config,
         None if config.model.load_format == "random" else source,
-        backend=attention_backend(config.model.device, config.model.attention_backend, config.cache.block_size,
-                                  head_dim_of(hf_config)),
+        backend=attention_backend(config.model.device, config.model.attention_backend,
+                                  config.cache.block_size, head_dim_of(hf_config)),
         max_position=max_position or config.model.max_model_len or hf_config.max_position_embeddings,
         dtype=config.model.torch_dtype,
         device=config.model.device,
@@ -334,9 +359,9 @@ def _load_checkpoint(model: LlamaForCausalLM, source: ModelSource, quantization:
     layer's tensors together: GGUF in order, safetensors by name)."""
     tensors = _gguf_tensors(source.path, model.config) if source.gguf_file else _safetensors(source.directory)
     rows = {name: param.shape[0] for name, param in model.named_parameters()}
-    written = dict.fromkeys(rows, 0)  # rows of each parameter written so far (fused ones take several tensors)
+    written = dict.fromkeys(rows, 0)  # rows of each parameter written so far (fused ones take several)
     layers = model.model.layers
-    unfilled = [sum(1 for _ in layer.parameters()) for layer in layers]  # each layer's parameters not yet whole
+    unfilled = [sum(1 for _ in layer.parameters()) for layer in layers]  # per layer: parameters not yet whole
     materialised: set[int] = set()
     for checkpoint_name, checkpoint_tensor in tensors:
         for name, tensor in _per_expert(checkpoint_name, checkpoint_tensor):
@@ -360,7 +385,8 @@ def _load_checkpoint(model: LlamaForCausalLM, source: ModelSource, quantization:
 
 
 # Mixtral's names for its MoE block and its experts' projections -> Qwen's (and ours)
-_MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+_MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
+                  ".w2.": ".down_proj."}
 _STACKED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?")
 
 
@@ -415,7 +441,8 @@ def _gguf_tensors(path: Path, config: PretrainedConfig) -> Iterator[tuple[str, t
         if name is None:
             continue
         raw = data[tensor["offset"] : tensor["offset"] + tensor["bytes"]]
-        array = dequantize(raw, GGMLQuantizationType(tensor["type"])).reshape(tensor["shape"]).astype(np.float32)
+        array = dequantize(raw, GGMLQuantizationType(tensor["type"]))
+        array = array.reshape(tensor["shape"]).astype(np.float32)
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             array = _undo_rope_permutation(array, heads)

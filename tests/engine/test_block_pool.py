@@ -28,6 +28,30 @@ def test_blocks_are_handed_out_so_that_memory_grows_with_use():
     assert pool.num_free_blocks == 0
 
 
+def test_a_pool_written_on_demand_caches_about_its_working_set():
+    """With min_idle_cached, idle cached blocks are reused before never-used ones once they number
+    max(min_idle_cached, the most blocks in use at once): memory stops growing with unrelated prompts."""
+
+    def requests(pool: BlockPool, first: int, count: int, size: int) -> None:  # one at a time, own prefixes
+        for request in range(first, first + count):
+            blocks = pool.allocate(size)
+            for i, block in enumerate(blocks):
+                pool.cache(block, (request, i))
+            pool.free(blocks[::-1])
+
+    pool = BlockPool(100, min_idle_cached=2)
+    requests(pool, 0, 10, 3)
+    assert pool.peak_in_use == 3
+    assert pool.num_used_blocks == 5 and pool.num_cached_blocks == 5  # not 30: the pool stopped growing
+    assert pool.lookup((9, 0)) is not None and pool.lookup((8, 2)) is None  # the latest prompt stays cached
+    requests(pool, 10, 1, 8)  # a wider working set: as many idle blocks may stay cached
+    requests(pool, 11, 10, 3)
+    assert pool.peak_in_use == 8 and pool.num_cached_blocks == 10 and pool.num_used_blocks == 10
+    unbounded = BlockPool(100)  # memory allocated up front: cache until full
+    requests(unbounded, 0, 10, 3)
+    assert unbounded.num_used_blocks == 30 and unbounded.num_evictions == 0
+
+
 def test_reset_cache_makes_cached_blocks_plain_free_blocks():
     pool = BlockPool(3)
     pool.allocate(3)

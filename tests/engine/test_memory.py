@@ -22,6 +22,31 @@ def test_kv_cache_memory_gb_sizes_the_pool(save_hf_model):
     assert llm.engine.kv_cache.pool.num_blocks == int(0.01 * 2**30) // per_block
 
 
+def test_the_cpu_default_pool_stops_growing_with_unrelated_prompts(save_hf_model):
+    """The default pool (written on demand up to 4 GB) keeps one context's blocks idle in the prefix
+    cache, or as many as ran at once, and reuses the least recent beyond: a long-running server's
+    memory stays near its working set. A pool the user sizes caches until it is full."""
+    from hyperserve import SamplingParams
+
+    _, path = save_hf_model(tiny_config("llama"))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = [[i, *((7 * i + j) % 256 for j in range(40))] for i in range(24)]  # 41 tokens: 2 full blocks
+    used = {}
+    for sized in (False, True):
+        budget = {"kv_cache_memory_gb": 0.5} if sized else {}
+        llm = LLM(model=path, dtype="float32", max_model_len=64, **budget)
+        for prompt in prompts:
+            llm.generate([prompt], params, use_tqdm=False)
+        pool = llm.engine.kv_cache.pool
+        used[sized] = pool.num_used_blocks
+        assert pool.min_idle_cached == (None if sized else 4)  # 64 tokens in blocks of 16
+        out = llm.generate([prompts[-1]], params, use_tqdm=False)[0]  # the latest prompt is still cached
+        assert out.metrics.num_cached_tokens == 32
+        llm.close()
+    assert used[False] <= 10
+    assert used[True] == 24 * 2 + 1  # each prompt's 2 full blocks stay cached, its third is reused
+
+
 _LAZY_POOL = """
 import os, torch
 from pathlib import Path

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,7 @@ from hyperserve import LLM, SamplingParams, kernels
 from hyperserve.layers.attention import TorchPagedAttention
 from hyperserve.models.loader import build_model, load_config
 from hyperserve.models.registry import resolve_model
-from tests.conftest import FLOAT32
+from tests.conftest import FLOAT32, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +62,8 @@ def test_unknown_model_lists_the_available_ones():
 def test_int4_holds_the_gguf_weights_exactly(smollm2_source, hf_smollm2):
     """Q4_1 projections and the Q8_0 embedding (also the tied head) are re-packed, not re-quantized."""
     config = load_config(smollm2_source)
-    ours = build_model(config, smollm2_source, TorchPagedAttention(), 64, torch.bfloat16, "cpu", quantization="int4")
+    ours = build_model(config, smollm2_source, TorchPagedAttention(), 64, torch.bfloat16, "cpu",
+                       quantization="int4")
     embedding = ours.model.embed_tokens
     assert embedding.q80 is ours.lm_head.q80  # tied: one copy
     reference = hf_smollm2.model.embed_tokens.weight
@@ -71,7 +75,8 @@ def test_int4_holds_the_gguf_weights_exactly(smollm2_source, hf_smollm2):
                        hf_smollm2.model.layers[3].mlp.down_proj.weight)
 
 
-def test_gguf_metadata_is_parsed_once_into_files_that_read_back_the_same(smollm2_source, tmp_path, monkeypatch):
+def test_gguf_metadata_is_parsed_once_into_files_that_read_back_the_same(smollm2_source, tmp_path,
+                                                                         monkeypatch):
     import gguf
     from transformers import AutoConfig, AutoTokenizer
 
@@ -126,7 +131,8 @@ def _write_gguf(hf_model, path, tokenizer_gguf, q8_0: bool = True) -> None:
     if moe:
         writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(getattr(config, "moe_intermediate_size", config.intermediate_size))
+        writer.add_expert_feed_forward_length(getattr(config, "moe_intermediate_size",
+                                                      config.intermediate_size))
     reader = gguf.GGUFReader(tokenizer_gguf)
     writer.add_tokenizer_model(reader.fields["tokenizer.ggml.model"].contents())
     writer.add_token_list(reader.fields["tokenizer.ggml.tokens"].contents())
@@ -136,9 +142,10 @@ def _write_gguf(hf_model, path, tokenizer_gguf, q8_0: bool = True) -> None:
     writer.add_chat_template(reader.fields["tokenizer.chat_template"].contents())
     names = {"embed_tokens": "token_embd", "norm": "output_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
-             "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate": "ffn_gate_inp", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
 
     def permuted(array, heads):  # llama.cpp's row order of each head's rotary halves (the loader undoes it)
         halves = array.reshape(heads, 2, array.shape[0] // heads // 2, array.shape[-1])
@@ -147,7 +154,8 @@ def _write_gguf(hf_model, path, tokenizer_gguf, q8_0: bool = True) -> None:
     for name, tensor in hf_model.state_dict().items():
         array = tensor.float().numpy()
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            array = permuted(array, config.num_attention_heads if "q_proj" in name else config.num_key_value_heads)
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            array = permuted(array, heads)
         if name.endswith("experts.gate_up_proj"):  # transformers' [E, 2I, H] -> ffn_gate_exps, ffn_up_exps
             gate, up = array[:, : array.shape[1] // 2], array[:, array.shape[1] // 2 :]
             stacked = {"ffn_gate_exps": gate, "ffn_up_exps": up}
@@ -159,8 +167,8 @@ def _write_gguf(hf_model, path, tokenizer_gguf, q8_0: bool = True) -> None:
         if stacked is not None:
             for base, part in stacked.items():
                 if q8_0:
-                    writer.add_tensor(f"blk.{layer}.{base}.weight", quantize(part.copy(),
-                                      gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                    q8 = gguf.GGMLQuantizationType.Q8_0
+                    writer.add_tensor(f"blk.{layer}.{base}.weight", quantize(part.copy(), q8), raw_dtype=q8)
                 else:
                     writer.add_tensor(f"blk.{layer}.{base}.weight", part.copy())
             continue
@@ -169,7 +177,7 @@ def _write_gguf(hf_model, path, tokenizer_gguf, q8_0: bool = True) -> None:
         else:
             module = name.removeprefix("model.").removesuffix(".weight")
             module = module.split(".", 2)[2] if layer is not None else module
-            gguf_name = f"blk.{layer}.{names[module]}.weight" if layer is not None else f"{names[module]}.weight"
+            gguf_name = f"{names[module]}.weight" if layer is None else f"blk.{layer}.{names[module]}.weight"
         if q8_0 and array.ndim == 2 and "ffn_gate_inp" not in gguf_name:
             writer.add_tensor(gguf_name, quantize(array, gguf.GGMLQuantizationType.Q8_0),
                               raw_dtype=gguf.GGMLQuantizationType.Q8_0)
@@ -182,12 +190,12 @@ def _write_gguf(hf_model, path, tokenizer_gguf, q8_0: bool = True) -> None:
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-def test_qwen3_gguf_matches_transformers_on_its_dequantized_weights(arch, smollm2_source, tmp_path, monkeypatch):
+def test_qwen3_gguf_matches_transformers_on_its_dequantized_weights(arch, smollm2_source, tmp_path,
+                                                                    monkeypatch):
     """A Qwen3 and a Qwen3-MoE GGUF as llama.cpp writes them (Q8_0, stacked experts, QK norms, an
     untied head): our model from the GGUF against transformers' own GGUF loading of the same file."""
     from transformers import AutoModelForCausalLM
 
-    from tests.conftest import tiny_config
     from tests.models.test_llama import _check_against_transformers
 
     monkeypatch.setenv("HYPERSERVE_GGUF_CACHE", str(tmp_path / "cache"))
@@ -234,7 +242,8 @@ def test_int4_quantizes_each_layer_as_it_is_read_to_the_same_weights(arch, save_
 
     monkeypatch.setattr(loader, "_load_checkpoint", loading)
     monkeypatch.setattr(loader, "quantize_linears", quantizing)
-    streamed = build_model(config_read, source, TorchPagedAttention(), 64, torch.float32, "cpu", quantization="int4")
+    streamed = build_model(config_read, source, TorchPagedAttention(), 64, torch.float32, "cpu",
+                           quantization="int4")
     assert held == [1, 1, 1, 1]
     reference = build_model(config_read, source, TorchPagedAttention(), 64, torch.float32, "cpu")
     quantize_model(reference, "int4", torch.float32)
@@ -253,7 +262,6 @@ def test_a_mixtral_gguf_is_read_as_mixtral(smollm2_source, tmp_path, monkeypatch
     Q/K rows un-permuted; in float32 its answers are the original model's."""
     from transformers import AutoModelForCausalLM
 
-    from tests.conftest import tiny_config
     from tests.models.test_llama import _check_against_transformers
 
     monkeypatch.setenv("HYPERSERVE_GGUF_CACHE", str(tmp_path / "cache"))
@@ -281,8 +289,28 @@ def test_a_checkpoint_missing_one_part_of_a_fused_projection_is_refused(save_hf_
 
     _, path = save_hf_model(tiny_config("llama"))
     weights = Path(path) / "model.safetensors"
-    save_file({k: v for k, v in load_file(weights).items() if k != "model.layers.1.self_attn.k_proj.weight"}, weights)
+    missing = "model.layers.1.self_attn.k_proj.weight"
+    save_file({k: v for k, v in load_file(weights).items() if k != missing}, weights)
     source = resolve_model(path)
     with pytest.raises(ValueError, match="lacks weights.*layers.1.self_attn.qkv_proj"):
         build_model(load_config(source), source, TorchPagedAttention(), 64, torch.float32, "cpu",
                     quantization=quantization)
+
+
+_BUILD_WITHOUT_DYNAMO = """
+import sys, torch
+from hyperserve import LLM
+llm = LLM(model=sys.argv[1], dtype="float32", quantization="int4")
+init = torch.nn.init.normal_(torch.zeros(1000))  # restored after the build
+print("torch._dynamo" in sys.modules, "triton" in sys.modules, bool(init.std() > 0.5))
+"""
+
+
+def test_building_a_model_imports_no_compiler(save_hf_model):
+    """Modules built on the meta device skip torch.nn.init, whose meta path imports torch._dynamo
+    and Triton: ~100 MB of a CPU server's memory and most of a second of start-up. In a fresh
+    process, as other tests import the compiler."""
+    _, path = save_hf_model(tiny_config("llama"))
+    result = subprocess.run([sys.executable, "-c", _BUILD_WITHOUT_DYNAMO, str(path)], capture_output=True,
+                            text=True, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.stdout.split() == ["False", "False", "True"]
