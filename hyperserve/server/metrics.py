@@ -39,6 +39,9 @@ class ServerMetrics:
         self.running = Gauge("hyperserve:num_requests_running", "Requests running", labels, registry=r)
         self.waiting = Gauge("hyperserve:num_requests_waiting", "Requests waiting", labels, registry=r)
         self.kv_usage = Gauge("hyperserve:kv_cache_usage_perc", "KV cache usage, 0 to 1", labels, registry=r)
+        self.kv_touched = Gauge("hyperserve:kv_cache_touched_perc",
+                                "KV pool blocks written at least once, 0 to 1: on the CPU, the share of the "
+                                "pool's cap that the process holds", labels, registry=r)
         self.prefix_queries = Counter("hyperserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       labels, registry=r)
         self.prefix_hits = Counter("hyperserve:prefix_cache_hits", "Prompt tokens found in the prefix cache",
@@ -118,8 +121,8 @@ class ModelMetrics:
         # this model's series, looked up once: `labels()` takes a lock and a dict lookup, and a
         # step's two dozen of them cost the engine thread 2.6% of a SmolLM2 decode step
         m = model_name
-        self._running, self._waiting, self._kv_usage = (families.running.labels(m), families.waiting.labels(m),
-                                                        families.kv_usage.labels(m))
+        self._running, self._waiting = families.running.labels(m), families.waiting.labels(m)
+        self._kv_usage, self._kv_touched = families.kv_usage.labels(m), families.kv_touched.labels(m)
         self._itl, self._lora_loaded = families.itl.labels(m), families.lora_loaded.labels(m)
         self._spec_acceptance, self._spec_length = families.spec_acceptance.labels(m), families.spec_length.labels(m)
         self._counters = {key: counter.labels(m) for key, counter in families.counters.items()}
@@ -165,6 +168,7 @@ class ModelMetrics:
             self._running.set(engine.num_running)
             self._waiting.set(engine.num_waiting)
             self._kv_usage.set(kv.usage)
+            self._kv_touched.set(kv.pool.num_used_blocks / kv.pool.num_blocks)
             disk = kv.lower_tier.store if kv.lower_tier is not None else None
             spec = engine.scheduler.spec_stats
             lora = engine.lora
@@ -208,5 +212,5 @@ class ModelMetrics:
         """The model was unloaded: its last totals are exported, and its gauges say nothing runs."""
         self.sync()
         self._engine = None
-        for gauge in (self._running, self._waiting, self._kv_usage):
+        for gauge in (self._running, self._waiting, self._kv_usage, self._kv_touched):
             gauge.set(0)

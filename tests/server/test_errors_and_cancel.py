@@ -160,6 +160,7 @@ def test_metrics_are_exported_with_vllm_names(server):
                  "prefix_cache_hits_total", "prefix_cache_evictions_total"):
         assert f"hyperserve:{name}" in text
     assert server.metric("generation_tokens_total") > 0
+    assert 0 < server.metric("kv_cache_touched_perc") <= 1  # the request's blocks were written
 
 
 def test_server_timing_header(server):

@@ -70,6 +70,6 @@ def test_its_dashboard_charts_the_cache_and_the_engine(cached_server):
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         page = browser.new_page()
         page.goto(f"{cached_server.url}/ui/dashboard.html")
-        for title in ("Requests/s by cache outcome", "Throughput (tokens/s)", "KV cache used (%)"):
+        for title in ("Requests/s by cache outcome", "Throughput (tokens/s)", "KV cache (% of the pool)"):
             playwright_api.expect(page.locator(f"section.chart[aria-label='{title}']")).to_be_visible()
         browser.close()
