@@ -31,63 +31,60 @@ class ServerMetrics:
                              labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("hyperserve:request_queue_time_seconds", "Arrival to first scheduled",
                                labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("hyperserve:prompt_tokens", "Prompt tokens processed", labels, registry=r)
-        self.generation_tokens = Counter("hyperserve:generation_tokens", "Tokens generated", labels, registry=r)
-        self.preemptions = Counter("hyperserve:num_preemptions", "Preemptions", labels, registry=r)
-        self.request_success = Counter("hyperserve:request_success", "Finished requests",
-                                       labels + ["finished_reason"], registry=r)
-        self.running = Gauge("hyperserve:num_requests_running", "Requests running", labels, registry=r)
-        self.waiting = Gauge("hyperserve:num_requests_waiting", "Requests waiting", labels, registry=r)
-        self.kv_usage = Gauge("hyperserve:kv_cache_usage_perc", "KV cache usage, 0 to 1", labels, registry=r)
-        self.kv_touched = Gauge("hyperserve:kv_cache_touched_perc",
-                                "KV pool blocks written at least once, 0 to 1: on the CPU, the share of the "
-                                "pool's cap that the process holds", labels, registry=r)
-        self.prefix_queries = Counter("hyperserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                      labels, registry=r)
-        self.prefix_hits = Counter("hyperserve:prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                                   labels, registry=r)
-        self.prefix_evictions = Counter("hyperserve:prefix_cache_evictions", "Cached KV blocks evicted",
-                                        labels, registry=r)
-        self.disk_reads = Counter("hyperserve:prefix_cache_disk_reads", "KV blocks loaded from the disk tier",
-                                  labels, registry=r)
-        self.disk_writes = Counter("hyperserve:prefix_cache_disk_writes", "KV blocks written to the disk tier",
-                                   labels, registry=r)
-        self.spec_drafts = Counter("hyperserve:spec_decode_num_drafts",
-                                   "Speculative verification steps (a request with draft tokens)", labels, registry=r)
-        self.spec_draft_tokens = Counter("hyperserve:spec_decode_num_draft_tokens", "Draft tokens proposed",
-                                         labels, registry=r)
-        self.spec_accepted_tokens = Counter("hyperserve:spec_decode_num_accepted_tokens", "Draft tokens accepted",
-                                            labels, registry=r)
-        self.spec_acceptance = Gauge("hyperserve:spec_decode_acceptance_rate",
-                                     "Accepted over proposed draft tokens, since start", labels, registry=r)
-        self.spec_length = Gauge("hyperserve:spec_decode_mean_accepted_length",
-                                 "Tokens emitted per verification step, since start", labels, registry=r)
+        def counter(name: str, doc: str, names: list[str] = labels) -> Counter:
+            return Counter(f"hyperserve:{name}", doc, names, registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"hyperserve:{name}", doc, labels, registry=r)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.preemptions = counter("num_preemptions", "Preemptions")
+        self.request_success = counter("request_success", "Finished requests", labels + ["finished_reason"])
+        self.running = gauge("num_requests_running", "Requests running")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV cache usage, 0 to 1")
+        self.kv_touched = gauge("kv_cache_touched_perc", "KV pool blocks written at least once, 0 to 1: "
+                                "on the CPU, the share of the pool's cap that the process holds")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.prefix_evictions = counter("prefix_cache_evictions", "Cached KV blocks evicted")
+        self.disk_reads = counter("prefix_cache_disk_reads", "KV blocks loaded from the disk tier")
+        self.disk_writes = counter("prefix_cache_disk_writes", "KV blocks written to the disk tier")
+        self.spec_drafts = counter("spec_decode_num_drafts",
+                                   "Speculative verification steps (a request with draft tokens)")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.spec_acceptance = gauge("spec_decode_acceptance_rate",
+                                     "Accepted over proposed draft tokens, since start")
+        self.spec_length = gauge("spec_decode_mean_accepted_length",
+                                 "Tokens emitted per verification step, since start")
         # by where the drafts came from: text (the request's own), history (earlier answers), draft or
         # self (a model), grammar (tokens a grammar forces)
         by_source = labels + ["source"]
-        self.spec_source_drafts = Counter("hyperserve:spec_decode_num_draft_tokens_by_source",
-                                          "Draft tokens proposed, by source", by_source, registry=r)
-        self.spec_source_accepted = Counter("hyperserve:spec_decode_num_accepted_tokens_by_source",
-                                            "Draft tokens accepted, by source", by_source, registry=r)
-        self.lora_loaded = Gauge("hyperserve:lora_adapters_loaded", "LoRA adapters held in memory", labels, registry=r)
-        self.lora_loads = Counter("hyperserve:lora_adapter_loads", "LoRA adapters read from disk", labels, registry=r)
-        self.lora_load_seconds = Counter("hyperserve:lora_adapter_load_seconds", "Time spent reading LoRA adapters",
-                                         labels, registry=r)
-        self.lora_hits = Counter("hyperserve:lora_adapter_hits", "Adapters of each step by the tier that had them: "
-                                 "step (the previous step's batch; on the GPU, on the device), memory, disk",
-                                 [*labels, "tier"], registry=r)
+        self.spec_source_drafts = counter("spec_decode_num_draft_tokens_by_source",
+                                          "Draft tokens proposed, by source", by_source)
+        self.spec_source_accepted = counter("spec_decode_num_accepted_tokens_by_source",
+                                            "Draft tokens accepted, by source", by_source)
+        self.lora_loaded = gauge("lora_adapters_loaded", "LoRA adapters held in memory")
+        self.lora_loads = counter("lora_adapter_loads", "LoRA adapters read from disk")
+        self.lora_load_seconds = counter("lora_adapter_load_seconds", "Time spent reading LoRA adapters")
+        self.lora_hits = counter("lora_adapter_hits", "Adapters of each step by the tier that had them: step "
+                                 "(the previous step's batch; on the GPU, on the device), memory, disk",
+                                 [*labels, "tier"])
         transfers = {"kv_blocks_sent": "KV blocks sent to decode servers (--role prefill)",
                      "kv_bytes_sent": "Bytes of KV sent to decode servers",
                      "kv_blocks_received": "KV blocks taken from a prefill server (--role decode), new here",
                      "kv_bytes_received": "Bytes of KV taken from a prefill server",
-                     "kv_transfer_seconds": "Time waiting on the prefill server: its prefill and the transfer",
+                     "kv_transfer_seconds": "Time waiting on the prefill server: its prefill and the "
+                                            "transfer",
                      "kv_transfer_failures": "Remote prefills that failed; their prompts were computed here"}
-        self.counters = {**{key: Counter(f"hyperserve:{key}", doc, labels, registry=r)
-                            for key, doc in transfers.items()},
+        self.counters = {**{key: counter(key, doc) for key, doc in transfers.items()},
                          "queries": self.prefix_queries, "hits": self.prefix_hits,
                          "evictions": self.prefix_evictions, "disk_reads": self.disk_reads,
                          "disk_writes": self.disk_writes, "spec_drafts": self.spec_drafts,
-                         "spec_draft_tokens": self.spec_draft_tokens, "spec_accepted": self.spec_accepted_tokens,
+                         "spec_draft_tokens": self.spec_draft_tokens,
+                         "spec_accepted": self.spec_accepted_tokens,
                          "lora_loads": self.lora_loads, "lora_load_seconds": self.lora_load_seconds}
 
     def for_model(self, model_name: str) -> ModelMetrics:
@@ -124,7 +121,8 @@ class ModelMetrics:
         self._running, self._waiting = families.running.labels(m), families.waiting.labels(m)
         self._kv_usage, self._kv_touched = families.kv_usage.labels(m), families.kv_touched.labels(m)
         self._itl, self._lora_loaded = families.itl.labels(m), families.lora_loaded.labels(m)
-        self._spec_acceptance, self._spec_length = families.spec_acceptance.labels(m), families.spec_length.labels(m)
+        self._spec_acceptance = families.spec_acceptance.labels(m)
+        self._spec_length = families.spec_length.labels(m)
         self._counters = {key: counter.labels(m) for key, counter in families.counters.items()}
         self._sync_lock = threading.Lock()
         self.new_engine()
@@ -172,8 +170,9 @@ class ModelMetrics:
             disk = kv.lower_tier.store if kv.lower_tier is not None else None
             spec = engine.scheduler.spec_stats
             lora = engine.lora
-            totals = {"queries": kv.num_queried_tokens, "hits": kv.num_hit_tokens, "evictions": kv.pool.num_evictions,
-                      "disk_reads": disk.num_reads if disk else 0, "disk_writes": disk.num_writes if disk else 0,
+            totals = {"queries": kv.num_queried_tokens, "hits": kv.num_hit_tokens,
+                      "evictions": kv.pool.num_evictions, "disk_reads": disk.num_reads if disk else 0,
+                      "disk_writes": disk.num_writes if disk else 0,
                       "spec_drafts": spec.num_drafts, "spec_draft_tokens": spec.num_draft_tokens,
                       "spec_accepted": spec.num_accepted_tokens,
                       "lora_loads": lora.num_loads if lora else 0,
@@ -183,12 +182,14 @@ class ModelMetrics:
             if lora is not None:
                 hits = dict(lora.hits)
                 for tier, count in hits.items():
-                    self.families.lora_hits.labels(self.model_name, tier).inc(count - self._seen_lora_hits[tier])
+                    series = self.families.lora_hits.labels(self.model_name, tier)
+                    series.inc(count - self._seen_lora_hits[tier])
                 self._seen_lora_hits = hits
             if spec.num_drafts != self._seen["spec_drafts"]:
                 self._spec_acceptance.set(spec.acceptance_rate)
                 self._spec_length.set(spec.mean_accepted_length)
-                self._sync_spec_sources({source: tuple(counts) for source, counts in list(spec.by_source.items())})
+                by_source = list(spec.by_source.items())  # copied whole: the engine thread adds sources
+                self._sync_spec_sources({source: tuple(counts) for source, counts in by_source})
             for key, total in totals.items():
                 if total != self._seen[key]:
                     self._counters[key].inc(total - self._seen[key])

@@ -13,7 +13,7 @@ def output(request_id: str, finish_reason: str | None) -> RequestOutput:
 
 
 def fake_engine():
-    pool = SimpleNamespace(num_evictions=0)
+    pool = SimpleNamespace(num_evictions=0, num_used_blocks=0, num_blocks=100)
     kv = SimpleNamespace(usage=0.0, num_queried_tokens=0, num_hit_tokens=0, pool=pool, lower_tier=None)
     spec = SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, acceptance_rate=0.0,
                            mean_accepted_length=0.0)
@@ -58,8 +58,9 @@ def test_engine_totals_and_gauges_are_read_when_scraped():
     families, engine = ServerMetrics(), fake_engine()
     metrics = families.for_model("m")
     metrics.observe_step(engine, [])
-    engine.num_running, engine.kv_cache.num_queried_tokens = 3, 40
+    engine.num_running, engine.kv_cache.num_queried_tokens, engine.kv_cache.pool.num_used_blocks = 3, 40, 25
     assert families.registry.get_sample_value("hyperserve:num_requests_running", {"model_name": "m"}) == 3
+    assert families.registry.get_sample_value("hyperserve:kv_cache_touched_perc", {"model_name": "m"}) == 0.25
     assert queried(families) == 40
     engine.kv_cache.num_queried_tokens = 50
     assert queried(families) == queried(families) == 50
