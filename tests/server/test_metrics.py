@@ -17,8 +17,9 @@ def fake_engine():
     kv = SimpleNamespace(usage=0.0, num_queried_tokens=0, num_hit_tokens=0, pool=pool, lower_tier=None)
     spec = SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, acceptance_rate=0.0,
                            mean_accepted_length=0.0)
-    return SimpleNamespace(num_running=0, num_waiting=0, kv_cache=kv, scheduler=SimpleNamespace(spec_stats=spec),
-                           lora=None, kv_transfer=SimpleNamespace(stats=KVTransferStats()))
+    return SimpleNamespace(num_running=0, num_waiting=0, kv_cache=kv,
+                           scheduler=SimpleNamespace(spec_stats=spec), lora=None,
+                           kv_transfer=SimpleNamespace(stats=KVTransferStats()))
 
 
 def test_finished_and_aborted_requests_leave_no_per_request_state():
