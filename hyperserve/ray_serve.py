@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from hyperserve import ray_metrics
 from hyperserve.common.affinity import affinity_text, salted_key
 from hyperserve.common.errors import APIError
-from hyperserve.common.sse import sse_chunks
+from hyperserve.common.sse import EventSplitter, sse_chunks
 from hyperserve.common.websocket_api import Stream, serve_websocket
 from hyperserve.security.config import cache_salt
 from hyperserve.security.middleware import KEY_DIGEST
@@ -504,11 +504,10 @@ class ReplicaBody:
 async def _events(body: ReplicaBody) -> AsyncIterator[dict[str, Any]]:
     """A replica's SSE stream as its JSON objects, for the WebSocket; an error event, or the
     replica failing mid-answer, is raised as the error it is."""
-    buffer = b""
+    events = EventSplitter()
     try:
         async for chunk in body:
-            events, _, buffer = (buffer + chunk).rpartition(b"\n\n")
-            for data in sse_chunks(events):
+            for data in sse_chunks(events.feed(chunk)):
                 if "error" in data:
                     raise APIError.from_body(500, data)
                 yield data

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from hyperserve.common.asgi import is_event_stream, read_body, replay, without_content_length
 from hyperserve.common.errors import APIError
-from hyperserve.common.sse import sse_chunks
+from hyperserve.common.sse import EventSplitter, sse_chunks
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -67,7 +67,8 @@ class ChatRelay:
         self._send, self.translator = send, translator
         self._start: dict[str, Any] | None = None
         self._streaming = False
-        self._buffer = b""
+        self._buffer = b""  # a JSON answer's body so far
+        self._events_in = EventSplitter()  # a streamed one's events
 
     async def send(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
@@ -80,14 +81,14 @@ class ChatRelay:
             return
         if message["type"] != "http.response.body":
             return await self._send(message)
-        self._buffer += message.get("body", b"")
-        more = message.get("more_body", False)
+        body, more = message.get("body", b""), message.get("more_body", False)
         if self._streaming:
-            done, _, self._buffer = self._buffer.rpartition(b"\n\n") if more else (self._buffer, b"", b"")
-            events = [event for chunk in sse_chunks(done) for event in self.translator.feed(chunk)]
+            chunks = sse_chunks(self._events_in.feed(body, final=not more))
+            events = [event for chunk in chunks for event in self.translator.feed(chunk)]
             if not more:
                 events += self.translator.finish()
             return await self._events(events, more)
+        self._buffer += body
         if more:
             return
         answer = self._buffer

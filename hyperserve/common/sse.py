@@ -13,6 +13,23 @@ def sse_event(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
+class EventSplitter:
+    """An SSE byte stream cut into whole events as its chunks arrive (a chunk may end mid-event),
+    each event without the blank line that ends it."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, data: bytes, final: bool = False) -> list[bytes]:
+        """The events `data` completes; with `final`, what is left counts as the last one."""
+        self._buffer += data
+        if final:
+            events, self._buffer = self._buffer, b""
+        else:
+            events, _, self._buffer = self._buffer.rpartition(b"\n\n")
+        return [event for event in events.split(b"\n\n") if event]
+
+
 def parse_sse_data(line: str) -> str | None:
     """The payload of a `data:` line (DONE included); None for any other line (comments, blanks)."""
     if not line.startswith("data:"):
@@ -20,11 +37,11 @@ def parse_sse_data(line: str) -> str | None:
     return line[5:].strip()
 
 
-def sse_chunks(events: bytes) -> list[dict[str, Any]]:
-    """The JSON objects of whole events' `data:` lines; DONE, other lines and data that is not a
-    JSON object are left out."""
+def sse_chunks(events: list[bytes]) -> list[dict[str, Any]]:
+    """The JSON objects of whole events' `data:` lines (EventSplitter's events); DONE, other lines
+    and data that is not a JSON object are left out."""
     chunks = []
-    for line in events.decode(errors="replace").splitlines():
+    for line in b"\n".join(events).decode(errors="replace").splitlines():
         try:
             chunk = parse_sse_chunk(line)
         except ValueError:

@@ -23,7 +23,7 @@ from hyperserve.common.asgi import is_event_stream, read_body, replay, send_json
 from hyperserve.common.errors import APIError
 from hyperserve.common.messages import message_text
 from hyperserve.common.request_log import RequestLog
-from hyperserve.common.sse import DONE, parse_sse_data, sse_event
+from hyperserve.common.sse import DONE, EventSplitter, parse_sse_data, sse_event
 from hyperserve.security.config import Guardrails, KeyEntry, Limits, SecurityConfig, hash_key
 from hyperserve.security.limits import InProcessLimiter, RateLimited, RedisLimiter
 from hyperserve.security.pii import Finding, Redactor, StreamRedactor, find_pii
@@ -98,7 +98,8 @@ class Governor:
         limits = [self.config.defaults] + [k.limits for k in self.config.keys if k.limits]
         guardrails = self._all_guardrails()
         return (any(v is not None for lim in limits for k, v in lim if k != "budget_period_s")
-                or any(g.injection != "off" or g.pii_request != "off" or g.pii_response != "off" for g in guardrails))
+                or any(g.injection != "off" or g.pii_request != "off" or g.pii_response != "off"
+                       for g in guardrails))
 
     def identify(self, scope) -> KeyEntry | None:
         """An HTTP request's key: its headers' (authenticate), or for a Batch API line the key whose
@@ -119,14 +120,18 @@ class Governor:
         if not self.keys:
             return None
         auth = headers.get(b"authorization", b"").decode(errors="replace")
-        presented = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get(b"x-api-key", b"").decode()
+        if auth.lower().startswith("bearer "):
+            presented = auth[7:].strip()
+        else:
+            presented = headers.get(b"x-api-key", b"").decode()
         if not presented:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", type_="authentication_error",
-                           code="missing_api_key")
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                           type_="authentication_error", code="missing_api_key")
         digest = hash_key(presented)
         entry = self.keys.get(digest)
         if entry is None or not hmac.compare_digest(entry.sha256, digest):
-            raise APIError(401, "incorrect API key provided", type_="authentication_error", code="invalid_api_key")
+            raise APIError(401, "incorrect API key provided", type_="authentication_error",
+                           code="invalid_api_key")
         return entry
 
     def limits(self, key: KeyEntry | None) -> Limits:
@@ -150,16 +155,16 @@ class Governor:
         limits = self.config.request_limits
         messages = body.get("messages") if chat else None
         if isinstance(messages, list) and len(messages) > limits.max_messages:
-            raise APIError(400, f"{len(messages)} messages exceed the limit of {limits.max_messages} (max_messages)",
-                           param="messages", code="request_too_large")
+            raise APIError(400, f"{len(messages)} messages exceed the limit of {limits.max_messages} "
+                           "(max_messages)", param="messages", code="request_too_large")
         n = _count(body.get("n")) or 1
         if n > limits.max_n:
             raise APIError(400, f"n={n} exceeds the limit of {limits.max_n} (max_n)", param="n",
                            code="request_too_large")
         max_tokens = _max_tokens(body)
         if limits.max_tokens and max_tokens is not None and max_tokens > limits.max_tokens:
-            raise APIError(400, f"max_tokens={max_tokens} exceeds the limit of {limits.max_tokens} (max_tokens)",
-                           param="max_tokens", code="request_too_large")
+            raise APIError(400, f"max_tokens={max_tokens} exceeds the limit of {limits.max_tokens} "
+                           "(max_tokens)", param="max_tokens", code="request_too_large")
         prompt_tokens = estimate_tokens(" ".join(_texts(body, chat))) + _num_prompt_token_ids(body, chat)
         if limits.max_prompt_tokens and prompt_tokens > limits.max_prompt_tokens:
             raise APIError(400, f"the prompt has about {prompt_tokens} tokens, over the limit of "
@@ -174,14 +179,16 @@ class Governor:
             inputs = _untrusted_inputs(body, chat)
             if inputs:
                 verdict = await self.injection.judge_async(inputs, g.injection_threshold)
-                guard.verdicts["injection"] = {"flagged": verdict.flagged, "probability": round(verdict.probability, 3),
+                guard.verdicts["injection"] = {"flagged": verdict.flagged,
+                                               "probability": round(verdict.probability, 3),
                                                "pattern": verdict.pattern}
                 if verdict.flagged and g.injection == "block":
                     raise APIError(400, "the request was blocked: it looks like a prompt injection "
                                         f"(classifier probability {verdict.probability:.2f})",
                                    code="content_blocked", param="messages" if chat else "prompt")
         if g.pii_request != "off":
-            kinds = await asyncio.to_thread(_scan_pii, guard, body, chat)  # up to the body limit: off the loop
+            # up to the body limit: off the event loop
+            kinds = await asyncio.to_thread(_scan_pii, guard, body, chat)
             guard.verdicts["pii_request"] = kinds
             if kinds and g.pii_request == "block":
                 raise APIError(400, f"the request was blocked: it contains {', '.join(kinds)}",
@@ -269,7 +276,8 @@ class SecurityMiddleware:
         if embed:  # an encoder follows no instructions: only the PII rules apply
             guardrails = guardrails.model_copy(update={"injection": "off"})
         guard = Guard(key, guardrails)
-        record: dict[str, Any] = {"key": key.name if key else None, "path": scope["path"], "model": body.get("model")}
+        record: dict[str, Any] = {"key": key.name if key else None, "path": scope["path"],
+                                  "model": body.get("model")}
         if governor.config.audit_prompts:
             record["prompt"] = _texts(body, chat)
         n = _count(body.get("n")) or 1
@@ -277,10 +285,11 @@ class SecurityMiddleware:
         estimate = prompt_tokens + max_tokens * n
         try:
             await governor.guard_request(guard, body, chat)
-            grant = await governor.limiter.acquire(key.name if key else "anonymous", governor.limits(key), estimate)
+            grant = await governor.limiter.acquire(key.name if key else "anonymous", governor.limits(key),
+                                                   estimate)
         except (APIError, RateLimited) as refusal:
-            governor.audit.write({**record, "status": getattr(refusal, "status", 429), "verdicts": guard.verdicts,
-                                  "refused": str(refusal)})
+            governor.audit.write({**record, "status": getattr(refusal, "status", 429),
+                                  "verdicts": guard.verdicts, "refused": str(refusal)})
             raise
         stream = body.get("stream") is True
         client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -311,7 +320,8 @@ class _ResponseRelay:
         self.usage: dict[str, Any] | None = None
         self._start: dict[str, Any] | None = None
         self._is_sse = False
-        self._buffer = b""
+        self._buffer = b""  # a JSON answer's body so far
+        self._events_in = EventSplitter()  # a streamed one's events
         self._redactors: dict[int, StreamRedactor] = {}
 
     async def send(self, message: dict[str, Any]) -> None:
@@ -326,16 +336,12 @@ class _ResponseRelay:
             return
         if message["type"] != "http.response.body":
             return await self._send(message)
-        self._buffer += message.get("body", b"")
-        more = message.get("more_body", False)
+        body, more = message.get("body", b""), message.get("more_body", False)
         if self._is_sse:
-            events, _, self._buffer = self._buffer.rpartition(b"\n\n")
-            out = b"".join(self._event(e) for e in events.split(b"\n\n") if e) if events else b""
-            if not more and self._buffer:
-                out += self._event(self._buffer)
-                self._buffer = b""
+            out = b"".join(self._event(event) for event in self._events_in.feed(body, final=not more))
             await self._send({"type": "http.response.body", "body": out, "more_body": more})
             return
+        self._buffer += body
         if more:
             return
         body = self._buffer
@@ -377,7 +383,8 @@ class _ResponseRelay:
             name = "content" if self.chat else "text"
             if not isinstance(holder, dict):
                 continue
-            redactor = self._redactors.setdefault(choice.get("index", 0), StreamRedactor(self.guard.filter_text))
+            redactor = self._redactors.setdefault(choice.get("index", 0),
+                                                  StreamRedactor(self.guard.filter_text))
             piece = redactor.feed(holder.get(name) or "")
             if choice.get("finish_reason") is not None:
                 piece += redactor.flush()
