@@ -192,17 +192,22 @@ def test_streaming_chat_with_usage(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
 
 
-def test_async_streaming_requests_run_concurrently(aclient):
-    async def one(i: int) -> str:
-        stream = await aclient.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=8,
-                                                  temperature=0, stream=True)
+def test_async_streaming_requests_run_concurrently(client, aclient):
+    """Three streams at once give each the text it gets alone (greedy, not streamed)."""
+    prompts = [f"Count to {i}:" for i in range(3)]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text
+             for p in prompts]
+
+    async def one(prompt: str) -> str:
+        stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                                  stream=True)
         return "".join([c.choices[0].text async for c in stream if c.choices])
 
     async def all_three() -> list[str]:
-        return await asyncio.gather(*(one(i) for i in range(3)))
+        return await asyncio.gather(*(one(p) for p in prompts))
 
-    texts = asyncio.run(all_three())
-    assert all(texts)
+    assert all(alone)
+    assert asyncio.run(all_three()) == alone
 
 
 def test_priority_and_vllm_extras_are_accepted(client):

@@ -46,8 +46,10 @@ def test_paraphrase_is_answered_from_the_cache_with_the_engines_answer(cached_se
 
 
 def test_engine_endpoints_pass_through(cached_server):
-    pinned = httpx.post(f"{cached_server.url}/v1/cache", json={"prompt": "You are a helpful assistant.", "ttl": 30})
-    assert pinned.status_code == 200 and pinned.json()["cached_tokens"] >= 0
+    prompt = "You are a helpful assistant who answers in one short sentence. " * 4  # several KV blocks
+    pinned = httpx.post(f"{cached_server.url}/v1/cache", json={"prompt": prompt, "ttl": 30})
+    assert pinned.status_code == 200
+    assert pinned.json()["cached_tokens"] >= 32 and pinned.json()["cached_tokens"] % 16 == 0  # whole blocks held
     deleted = httpx.delete(f"{cached_server.url}/v1/cache/{pinned.json()['id']}")
     assert deleted.json()["deleted"] is True
     assert httpx.delete(f"{cached_server.url}/v1/cache/nope").status_code == 404
