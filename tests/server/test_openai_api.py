@@ -56,7 +56,8 @@ def test_greedy_completion_equals_the_offline_engine(client, smollm2_tokenizer):
     # a prompt that shares no prefix block with other tests' (chat prompts share the template's
     # system turn): a prefix-cache hit would prefill fewer rows on the server, and int4 (this
     # GGUF's default) computes a few rows with another kernel than many
-    prompt = smollm2_tokenizer("Lighthouse keepers on the northern islands kept a log of every ship that").input_ids
+    text = "Lighthouse keepers on the northern islands kept a log of every ship that"
+    prompt = smollm2_tokenizer(text).input_ids
     llm = LLM(num_kv_blocks=64, max_model_len=1024)
     expected = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
@@ -77,7 +78,8 @@ def test_stop_string_is_not_returned(client):
     full = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20)
     text = full.choices[0].message.content
     stop = text.split()[3]
-    r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20, stop=[stop])
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20,
+                                       stop=[stop])
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].message.content == text[: text.index(stop)]
 
@@ -94,7 +96,8 @@ def test_chat_logprobs(client):
 
 
 def test_completion_logprobs(client):
-    r = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=3, temperature=0, logprobs=2)
+    r = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=3, temperature=0,
+                                  logprobs=2)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
     assert "".join(lp.tokens) == r.choices[0].text
@@ -114,9 +117,10 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, smollm2_to
     """lm-evaluation-harness's loglikelihood request: token-id prompts, echo, logprobs=1 and one
     output token. Each prompt token after the first has its logprob, the same as vLLM's
     `prompt_logprobs` gives, and the top one's beside it."""
-    prompts = [smollm2_tokenizer.encode(t) for t in ("The capital of France is Paris", "Two plus two is four")]
-    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=1, temperature=0, logprobs=1, echo=True,
-                                  extra_body={"prompt_logprobs": 1})
+    prompts = [smollm2_tokenizer.encode(t) for t in ("The capital of France is Paris",
+                                                      "Two plus two is four")]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=1, temperature=0, logprobs=1,
+                                  echo=True, extra_body={"prompt_logprobs": 1})
     assert len(r.choices) == 2
     for prompt, choice in zip(prompts, r.choices):
         lp = choice.logprobs
@@ -127,7 +131,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, smollm2_to
         assert all(max(top.values()) >= v for v, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]))
         vllm = choice.prompt_logprobs
         assert vllm[0] is None and len(vllm) == len(prompt)
-        assert [vllm[i][str(t)]["logprob"] for i, t in enumerate(prompt) if i] == lp.token_logprobs[1:len(prompt)]
+        theirs = [vllm[i][str(t)]["logprob"] for i, t in enumerate(prompt) if i]
+        assert theirs == lp.token_logprobs[1:len(prompt)]
     # "Paris" after "The capital of France is" is far likelier than after "Two plus two is"
     paris = r.choices[0].logprobs.token_logprobs[len(prompts[0]) - 1]
     assert paris > -3
@@ -139,12 +144,13 @@ def test_streams_send_prompt_logprobs_with_their_first_chunk(client):
     extra = {"extra_body": {"prompt_logprobs": 2}}
     kwargs = dict(model=MODEL, prompt="One, two, three,", max_tokens=3, temperature=0, **extra)
     whole = client.completions.create(**kwargs).choices[0].prompt_logprobs
-    chunks = [c.choices[0].model_extra.get("prompt_logprobs") for c in client.completions.create(**kwargs, stream=True)
-              if c.choices]
+    stream = client.completions.create(**kwargs, stream=True)
+    chunks = [c.choices[0].model_extra.get("prompt_logprobs") for c in stream if c.choices]
     assert chunks[0] == whole and whole[0] is None and len(whole) > 3 and not any(chunks[1:])
     kwargs = dict(model=MODEL, messages=QUESTION, max_tokens=3, temperature=0, **extra)
     whole = client.chat.completions.create(**kwargs).model_extra["prompt_logprobs"]
-    chunks = [c.model_extra.get("prompt_logprobs") for c in client.chat.completions.create(**kwargs, stream=True)]
+    stream = client.chat.completions.create(**kwargs, stream=True)
+    chunks = [c.model_extra.get("prompt_logprobs") for c in stream]
     assert [c for c in chunks if c] == [whole] and whole[0] is None and len(whole) > 10
 
 
@@ -155,10 +161,12 @@ def test_streamed_echo_sends_the_prompt_first_and_the_same_logprobs(client):
     assert chunks[0].text.startswith("One, two, three,")
     assert "".join(c.text for c in chunks) == whole.text
     for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-        assert [v for c in chunks if c.logprobs for v in getattr(c.logprobs, field)] == getattr(whole.logprobs, field)
+        streamed = [v for c in chunks if c.logprobs for v in getattr(c.logprobs, field)]
+        assert streamed == getattr(whole.logprobs, field)
     assert whole.logprobs.text_offset == [sum(len(t) for t in whole.logprobs.tokens[:i])
                                           for i in range(len(whole.logprobs.tokens))]
-    plain = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=4, temperature=0, echo=True)
+    plain = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=4, temperature=0,
+                                      echo=True)
     assert plain.choices[0].text == whole.text and plain.choices[0].logprobs is None
 
 
@@ -167,12 +175,14 @@ def test_vllm_extras_shape_the_prompt_and_the_answer(client, smollm2_tokenizer):
     prompt's end; min_tokens holds back the end of a one-word answer."""
     prefilled = QUESTION + [{"role": "assistant", "content": "The capital of France is"}]
     r = client.chat.completions.create(model=MODEL, messages=prefilled, temperature=0, max_tokens=3,
-                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+                                       extra_body={"continue_final_message": True,
+                                                   "add_generation_prompt": False})
     expected = smollm2_tokenizer.apply_chat_template(prefilled, continue_final_message=True, tokenize=True,
                                                      return_dict=False)
     assert r.usage.prompt_tokens == len(expected) and "Paris" in r.choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
-        client.chat.completions.create(model=MODEL, messages=prefilled, extra_body={"continue_final_message": True})
+        client.chat.completions.create(model=MODEL, messages=prefilled,
+                                       extra_body={"continue_final_message": True})
     r = client.completions.create(model=MODEL, prompt="one two three four five six seven eight", max_tokens=2,
                                   extra_body={"truncate_prompt_tokens": 3})
     assert r.usage.prompt_tokens == 3
@@ -244,15 +254,18 @@ def test_pinned_system_prompt_via_cache_endpoint(server, client):
     assert bad.status_code == 400
 
 
-def test_tokenize_counts_what_a_request_would_run_and_detokenize_inverts_it(server, client, smollm2_tokenizer):
+def test_tokenize_counts_what_a_request_would_run_and_detokenize_inverts_it(server, client,
+                                                                             smollm2_tokenizer):
     import httpx
 
     text = "Tokenizers split words into pieces, like un-believ-able."
     counted = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "return_token_strs": True}).json()
-    assert counted["tokens"] == smollm2_tokenizer(text).input_ids and counted["count"] == len(counted["tokens"])
+    assert counted["tokens"] == smollm2_tokenizer(text).input_ids
+    assert counted["count"] == len(counted["tokens"])
     assert counted["token_strs"] == smollm2_tokenizer.convert_ids_to_tokens(counted["tokens"])
     assert counted["max_model_len"] == 8192
-    assert client.completions.create(model=MODEL, prompt=text, max_tokens=1).usage.prompt_tokens == counted["count"]
+    usage = client.completions.create(model=MODEL, prompt=text, max_tokens=1).usage
+    assert usage.prompt_tokens == counted["count"]
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
     chat = httpx.post(f"{server.url}/tokenize", json={"messages": QUESTION, "tools": tools}).json()
     reply = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=tools, max_tokens=1)
