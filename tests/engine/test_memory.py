@@ -24,8 +24,9 @@ def test_kv_cache_memory_gb_sizes_the_pool(save_hf_model):
 
 def test_the_cpu_default_pool_stops_growing_with_unrelated_prompts(save_hf_model):
     """The default pool (written on demand up to 4 GB) keeps one context's blocks idle in the prefix
-    cache, or as many as ran at once, and reuses the least recent beyond: a long-running server's
-    memory stays near its working set. A pool the user sizes caches until it is full."""
+    cache (at most a quarter of the pool), or as many as ran at once, and reuses the least recent
+    beyond: a long-running server's memory stays near its working set. A pool the user sizes caches
+    until it is full."""
     from hyperserve import SamplingParams
 
     _, path = save_hf_model(tiny_config("llama"))
@@ -40,6 +41,8 @@ def test_the_cpu_default_pool_stops_growing_with_unrelated_prompts(save_hf_model
         pool = llm.engine.kv_cache.pool
         used[sized] = pool.num_used_blocks
         assert pool.min_idle_cached == (None if sized else 4)  # 64 tokens in blocks of 16
+        if not sized:
+            assert llm.engine._min_idle_cached(8) == 2  # at most a quarter of the pool
         out = llm.generate([prompts[-1]], params, use_tqdm=False)[0]  # the latest prompt is still cached
         assert out.metrics.num_cached_tokens == 32
         llm.close()
