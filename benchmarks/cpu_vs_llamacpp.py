@@ -87,14 +87,14 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int) -> dict:
             "prefill_tok_s": next(r["avg_ts"] for r in runs if r["n_prompt"] == 512)}
 
 
-def _memory_mb(pid: int) -> tuple[float, float]:
+def memory_mb(pid: int) -> tuple[float, float]:
     """(VmRSS, VmHWM) of a process, in MB."""
     lines = Path(f"/proc/{pid}/status").read_text().splitlines()
     fields = dict(line.split(":", 1) for line in lines if ":" in line)
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
-def _bench(port: int, concurrency: int, num_requests: int, seed: int = 0) -> dict:
+def bench_load(port: int, concurrency: int, num_requests: int, seed: int = 0) -> dict:
     parser = argparse.ArgumentParser()
     add_bench_args(parser)
     return run_from_args(parser.parse_args([
@@ -125,18 +125,18 @@ def load_in_turns(servers: dict[str, tuple[subprocess.Popen, int]], rounds: int)
     servers idle while another is measured, and the VM's drift falls on all of them alike. Each
     turn has its own prompts (the same for every server), so no turn hits an earlier one's cache."""
     for _, port in servers.values():
-        _bench(port, 1, 2, seed=-1)  # warm-up
+        bench_load(port, 1, 2, seed=-1)  # warm-up
     turns: dict[str, list[dict]] = {name: [] for name in servers}
     for turn in range(max(rounds, 1)):
         for name, (_, port) in servers.items():
-            one, sixteen = _bench(port, 1, 8, seed=turn), _bench(port, 16, 32, seed=100 + turn)
+            one, sixteen = bench_load(port, 1, 8, seed=turn), bench_load(port, 16, 32, seed=100 + turn)
             turns[name].append({"itl_p50_ms": one["itl_p50_ms"], "ttft_p50_ms": one["ttft_p50_ms"],
                                 "server16_output_tok_s": sixteen["output_token_throughput"]})
             print(f"turn {turn + 1}: {name}: {turns[name][-1]}", flush=True)
     results = {}
     for name, (process, _) in servers.items():
         results[name] = {key: statistics.median(t[key] for t in turns[name]) for key in turns[name][0]}
-        results[name]["rss_mb"], results[name]["peak_rss_mb"] = _memory_mb(process.pid)
+        results[name]["rss_mb"], results[name]["peak_rss_mb"] = memory_mb(process.pid)
     return results
 
 

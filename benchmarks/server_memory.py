@@ -4,9 +4,10 @@ The issue-18 table reads each server's RSS once, after a short load. A server th
 prompt's KV in its prefix cache grows with the traffic instead, up to its pool's cap, so this runs
 `--waves` loads of `--requests` distinct prompts each (~200 tokens in, 128 out, 16 streams, each
 wave with its own prompts) and reads every server's RSS after each wave. llama-server runs as in
-cpu_vs_llamacpp.py (`-np 16 -c 8192`, its KV allocated at start); HyperServe with no flags (what
-`make serve` runs). `--hyperserve NAME=DIR` adds the server of another checkout (e.g. a worktree
-of an older commit) beside this one's. Servers take each wave in turns.
+cpu_vs_llamacpp.py (`-np 16 -c 8192`; its prompt cache, `--cache-ram`, grows up to 8 GiB by
+default); HyperServe with no flags (what `make serve` runs). `--hyperserve NAME=DIR` adds the
+server of another checkout (e.g. a worktree of an older commit) beside this one's. Servers take
+each wave in turns.
 
     python benchmarks/server_memory.py [--waves 4] [--requests 64] [--hyperserve before=/tmp/wt]
         [--no-llama-cpp] [--plot benchmarks/results/server_memory.png]
@@ -26,11 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cpu_vs_llamacpp import (  # noqa: E402
-    _bench,
-    _memory_mb,
+    bench_load,
     cpu_header,
     llama_cpp_bin,
     llama_server_command,
+    memory_mb,
     start_timed,
 )
 from hyperserve.models.registry import resolve_model  # noqa: E402
@@ -66,12 +67,12 @@ def main() -> None:
             command = [sys.executable, "-m", "hyperserve.cli", "serve", "--port", str(port)]
             servers[name] = start_timed(command, port, cwd=checkout)[0], port
         for name, (process, _) in servers.items():
-            rss[name] = [_memory_mb(process.pid)[0]]
+            rss[name] = [memory_mb(process.pid)[0]]
             print(f"{name}: {rss[name][0]:.0f} MB at start", flush=True)
         for wave in range(args.waves):
             for name, (process, port) in servers.items():
-                _bench(port, 16, args.requests, seed=1000 + wave)
-                rss[name].append(_memory_mb(process.pid)[0])
+                bench_load(port, 16, args.requests, seed=1000 + wave)
+                rss[name].append(memory_mb(process.pid)[0])
                 print(f"wave {wave + 1}/{args.waves}: {name}: {rss[name][-1]:.0f} MB", flush=True)
     finally:
         for process, _ in servers.values():

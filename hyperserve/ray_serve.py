@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from hyperserve import ray_metrics
 from hyperserve.common.affinity import affinity_text, salted_key
 from hyperserve.common.errors import APIError
-from hyperserve.common.sse import EventSplitter, sse_chunks
+from hyperserve.common.sse import EventSplitter, sse_chunks, sse_event
 from hyperserve.common.websocket_api import Stream, serve_websocket
 from hyperserve.security.config import cache_salt
 from hyperserve.security.middleware import KEY_DIGEST
@@ -353,7 +353,7 @@ async def _guarded(chunks: AsyncIterator[bytes], streaming: bool) -> AsyncIterat
     except Exception as error:  # RayActorError and kin: the replica went away
         logger.warning("a replica failed mid-answer: %s", error)
         if streaming:
-            yield f"data: {json.dumps(_replica_failed(error).body())}\n\n".encode()
+            yield sse_event(_replica_failed(error).body()).encode()
 
 
 def _replica_failed(error: Exception) -> APIError:

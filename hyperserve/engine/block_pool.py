@@ -78,8 +78,11 @@ class BlockPool:
                 self._evict(block_id)
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
-        self.peak_in_use = max(self.peak_in_use, self.num_blocks - self.num_free_blocks)
+        self._record_peak()
         return block_ids
+
+    def _record_peak(self) -> None:
+        self.peak_in_use = max(self.peak_in_use, self.num_blocks - self.num_free_blocks)
 
     def _grows_for_cache(self) -> bool:
         """Whether a never-used block goes before evicting an idle cached one."""
@@ -111,7 +114,7 @@ class BlockPool:
             self._free_cached.pop(block_id, None)
             self._free_uncached.pop(block_id, None)
         self._ref_counts[block_id] += 1
-        self.peak_in_use = max(self.peak_in_use, self.num_blocks - self.num_free_blocks)
+        self._record_peak()
 
     def cache(self, block_id: int, block_hash: Hashable) -> None:
         """Record that a full block holds the KV of this prefix (first writer wins)."""
