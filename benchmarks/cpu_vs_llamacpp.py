@@ -1,4 +1,4 @@
-"""HyperServe against llama.cpp on this CPU, same GGUF (SmolLM2-135M-Instruct Q4_1), one run.
+"""HyperServe against llama.cpp on this CPU, same GGUF (SmolLM2-135M-Instruct Q4_1 unless `--model`), one run.
 
 llama.cpp runs as its users run it: `llama-bench` (tg128, pp512) and `llama-server -np 16 -c 8192`,
 built with native CPU flags from the llama-cpp-python sdist by `scripts/build_llama_cpp.sh`.
@@ -11,6 +11,7 @@ after the load (peak in brackets). All servers run at once and take the loads in
 
     bash scripts/build_llama_cpp.sh          # once, ~6 minutes on 2 cores
     python benchmarks/cpu_vs_llamacpp.py [--configs default float32 default+compile] [--isa avx2]
+        [--model gemma3-270m]         # another registered GGUF model (Gemma 3 270M: Q4_K_M)
 
 `--isa avx2` runs both sides' AVX2 code paths on a machine that has more: llama.cpp built for AVX2 +
 FMA only (LLAMA_CPP_ISA=avx2), HyperServe with AVX-512/AMX hidden (HYPERSERVE_MAX_ISA=avx2: its
@@ -177,11 +178,11 @@ def decode_at_depths(llm: LLM, bin_dir: Path, gguf: Path, threads: int, depths: 
     return results
 
 
-def hyperserve_offline(config: str, bin_dir: Path, gguf: Path, threads: int, rounds: int,
+def hyperserve_offline(model: str, config: str, bin_dir: Path, gguf: Path, threads: int, rounds: int,
                        depths: list[int], prompt_lengths: list[int]) -> dict:
     """Our engine offline: decode (in turns with llama-bench) and prefill, and decode at depth."""
     options = {} if config == "default" else engine_options(config.removeprefix("default+"))
-    llm = LLM(**options)
+    llm = LLM(model, **options)
     result = speed(llm)
     if rounds:
         paired = paired_decode(llm, bin_dir, gguf, threads, rounds)
@@ -236,9 +237,9 @@ def llama_server_command(bin_dir: Path, gguf: Path, threads: int, port: int) -> 
             "--host", "127.0.0.1", "--port", str(port)]
 
 
-def server_command(config: str, port: int) -> list[str]:
+def server_command(model: str, config: str, port: int) -> list[str]:
     flags = [] if config == "default" else server_args(config.removeprefix("default+"))
-    return [sys.executable, "-m", "hyperserve.cli", "serve", "--port", str(port), *flags]
+    return [sys.executable, "-m", "hyperserve.cli", "serve", "--model", model, "--port", str(port), *flags]
 
 
 def main() -> None:
@@ -256,27 +257,31 @@ def main() -> None:
                              "llama-bench ppN")
     parser.add_argument("--isa", choices=["native", "avx2"], default="native",
                         help="avx2: both systems' AVX2 code paths, on a CPU that has more")
-    parser.add_argument("--out", default=None, help="default: benchmarks/results/cpu_vs_llamacpp[-ISA].json")
+    parser.add_argument("--model", default="smollm2-135m", help="a registered GGUF model (hyperserve models)")
+    parser.add_argument("--out", default=None,
+                        help="default: benchmarks/results/cpu_vs_llamacpp[-MODEL][-ISA].json (MODEL: "
+                             "other than SmolLM2)")
     args = parser.parse_args()
     # before anything reads the flags
     if args.isa == "avx2" and os.environ.get("HYPERSERVE_MAX_ISA") != "avx2":
         os.environ.update(HYPERSERVE_MAX_ISA="avx2", LLAMA_CPP_ISA="avx2")
         os.execv(sys.executable, [sys.executable, *sys.argv])
-    suffix = "" if args.isa == "native" else f"-{args.isa}"
+    suffix = "" if args.model == "smollm2-135m" else f"-{args.model}"
+    suffix += "" if args.isa == "native" else f"-{args.isa}"
     out = args.out or str(ROOT / "benchmarks" / "results" / f"cpu_vs_llamacpp{suffix}.json")
-    source = resolve_model("smollm2-135m")
+    source = resolve_model(args.model)
     bin_dir = llama_cpp_bin()
     results = {"llama.cpp": llama_bench(bin_dir, source.path, args.threads)}
     for config in args.configs:
         print(f"offline: {config} ...", flush=True)
-        results[f"hyperserve {config}"] = hyperserve_offline(config, bin_dir, source.path, args.threads,
-                                                             args.rounds, args.depths, args.prompt_lengths)
+        results[f"hyperserve {config}"] = hyperserve_offline(
+            args.model, config, bin_dir, source.path, args.threads, args.rounds, args.depths, args.prompt_lengths)
     servers = {}
     try:
         for name in results:
             port = free_port()
             command = (llama_server_command(bin_dir, source.path, args.threads, port) if name == "llama.cpp"
-                       else server_command(name.removeprefix("hyperserve "), port))
+                       else server_command(args.model, name.removeprefix("hyperserve "), port))
             process, results[name]["startup_s"] = start_timed(command, port)
             servers[name] = (process, port)
         for name, measured in load_in_turns(servers, args.rounds).items():
@@ -288,7 +293,7 @@ def main() -> None:
     header = cpu_header(args.threads)
     Path(out).write_text(json.dumps({"machine": header, "results": results}, indent=2))
     base = results["llama.cpp"]
-    print(f"\nSmolLM2-135M-Instruct Q4_1 GGUF. {header}\n")
+    print(f"\n{source.path.name}. {header}\n")
     columns = [("decode tok/s", "decode_tok_s", 1, "{:.1f}"),
                ("prefill tok/s (512)", "prefill_tok_s", 1, "{:.0f}"),
                ("1 stream ITL p50 ms", "itl_p50_ms", -1, "{:.1f}"),

@@ -9,7 +9,7 @@ output throughput of 16 requests together (200-token prompts, 128 output tokens 
 A configuration is its options joined by "+": `float32`, `int8`, `int4`, `compile` (torch.compile
 the decode step), `kv-int8` / `kv-fp8` (quantized KV cache), e.g. `int4+compile+kv-int8`.
 
-    python benchmarks/quality.py [--configs float32 int8 int4 int4+compile]
+    python benchmarks/quality.py [--configs float32 int8 int4 int4+compile] [--model gemma3-270m]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from hyperserve.engine.model_runner import SeqChunk  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "data" / "quality_text.txt"
+MAX_MODEL_LEN = 4096  # what the 1 GB pool holds of Gemma 3's 32k context too
 
 
 def engine_options(config: str) -> dict:
@@ -96,10 +97,11 @@ def speed(llm: LLM, decode_only: bool = False) -> dict:
             (time.perf_counter() - start)}
 
 
-def evaluate(config: str, token_ids: list[int], window: int) -> dict:
+def evaluate(model: str, config: str, token_ids: list[int], window: int) -> dict:
     """Perplexity through the prefill path and through the decode path (which run different
     kernels when weights are quantized), greedy tokens of the prefill path, and speed."""
-    llm = LLM(kv_cache_memory_gb=1, max_num_batched_tokens=512, **engine_options(config))
+    llm = LLM(model, kv_cache_memory_gb=1, max_num_batched_tokens=512, max_model_len=MAX_MODEL_LEN,
+              **engine_options(config))
     targets, predicted = [], []
     for start in range(0, len(token_ids), window):
         end = min(start + window, len(token_ids))
@@ -120,15 +122,18 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["float32", "int8", "int4", "int4+compile",
                                                          "int4+compile+kv-int8"])
     parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="a registered name or a path, as `hyperserve serve` takes")
     parser.add_argument("--text", default=str(TEXT),
                         help="the text to score (data/quality_text_long.txt: ~2,900 tokens, for 8-bit paths, "
                              "whose perplexity a rounding-level change moves by about 1%% on the default's 788)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quality.json"))
     args = parser.parse_args()
-    token_ids = LLM(kv_cache_memory_gb=0.5).tokenizer(Path(args.text).read_text()).input_ids
+    tokenizer = LLM(args.model, kv_cache_memory_gb=0.5, max_model_len=MAX_MODEL_LEN).tokenizer
+    token_ids = tokenizer(Path(args.text).read_text()).input_ids
     results, reference = {}, None
     for name in tqdm(args.configs, desc="configurations"):
-        result = evaluate(name, token_ids, args.window)
+        result = evaluate(args.model, name, token_ids, args.window)
         reference = result["top1_prefill"] if reference is None else reference
         for path in ("prefill", "decode"):
             result[f"top1_agreement_{path}"] = (result.pop(f"top1_{path}") == reference).float().mean().item()
@@ -137,7 +142,7 @@ def main() -> None:
                                          indent=2))
     base = results[args.configs[0]]
     print(f"\nPerplexity on {Path(args.text).name} ({len(token_ids)} tokens, windows of {args.window}), "
-          f"SmolLM2-135M; vs {args.configs[0]}; greedy agreement with {args.configs[0]}'s prefill path\n")
+          f"{args.model}; vs {args.configs[0]}; greedy agreement with {args.configs[0]}'s prefill path\n")
     print("| configuration | perplexity, prefill path | perplexity, decode path | greedy agreement, prefill / decode "
           "| decode tok/s | prefill tok/s | 16 together, output tok/s |\n|---|---|---|---|---|---|---|")
     for name, r in results.items():

@@ -19,9 +19,15 @@ compute-bound and multiply the weights dequantized per call in the CPU's fastest
 interleaved layout's 8-bit kernel prefills faster than float32 products there.
 The Q8_0 head runs its kernel for any number of rows.
 
-`int8` (and int4's head): int8 weights with one scale per output channel, run by PyTorch's x86 quantized engine
-(fbgemm) as dynamic linears: each call quantizes its input to 8 bits with one scale for the
-whole call. Measured on SmolLM2-135M (benchmarks/quality.py):
+`int8` with the native kernels: every projection, the embedding and the head in GGUF's Q8_0
+(`Q8Linear`, `Q8Embedding`, `Q8Head`), against 16-bit activations per group of 32. A GGUF in 5- to
+8-bit types (Q5_0, Q6_K, Q8_0: Gemma 3 270M's) keeps its weights exactly or nearly, where int4 lost
+27% perplexity on Gemma 3 270M; its 262k-token head, 63% of the model, is read in 8 bits rather
+than float32 (decode 10 -> 45 tok/s on a 2-core AMD EPYC's AVX2 paths).
+
+`int8` without them (and int4's head there): int8 weights with one scale per output channel, run by
+PyTorch's x86 quantized engine (fbgemm) as dynamic linears: each call quantizes its input to 8 bits
+with one scale for the whole call. Measured on SmolLM2-135M (benchmarks/quality.py):
 - `down_proj` and the LM head stay in float32 (KEEP_FLOAT_INT8). Their inputs carry outlier
   channels that one 8-bit scale cannot hold: quantizing `down_proj` made perplexity 70% worse,
   and the head alone added 2.5 points.
@@ -269,6 +275,35 @@ class Q8Head(nn.Module):
         return torch.ops.hyperserve.quantized_linear(x.float(), self.q80, "q8_0")[:, : self.out_features]
 
 
+class Q8Linear(DenseForLargeBatches):
+    """y = x W^T + b with W in GGUF's Q8_0 (pack_q80: int8 codes in groups of 32 along the input, a
+    float16 scale each; interleave_q80's blocks where the int4 weights are interleaved), by the
+    native kernel against 16-bit activations per group up to INTERLEAVED_MAX_ROWS rows, as a dense
+    product beyond. Q5_0, Q6_K and Q8_0 weights fit its 8 bits exactly or nearly."""
+
+    max_rows = INTERLEAVED_MAX_ROWS
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        rows = pack_q80(weight)
+        self.q80 = interleave_q80(rows) if interleaves_q41() else rows
+        self.num_bytes = self.q80.numel()
+        self._bias = None if bias is None else bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out if self._bias is None else out + self._bias.to(out.dtype)
+
+    def dense(self) -> torch.Tensor:
+        weight = torch.ops.hyperserve.dequantize(self.q80, self.in_features, "q8_0")
+        return weight[: self.out_features].to(dense_dtype())
+
+    def small_batch(self, x: torch.Tensor) -> torch.Tensor:
+        # interleaved blocks pad the output to a multiple of 16 channels
+        return torch.ops.hyperserve.quantized_linear(x.float(), self.q80, "q8_0")[:, : self.out_features]
+
+
 class Int8Head(DenseForLargeBatches):
     """The LM head of an int4 model without the native kernels: int8 (per-channel scales).
     Decode-sized batches run it as a dynamic int8 linear, whose activation scale covers one or a
@@ -365,14 +400,16 @@ def quantize_linears(module: nn.Module, method: str) -> None:
     loader calls it on each decoder layer as soon as its weights are in (models/loader.py)."""
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {METHODS}, got {method!r}")
-    kept = KEEP_FLOAT_INT8 if method == "int8" else {"lm_head"}
+    fbgemm = method == "int8" and not kernels.available()
+    kept = KEEP_FLOAT_INT8 if fbgemm else {"lm_head"}
     linears = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear) and name not in kept]
     for parent, name, linear in linears:
         if method == "int4":
             setattr(parent, name, Int4Linear(linear.weight, linear.bias, dense_dtype()))
         elif method == "int8":
-            setattr(parent, name, Int8Linear(linear.weight, linear.bias))
+            quantized = Int8Linear(linear.weight, linear.bias) if fbgemm else Q8Linear(linear.weight, linear.bias)
+            setattr(parent, name, quantized)
         else:  # fp8: every projection but the LM head, as vLLM does
             setattr(parent, name, Fp8Linear(linear.weight, linear.bias))
 
@@ -382,10 +419,10 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> tuple[i
     float to `dtype`; returns weight bytes before and after. For int4 and int8 the model must hold
     float32 weights (a bfloat16 round trip would lose the exactness of int4 on Q4_1 checkpoints);
     fp8 takes any float dtype, since e4m3 keeps fewer mantissa bits than bfloat16. With int4 the LM
-    head is 8-bit (see the module's docstring for the embedding)."""
+    head is 8-bit, and so is int8's with the native kernels (see the module's docstring)."""
     before = weight_bytes(model)
     quantize_linears(model, method)
-    if method == "int4":
+    if method == "int4" or (method == "int8" and kernels.available()):
         tied, hidden_size = model.lm_head is None, model.config.hidden_size
         if kernels.available():
             # interleaved where the int4 weights are: the same bytes, for kernels with no per-row permutes

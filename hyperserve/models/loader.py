@@ -77,17 +77,22 @@ _GGUF_NAMES_BY_ARCHITECTURE = {"gemma3_text": {
 }}
 
 _FOUR_BIT_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"})
+_FIVE_TO_EIGHT_BIT_GGUF_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"})
 
 
 def gguf_weight_bits(path: Path) -> int | None:
     """4 when most of a GGUF's transformer-block weights are in a 4-bit type (as in Q4_0, Q4_1 and
-    Q4_K_M files, whose few 6-bit tensors do not count), else None."""
+    Q4_K_M files, whose few 6-bit tensors do not count); 8 when most are in a 5- to 8-bit one (Gemma
+    3 270M's Q4_K_M file, whose 640-wide rows do not fit Q4_K's 256-weight blocks, is mostly Q5_0);
+    None for float weights or a mix."""
     from gguf import GGMLQuantizationType
 
     types = [GGMLQuantizationType(t["type"]).name for t in gguf_index(path)["tensors"]
              if t["name"].startswith("blk.") and len(t["shape"]) == 2]
-    four_bit = sum(name in _FOUR_BIT_GGUF_TYPES for name in types)
-    return 4 if types and four_bit * 2 > len(types) else None
+    for bits, kinds in ((4, _FOUR_BIT_GGUF_TYPES), (8, _FIVE_TO_EIGHT_BIT_GGUF_TYPES)):
+        if types and sum(name in kinds for name in types) * 2 > len(types):
+            return bits
+    return None
 
 
 @functools.lru_cache(maxsize=4)

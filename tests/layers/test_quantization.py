@@ -15,6 +15,7 @@ from hyperserve.layers.quantization import (
     Fp8Linear,
     Int4Linear,
     Int8Linear,
+    Q8Linear,
     int8_reduce_range,
     quantize_model,
 )
@@ -66,6 +67,32 @@ def test_int8_linear_matches_float_within_quantization_error():
     assert (Int8Linear(weight.flip(0), bias)(x) - expected).norm() / expected.norm() > 0.5  # a wrong weight shows
 
 
+@pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels are not built")
+def test_q8_linear_holds_gguf_weights_and_matches_float_at_any_row_count():
+    """A Q8_0 weight (int8 codes times a float16 scale per group of 32) comes back exactly, a Q5_0
+    one within half a Q8_0 step (16 / 254 of its own) plus the float16 scale's rounding; the
+    kernel's rows (16-bit activations per group) and the dense product beyond INTERLEAVED_MAX_ROWS
+    both match float32 within activation rounding."""
+    torch.manual_seed(0)
+    scale = (torch.rand(40, 4, 1) * 1e-3 + 1e-4).half().float()
+    codes = torch.randint(-127, 128, (40, 4, 32)).float()
+    codes[..., 0] = 127  # llama.cpp's Q8_0 maps each group's largest magnitude to 127
+    q8_0, bias = (codes * scale).reshape(40, 128), torch.randn(40)
+    linear = Q8Linear(q8_0, bias)
+    assert torch.equal(torch.ops.hyperserve.dequantize(linear.q80, 128, "q8_0")[:40], q8_0)
+    q5_step = scale * 8
+    q5_0 = (torch.randint(-16, 16, (40, 4, 32)).float() * q5_step).reshape(40, 128)
+    back = torch.ops.hyperserve.dequantize(Q8Linear(q5_0, None).q80, 128, "q8_0")[:40]
+    assert ((back - q5_0).reshape(40, 4, 32).abs() <= q5_step / 12).all()
+    for rows in (1, 17, linear.max_rows + 1):
+        x = torch.randn(rows, 128)
+        expected = F.linear(x, q8_0, bias)
+        got = linear(x)
+        assert got.shape == expected.shape
+        assert (got - expected).norm() / expected.norm() < 2e-3, rows
+    assert (Q8Linear(q8_0.flip(0), bias)(x) - expected).norm() / expected.norm() > 0.5  # a wrong weight shows
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tokens", [5, 40])  # on CUDA: the Triton GEMV (weight-only) and the scaled GEMM
 def test_fp8_linear_matches_float_within_quantization_error(device, tokens):
@@ -91,7 +118,10 @@ def test_quantize_model_replaces_projections_and_shrinks_weights(method, tied):
     before, after = quantize_model(model, method, torch.bfloat16 if method == "int4" else torch.float32)
     kinds = {name.rsplit(".", 1)[-1]: type(module).__name__ for name, module in model.named_modules()
              if name.endswith(("proj", "lm_head"))}
-    if method == "int8":
+    if method == "int8" and kernels.available():  # every projection in Q8_0, the head too
+        assert kinds.pop("lm_head") == "Q8Head"
+        assert set(kinds.values()) == {"Q8Linear"}
+    elif method == "int8":  # fbgemm's dynamic int8
         assert kinds == {"qkv_proj": "Int8Linear", "o_proj": "Int8Linear", "gate_up_proj": "Int8Linear",
                          "down_proj": "Linear", "lm_head": "Linear"}
         assert set(KEEP_FLOAT_INT8) == {"down_proj", "lm_head"}
@@ -154,7 +184,8 @@ def text_and_float_perplexity():
 def test_smollm2_perplexity_is_within_3_percent_of_float32(options, chunk, text_and_float_perplexity):
     token_ids, float_ppl = text_and_float_perplexity
     ppl = _perplexity(LLM(kv_cache_memory_gb=0.25, max_model_len=1024, **options), token_ids, chunk)
-    # int8 without VNNI takes 7-bit activations (see layers/quantization.py): +7.0% on an AVX2-only EPYC
-    seven_bit = options["quantization"] == "int8" and int8_reduce_range()
+    # fbgemm's int8 without VNNI takes 7-bit activations (see layers/quantization.py): +7.0% on an
+    # AVX2-only EPYC; the native kernels' Q8_0 takes 16 bits
+    seven_bit = options["quantization"] == "int8" and int8_reduce_range() and not kernels.available()
     assert abs(ppl / float_ppl - 1) < (0.08 if seven_bit else 0.03), (ppl, float_ppl)
     assert ppl != float_ppl  # the configuration did change the numerics

