@@ -44,7 +44,7 @@ from hyperserve.layers.attention import (
     allowed_keys,
     padded_block_tables,
 )
-from hyperserve.layers.fused_decode import FusedDecode
+from hyperserve.layers.fused_decode import DecodeRows, FusedDecode
 from hyperserve.layers.lora import LoRARequest
 from hyperserve.layers.quantization import QUANTIZED_MAX_ROWS
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
@@ -156,8 +156,8 @@ class ModelRunner:
         self.decode_graphs.capture()
 
     def _fused_decode(self, config: EngineConfig) -> FusedDecode | None:
-        """The native one-call-per-layer decode for int4 models on the CPU, where it applies."""
-        if self.device.type != "cpu" or config.model.quantization != "int4":
+        """The native one-call-per-layer decode for int4 and int8 models on the CPU, where it applies."""
+        if self.device.type != "cpu" or config.model.quantization not in ("int4", "int8"):
             return None
         reason = FusedDecode.unsupported(self.model, self.kv_caches)
         if reason is not None:
@@ -411,17 +411,25 @@ class ModelRunner:
         caches full of weights, each small tensor op here cost 20-90 us of a 6 ms token."""
         bs = self.block_size
         rows, tables, logit_rows = [], [], []  # rows: (input id, position, cache slot, context length)
+        window_slots, window_tables = [], []  # the sliding-window layers' own pool, where they have one
         for chunk in chunks:
             first = len(rows)
             for position, token in enumerate(chunk.token_ids, start=chunk.start):
                 rows.append((token, position, chunk.block_table[position // bs] * bs + position % bs, position + 1))
                 tables.append(chunk.block_table)
+                if chunk.window_block_table is not None:
+                    window_slots.append(chunk.window_block_table[position // bs] * bs + position % bs)
+                    window_tables.append(chunk.window_block_table)
             logit_rows.extend(range(first + len(chunk.token_ids) - chunk.num_logits, first + len(chunk.token_ids)))
         input_ids, positions, slots, lengths = torch.from_numpy(np.array(rows, dtype=np.int64).T.copy())
-        width = max(len(t) for t in tables)
+        decode_rows = DecodeRows(slots, padded_block_tables(tables, max(len(t) for t in tables)), lengths)
+        window_rows = None
+        if window_tables:
+            window_rows = DecodeRows(torch.tensor(window_slots),
+                                     padded_block_tables(window_tables, max(len(t) for t in window_tables)), lengths)
         with self._adapters(chunks, with_lora):
-            hidden = self.fused_decode(input_ids, positions, slots, padded_block_tables(tables, width), lengths,
-                                       self.kv_caches, self.lora.batch if with_lora else None)
+            hidden = self.fused_decode(input_ids, positions, decode_rows, self.kv_caches,
+                                       self.lora.batch if with_lora else None, window_rows)
         return self.fused_decode.logits(hidden if len(logit_rows) == len(tables) else hidden[logit_rows])
 
     def _prepare(self, chunks: list[SeqChunk], sliding_window: int | None, ragged_decode: bool,

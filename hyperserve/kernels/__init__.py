@@ -76,7 +76,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("hyperserve::decode_layer")
     def _(hidden, weights, cos, signed_sin, key_cache, value_cache, slots, block_tables, lengths, block_size,
-          num_heads, num_kv_heads, eps, scale, lora, lora_rows):
+          num_heads, num_kv_heads, eps, scale, lora, lora_rows, sliding_window=0, gelu=False):
         return None
 
     @torch.library.register_fake("hyperserve::decode_layers")

@@ -39,12 +39,22 @@ void add_rows(float* h, const float* delta, int64_t rows, int64_t dim) {
   });
 }
 
-// out [rows, n] = silu(gate) * up for each row's [gate | up] of `gates` [rows, 2n], row by row on the
-// step's threads.
-void silu_mul_rows(const float* gates, int64_t rows, int64_t n, float* out, bool avx2) {
+// out [rows, n] = act(gate) * up for each row's [gate | up] of `gates` [rows, 2n], act SiLU or (gelu)
+// GELU's tanh approximation, row by row on the step's threads.
+void gated_rows(const float* gates, int64_t rows, int64_t n, float* out, bool avx2, bool gelu = false) {
   parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) silu_mul(gates + r * 2 * n, gates + r * 2 * n + n, out + r * n, n, avx2);
+    for (int64_t r = begin; r < end; ++r) {
+      (gelu ? gelu_mul : silu_mul)(gates + r * 2 * n, gates + r * 2 * n + n, out + r * n, n, avx2);
+    }
   });
+}
+
+// A projection's packed weight, Q4_1 (int4) or Q8_0 (int8), told apart by its bytes per group of 32
+// inputs: 160 or 544 a block's group interleaved, 20 or 34 a channel's in rows.
+QuantizedWeight projection(const at::Tensor& packed, int64_t in_features) {
+  const bool q8_0 = packed.dim() == 3 ? packed.size(2) == kHeadBlockGroupBytes
+                                      : packed.dim() == 2 && packed.size(1) == in_features + in_features / 16;
+  return quantized_weight(packed, in_features, q8_0 ? Format::kQ8_0 : Format::kQ4_1);
 }
 
 // A layer's intermediate results, allocated once for every layer of a step; the expert_* ones hold
@@ -150,7 +160,7 @@ void moe_mlp(const float* x, int64_t rows, int64_t dim, const at::Tensor& router
     in.resize(n * std::max(dim, width)), wide.resize(n * 2 * width), out.resize(n * dim);
     for (int64_t i = 0; i < n; ++i) std::copy_n(x + chosen[e][i].first * dim, dim, in.data() + i * dim);
     quantized_matmul(gate_up, in.data(), n, wide.data(), isa);
-    silu_mul_rows(wide.data(), n, width, in.data(), avx2);
+    gated_rows(wide.data(), n, width, in.data(), avx2);
     quantized_matmul(down, in.data(), n, out.data(), isa);
     for (int64_t i = 0; i < n; ++i) {
       const auto [r, weight] = chosen[e][i];
@@ -161,21 +171,26 @@ void moe_mlp(const float* x, int64_t rows, int64_t dim, const at::Tensor& router
 }
 
 // hidden [rows, dim] (float32, updated in place) through one Llama decoder layer, one new token
-// per row. weights: input norm, qkv, o, post-attention norm (norms float32, the projections Q4_1 as
-// above); the q and k norms [head_dim] (Qwen3: applied to each head of q and k before rotary), or two
-// empty tensors; then the MLP: gate_up and down, or a mixture of experts: its router [experts, dim]
-// (float32), its routing (int64 top_k and renormalize) and each expert's gate_up and down. K/V caches are [slots, kv_heads, head_dim] in float32, bfloat16 or
-// float16; token t of row r lives at slot block_tables[r][t / block_size] * block_size + t % block_size.
-// lora: for each adapter of the step, A and B (as LoRAWeights says) of qkv, o, gate_up and down;
-// lora_rows: each row's adapter, an index into them (-1: none). The batch is checked already.
+// per row. weights: input norm, qkv, o, post-attention norm (norms float32, the projections Q4_1 or
+// Q8_0 as above); the q and k norms [head_dim] (Qwen3: applied to each head of q and k before
+// rotary), or two empty tensors; then the MLP: gate_up and down, or a mixture of experts: its router
+// [experts, dim] (float32), its routing (int64 top_k and renormalize) and each expert's gate_up and
+// down. A dense layer may add two norms (Gemma 3's), of attention's output and of the MLP's before
+// each is added to the residual; `gelu`: its MLP gates with GELU (tanh) rather than SiLU. K/V caches
+// are [slots, kv_heads, head_dim] in float32, bfloat16 or float16; token t of row r lives at slot
+// block_tables[r][t / block_size] * block_size + t % block_size; with batch.window, row r attends
+// to its last `window` positions only. lora: for each adapter of the step, A and B (as LoRAWeights
+// says) of qkv, o, gate_up and down; lora_rows: each row's adapter, an index into them (-1: none).
+// The batch is checked already.
 void run_decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& cos, const at::Tensor& signed_sin,
                       at::Tensor key_cache, at::Tensor value_cache, const DecodeBatch& batch, int64_t num_heads,
                       int64_t num_kv_heads, double eps, double scale, at::TensorList lora,
-                      const at::Tensor& lora_rows, LayerBuffers& buffers) {
+                      const at::Tensor& lora_rows, LayerBuffers& buffers, bool gelu = false) {
   const bool moe = layer_weight_count(weights, 0) > 8;
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layer_weight_count(weights, 0),
+  const bool output_norms = !moe && weights.size() == 10;
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layer_weight_count(weights, 0) || output_norms,
               "decode_layer: expected norm, qkv, o, norm, q and k norms (or two empty tensors), then gate_up and "
-              "down or a mixture of experts");
+              "down (and the two output norms) or a mixture of experts");
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && hidden.dim() == 2,
               "decode_layer: hidden must be contiguous float32 [rows, dim]");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes() && key_cache.scalar_type() == value_cache.scalar_type() &&
@@ -184,18 +199,18 @@ void run_decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tenso
               "decode_layer: K/V caches must be contiguous [slots, kv_heads, head_dim] of one dtype");
   const int64_t rows = hidden.size(0), dim = hidden.size(1), head_dim = key_cache.size(2);
   const int64_t qkv_features = (num_heads + 2 * num_kv_heads) * head_dim;
-  for (int i : {0, 3}) {
+  for (int i : output_norms ? std::vector<int>{0, 3, 8, 9} : std::vector<int>{0, 3}) {
     TORCH_CHECK(weights[i].scalar_type() == at::kFloat && weights[i].is_contiguous() && weights[i].numel() == dim,
                 "decode_layer: norm weights must be contiguous float32 [dim]");
   }
-  const QuantizedWeight qkv = quantized_weight(weights[1], dim, Format::kQ4_1);
-  const QuantizedWeight o = quantized_weight(weights[2], num_heads * head_dim, Format::kQ4_1);
+  const QuantizedWeight qkv = projection(weights[1], dim);
+  const QuantizedWeight o = projection(weights[2], num_heads * head_dim);
   QuantizedWeight gate_up{}, down{};
   int64_t intermediate = 0;  // the dense MLP's; each expert's weights are read as it runs
   if (!moe) {
-    gate_up = quantized_weight(weights[6], dim, Format::kQ4_1);
+    gate_up = projection(weights[6], dim);
     intermediate = gate_up.out_features / 2;
-    down = quantized_weight(weights[7], intermediate, Format::kQ4_1);
+    down = projection(weights[7], intermediate);
   }
   TORCH_CHECK(head_dim % 2 == 0 && qkv.out_features == qkv_features && o.out_features == dim &&
                   (moe || down.out_features == dim),
@@ -273,7 +288,14 @@ void run_decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tenso
   quantized_matmul(o, attended.data(), rows, projected.data(), isa);
   lora_add(lora_o, lora_dtype, row_adapter, attended.data(), rows, num_heads * head_dim, projected.data(), dim,
            {0, dim}, avx2);
-  add_rows(h, projected.data(), rows, dim);
+  const auto add_output = [&](int norm) {  // h += projected, through its output norm where the layer has one
+    if (output_norms) {
+      rms_norm(projected.data(), weights[norm].data_ptr<float>(), rows, dim, static_cast<float>(eps),
+               projected.data());
+    }
+    add_rows(h, projected.data(), rows, dim);
+  };
+  add_output(8);
 
   rms_norm(h, weights[3].data_ptr<float>(), rows, dim, static_cast<float>(eps), x.data());
   if (moe) {
@@ -285,23 +307,25 @@ void run_decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tenso
   quantized_matmul(gate_up, x.data(), rows, wide.data(), isa);
   lora_add(lora_gate_up, lora_dtype, row_adapter, x.data(), rows, dim, wide.data(), 2 * intermediate,
            {0, intermediate, 2 * intermediate}, avx2);
-  silu_mul_rows(wide.data(), rows, intermediate, x.data(), avx2);
+  gated_rows(wide.data(), rows, intermediate, x.data(), avx2, gelu);
   quantized_matmul(down, x.data(), rows, projected.data(), isa);
   lora_add(lora_down, lora_dtype, row_adapter, x.data(), rows, intermediate, projected.data(), dim, {0, dim}, avx2);
-  add_rows(h, projected.data(), rows, dim);
+  add_output(9);
 }
 
-// decode_layer as an op: checks the batch, then runs the layer.
+// decode_layer as an op: checks the batch, then runs the layer. sliding_window: the layer's (0: none).
 void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& cos, const at::Tensor& signed_sin,
                   at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slots, const at::Tensor& block_tables,
                   const at::Tensor& lengths, int64_t block_size, int64_t num_heads, int64_t num_kv_heads, double eps,
-                  double scale, at::TensorList lora, const at::Tensor& lora_rows) {
+                  double scale, at::TensorList lora, const at::Tensor& lora_rows, int64_t sliding_window, bool gelu) {
   TORCH_CHECK(hidden.dim() == 2, "decode_layer: hidden must be contiguous float32 [rows, dim]");
-  const DecodeBatch batch = checked_batch(slots, block_tables, lengths, hidden.size(0), block_size, key_cache.size(0));
+  TORCH_CHECK(sliding_window >= 0, "decode_layer: sliding_window must be 0 (none) or positive");
+  DecodeBatch batch = checked_batch(slots, block_tables, lengths, hidden.size(0), block_size, key_cache.size(0));
+  batch.window = sliding_window;
   LayerBuffers buffers;
   run_step([&] {
     run_decode_layer(hidden, weights, cos, signed_sin, key_cache, value_cache, batch, num_heads, num_kv_heads, eps,
-                     scale, lora, lora_rows, buffers);
+                     scale, lora, lora_rows, buffers, gelu);
   });
 }
 

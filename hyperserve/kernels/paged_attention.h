@@ -40,6 +40,17 @@ AVX2 void silu_mul_avx2(const float* gate, const float* up, float* out, int64_t 
     _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + j)));
   }
 }
+
+AVX2 void gelu_mul_avx2(const float* gate, const float* up, float* out, int64_t n, int64_t& j) {
+  const __m256 one = _mm256_set1_ps(1.f), minus_k2 = _mm256_set1_ps(-2.f * 0.7978845608f);
+  const __m256 cubic = _mm256_set1_ps(0.044715f);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x = _mm256_loadu_ps(gate + j);
+    const __m256 u = _mm256_fmadd_ps(_mm256_mul_ps(cubic, x), _mm256_mul_ps(x, x), x);  // x + 0.044715 x^3
+    const __m256 sigmoid = _mm256_div_ps(one, _mm256_add_ps(one, exp_avx2(_mm256_mul_ps(minus_k2, u))));
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(x, sigmoid), _mm256_loadu_ps(up + j)));
+  }
+}
 #endif
 
 // A sequence's cache slots in token order, from token t on: no division per token, whose latency
@@ -64,11 +75,11 @@ struct PagedKV {  // one layer's cache, [slots, kv_heads, head_dim], and one seq
 
   SlotCursor slots_from(int64_t t) const { return SlotCursor(block_table, block_size, t); }
 
-  // fn(t, offset of token t's vector) for t in 0..length-1.
+  // fn(i, offset of token begin + i's vector) for the tokens begin..end-1.
   template <typename Fn>
-  void for_each_token(int64_t length, int64_t kv_head, Fn fn) const {
-    SlotCursor slots = slots_from(0);
-    for (int64_t t = 0; t < length; ++t) fn(t, (slots.next() * num_kv_heads + kv_head) * head_dim);
+  void for_each_token(int64_t begin, int64_t end, int64_t kv_head, Fn fn) const {
+    SlotCursor slots = slots_from(begin);
+    for (int64_t t = begin; t < end; ++t) fn(t - begin, (slots.next() * num_kv_heads + kv_head) * head_dim);
   }
 };
 
@@ -90,6 +101,20 @@ void silu_mul(const float* gate, const float* up, float* out, int64_t n, bool av
   if (avx2) silu_mul_avx2(gate, up, out, n, j);
 #endif
   for (; j < n; ++j) out[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];
+}
+
+// out[j] = gelu(gate[j]) * up[j] for j < n, GELU's tanh approximation (Gemma's MLP), written as
+// x * sigmoid(2 u) with u = sqrt(2 / pi) (x + 0.044715 x^3), since 0.5 (1 + tanh u) = sigmoid(2 u).
+void gelu_mul(const float* gate, const float* up, float* out, int64_t n, bool avx2) {
+  constexpr float k2 = 2.f * 0.7978845608f, cubic = 0.044715f;
+  int64_t j = 0;
+#ifdef HYPERSERVE_X86
+  if (avx2) gelu_mul_avx2(gate, up, out, n, j);
+#endif
+  for (; j < n; ++j) {
+    const float x = gate[j];
+    out[j] = x / (1.f + std::exp(-k2 * (x + cubic * x * x * x))) * up[j];
+  }
 }
 
 #ifdef HYPERSERVE_X86
@@ -398,27 +423,30 @@ void combine_spans(const float* spans, int64_t count, int64_t pitch, int64_t d, 
 }
 #endif
 
-// q [D] (rotated, scaled) of one head against positions 0..length-1 -> out [D]: scores, softmax,
-// weighted sum of values. `scores` has room for `length` floats.
+// q [D] (rotated, scaled) of one head against positions begin..end-1 -> out [D]: scores, softmax,
+// weighted sum of values. `scores` has room for end - begin floats.
 template <typename T, typename Dot, typename Axpy>
 void attend_with(Dot dot, Axpy axpy, const float* q, const T* keys, const T* values, const PagedKV& kv,
-                 int64_t length, int64_t kv_head, float* scores, float* out, bool avx2) {
-  const int64_t d = kv.head_dim;
-  kv.for_each_token(length, kv_head, [&](int64_t t, int64_t offset) { scores[t] = dot(q, keys + offset, d); });
+                 int64_t begin, int64_t end, int64_t kv_head, float* scores, float* out, bool avx2) {
+  const int64_t d = kv.head_dim, length = end - begin;
+  kv.for_each_token(begin, end, kv_head,
+                    [&](int64_t i, int64_t offset) { scores[i] = dot(q, keys + offset, d); });
   const float best = *std::max_element(scores, scores + length);
   const float total = exp_shifted(scores, length, best, avx2);
   std::fill(out, out + d, 0.f);
-  kv.for_each_token(length, kv_head,
-                    [&](int64_t t, int64_t offset) { axpy(scores[t] / total, values + offset, out, d); });
+  kv.for_each_token(begin, end, kv_head,
+                    [&](int64_t i, int64_t offset) { axpy(scores[i] / total, values + offset, out, d); });
 }
 
 template <typename T>
-void attend(const float* q, const T* keys, const T* values, const PagedKV& kv, int64_t length, int64_t kv_head,
-            float* scores, float* out, bool avx2) {
+void attend(const float* q, const T* keys, const T* values, const PagedKV& kv, int64_t begin, int64_t end,
+            int64_t kv_head, float* scores, float* out, bool avx2) {
 #ifdef HYPERSERVE_X86
-  if (avx2) return attend_with(dot_avx2<T>, axpy_avx2<T>, q, keys, values, kv, length, kv_head, scores, out, avx2);
+  if (avx2) {
+    return attend_with(dot_avx2<T>, axpy_avx2<T>, q, keys, values, kv, begin, end, kv_head, scores, out, avx2);
+  }
 #endif
-  attend_with(dot_portable<T>, axpy_portable<T>, q, keys, values, kv, length, kv_head, scores, out, avx2);
+  attend_with(dot_portable<T>, axpy_portable<T>, q, keys, values, kv, begin, end, kv_head, scores, out, avx2);
 }
 
 // x [heads, D] rotated in place: x * cos + roll(x, D / 2) * signed_sin (signed_sin = [-s, s]).
@@ -439,6 +467,10 @@ struct DecodeBatch {  // per token: its slot, its sequence's block table and con
   const int64_t* block_tables;
   const int64_t* lengths;
   int64_t max_blocks, block_size;
+  int64_t window = 0;  // a sliding window: each token attends to its last `window` positions (0: all)
+
+  // The first position token r attends to.
+  int64_t first(int64_t r) const { return window > 0 ? std::max<int64_t>(0, lengths[r] - window) : 0; }
 };
 
 // qkv [rows, (H + 2 Hkv) D] -> out [rows, H D]: rotates q and k, stores k and v at each token's
@@ -478,10 +510,13 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
       first_slot[i] = slots;
       slots += spans_of(batch.lengths[i / num_heads]);
     }
-    const auto continues = [&](int64_t r) {  // row r + 1 is row r's sequence one token on
+    // row r + 1 is row r's sequence one token on, both seeing their context from its start (a tile's
+    // rows share each span's first position)
+    const auto continues = [&](int64_t r) {
       const int64_t* table = batch.block_tables + r * batch.max_blocks;
       const int64_t blocks = (batch.lengths[r] + batch.block_size - 1) / batch.block_size;
-      return batch.lengths[r + 1] == batch.lengths[r] + 1 && std::equal(table, table + blocks, table + batch.max_blocks);
+      return batch.lengths[r + 1] == batch.lengths[r] + 1 && batch.first(r + 1) == 0 &&
+             std::equal(table, table + blocks, table + batch.max_blocks);
     };
     for (int64_t r = 0, end = 0; r < rows; r = end) {
       for (end = r + 1; end < rows && continues(end - 1); ++end) {}
@@ -495,8 +530,8 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
                                      few_tasks ? std::min<int64_t>(threads, run / kMinTileRows) : 1);
       for_each_even_part(run, tiles, [&](int64_t offset, int64_t count) {
         const int64_t first = r + offset, last = first + count - 1;
-        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-          for (int64_t sp = 0; sp < spans_of(batch.lengths[last]); ++sp) {
+        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {  // spans from the window's on
+          for (int64_t sp = batch.first(last) / kAttentionSpan; sp < spans_of(batch.lengths[last]); ++sp) {
             if (count > 1) {
               tasks.push_back({first, count, kv_head, kv_head * group, group, sp});
               continue;
@@ -544,11 +579,12 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
           continue;
         }
         const int64_t to = std::min(batch.lengths[task.row], from + kAttentionSpan);
+        const int64_t begin = std::max(from, batch.first(task.row));
         const float* q = qkv + task.row * width + task.first_head * head_dim;
         static_assert(kMaxHeadsPerTask == 3, "one case per head count");
         const auto span = task.heads == 3 ? attend_span_avx2<T, 3>
                           : task.heads == 2 ? attend_span_avx2<T, 2> : attend_span_avx2<T, 1>;
-        span(q, keys, values, kv, from, to, task.kv_head, scores, out_g, best, total);
+        span(q, keys, values, kv, begin, to, task.kv_head, scores, out_g, best, total);
         for (int64_t g = 0; g < task.heads; ++g) {
           float* own = part(task.row, task.first_head + g, task.span);
           std::copy(out_g + g * head_dim, out_g + (g + 1) * head_dim, own);
@@ -559,9 +595,10 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
     });
     parallel_for(0, rows * num_heads, 8, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t spans = spans_of(batch.lengths[i / num_heads]);
-        const float* first = parts + first_slot[i] * pitch;
-        combine_spans(first, spans, pitch, head_dim, first + head_dim, first + head_dim + 1, out + i * head_dim);
+        const int64_t r = i / num_heads, skipped = batch.first(r) / kAttentionSpan;  // before the window
+        const float* first = parts + (first_slot[i] + skipped) * pitch;
+        combine_spans(first, spans_of(batch.lengths[r]) - skipped, pitch, head_dim, first + head_dim,
+                      first + head_dim + 1, out + i * head_dim);
       }
     });
     return;
@@ -573,7 +610,8 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / num_heads, h = i % num_heads;
       const PagedKV kv{batch.block_size, num_kv_heads, head_dim, batch.block_tables + r * batch.max_blocks};
-      attend<T>(qkv + r * width + h * head_dim, keys, values, kv, batch.lengths[r], h / (num_heads / num_kv_heads),
+      attend<T>(qkv + r * width + h * head_dim, keys, values, kv, batch.first(r), batch.lengths[r],
+                h / (num_heads / num_kv_heads),
                 scores.data(), out + i * head_dim, vectorized);
     }
   });

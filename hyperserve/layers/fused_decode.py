@@ -1,9 +1,11 @@
-"""Steps of an int4 Llama-family model on the CPU, in native calls: one per step, or one per layer
-with LoRA or with layers that do not rotate (SmolLM3's, given cos 1 and sin 0).
+"""Steps of an int4 or int8 Llama-family or Gemma 3 model on the CPU, in native calls: one per step,
+or one per layer with LoRA, with layers that do not rotate (SmolLM3's, given cos 1 and sin 0), or
+with layers that differ (Gemma 3's: a sliding window on five layers of six, each kind with its own
+rotary table, norms of attention's and the MLP's outputs, a GELU-gated MLP).
 
 At a few tokens per step a decoder layer is ~20 small PyTorch ops whose dispatch costs more than
 their arithmetic: eager decoding of SmolLM2-135M spent half its time outside the matmuls.
-`hyperserve::decode_layer` (kernels/cpu_ops.cpp) runs a whole layer (norms, int4 projections,
+`hyperserve::decode_layer` (kernels/cpu_ops.cpp) runs a whole layer (norms, Q4_1 or Q8_0 projections,
 Qwen3's per-head QK norms, rotary, the K/V write, paged attention over the block tables, SwiGLU,
 or a mixture of experts: the router, each row's top k, each chosen expert once over its rows) in
 one call, in float32, reading K/V in place; `decode_layers` runs every layer in one call where no
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -40,43 +43,80 @@ from hyperserve.layers.moe import SparseMoE
 from hyperserve.layers.quantization import (
     INTERLEAVED_MAX_ROWS,
     QUANTIZED_MAX_ROWS,
+    Q41_BLOCK_GROUP_BYTES,
     Int4Linear,
     Q8Embedding,
     Q8Head,
+    Q8Linear,
     dense_dtype,
 )
+from hyperserve.models.gemma3 import Gemma3DecoderLayer
 
 logger = logging.getLogger("hyperserve.fused_decode")
+
+
+class DecodeRows(NamedTuple):
+    """Each token's cache slot [T], its sequence's block table [T, width] (padded) and the length
+    of context it attends to, itself included [T], for one pool of layers."""
+
+    slots: torch.Tensor
+    block_tables: torch.Tensor
+    lengths: torch.Tensor
+
+
+def packed(linear: torch.nn.Module) -> torch.Tensor | None:
+    """A projection's bytes for the native kernels: Int4Linear's Q4_1, Q8Linear's Q8_0 (None: none)."""
+    if isinstance(linear, Int4Linear):
+        return linear.q41 if linear.native else None
+    return linear.q80 if isinstance(linear, Q8Linear) else None
+
+
+def float32(weight: torch.Tensor) -> torch.Tensor:
+    return weight.detach().float().contiguous()
 ONE_STREAM_ROWS = 8  # the most rows a pass over a block takes with AVX-512 (kernels' kBlockRowTile)
 
 
 class FusedDecode:
-    """Runs steps of `model` (already int4-quantized) through decode_layer."""
+    """Runs steps of `model` (already int4- or int8-quantized) through decode_layer."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         config = model.config
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = model.model.layers[0].self_attn.head_dim
         self.eps = config.rms_norm_eps
         self.scale = model.model.layers[0].self_attn.scale
         self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
         self.embedding, self.head = model.model.embed_tokens, model.lm_head
+        self.embedding_multiplier = model.embedding_multiplier
         self.final_norm = model.model.norm.weight.detach().float().contiguous()
-        # cos and signed sin of every position, [max_position, head_dim] each: a step indexes them
-        # (two ops) rather than building them from the rotary table (eight, 1% of a SmolLM2 step)
-        rotary = model.model.rotary
-        cos, signed_sin = rotary.cos_sin_for(torch.arange(rotary.max_position), torch.float32)
-        self.cos, self.signed_sin = cos.squeeze(1).contiguous(), signed_sin.squeeze(1).contiguous()
+        # each layer's rotary table as cos and signed sin of every position, [max_position, head_dim]
+        # each: a step indexes them (two ops) rather than building them from the rotary table (eight,
+        # 1% of a SmolLM2 step); None: the layer does not rotate
+        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in model.model.layers:
+            rotary = layer.self_attn.rotary
+            if rotary is not None and id(rotary) not in tables:
+                cos, signed_sin = rotary.cos_sin_for(torch.arange(rotary.max_position), torch.float32)
+                tables[id(rotary)] = cos.squeeze(1).contiguous(), signed_sin.squeeze(1).contiguous()
+        self.rotary_tables = list(tables.values())
+        self.rotary_index = [None if layer.self_attn.rotary is None else list(tables).index(id(layer.self_attn.rotary))
+                             for layer in model.model.layers]
+        self.windows = [model.sliding_window if windowed else 0 for windowed in model.window_layers]
+        self.gelu = [isinstance(layer, Gemma3DecoderLayer) for layer in model.model.layers]
         self.layers = [self._weights(layer) for layer in model.model.layers]
-        self.rotates = [layer.self_attn.rotary is not None for layer in model.model.layers]
         self._all_layers = [w for layer in self.layers for w in layer]
-        # int4 weights in the interleaved layout, on a CPU without a native dense type faster than the
+        # one call for every layer where they are all alike: Llama's, each rotating by one table
+        self.uniform = (self.rotary_index == [0] * len(self.layers) and not any(self.windows)
+                        and not any(self.gelu))
+        # weights in the interleaved layouts, on a CPU without a native dense type faster than the
         # 8-bit kernels
-        int4 = [w for w in self._all_layers if w.dtype == torch.uint8]
-        interleaved = all(w.dim() == 3 for w in int4)
+        packed = [w for w in self._all_layers if w.dtype == torch.uint8]
+        interleaved = all(w.dim() == 3 for w in packed)
         self.every_step = interleaved and dense_dtype() == torch.float32
         self.max_rows = INTERLEAVED_MAX_ROWS if interleaved else QUANTIZED_MAX_ROWS
-        if interleaved and kernels.isa() == "avx512_vnni":
+        int4 = [w for w in packed if w.dim() == 3 and w.shape[2] == Q41_BLOCK_GROUP_BYTES]
+        if int4 and interleaved and kernels.isa() == "avx512_vnni":
             self._choose_block_streams(int4)
 
     @staticmethod
@@ -117,8 +157,6 @@ class FusedDecode:
             return "the native CPU kernels are not built"
         if kv_caches[0].quantized:
             return "a quantized KV cache"
-        if model.sliding_window is not None:
-            return "sliding-window attention"
         if model.tp.size > 1:
             return "tensor parallelism (the layer's output needs an all-reduce before the residual add)"
         if not (isinstance(model.model.embed_tokens, Q8Embedding) and isinstance(model.lm_head, Q8Head)):
@@ -127,51 +165,61 @@ class FusedDecode:
             mlps = layer.mlp.experts if isinstance(layer.mlp, SparseMoE) else [layer.mlp]
             linears = [unwrapped(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
             linears += [unwrapped(m) for mlp in mlps for m in (mlp.gate_up_proj, mlp.down_proj)]
-            if not all(isinstance(m, Int4Linear) and m.native and not m.has_bias for m in linears):
-                return "projections that are not bias-free native int4"
+            if not all(isinstance(m, (Int4Linear, Q8Linear)) and packed(m) is not None and not m.has_bias
+                       for m in linears):
+                return "projections that are not bias-free native int4 or int8"
         return None
 
     @staticmethod
     def _weights(layer: torch.nn.Module) -> list[torch.Tensor]:
-        """The layer's weights as decode_layer takes them: norm, qkv, o, norm, the q and k norms
-        (empty without them), then gate_up and down, or a mixture of experts' router, routing
-        (top_k, renormalize) and every expert's gate_up and down."""
+        """The layer's weights as decode_layer takes them: norm, qkv, o, the norm before the MLP, the
+        q and k norms (empty without them), then gate_up and down, or a mixture of experts' router,
+        routing (top_k, renormalize) and every expert's gate_up and down; Gemma 3's dense layer then
+        its norms of attention's and the MLP's outputs."""
         attn, mlp = layer.self_attn, layer.mlp
-        weights = [layer.input_layernorm.weight.detach().float().contiguous(), unwrapped(attn.qkv_proj).q41,
-                   unwrapped(attn.o_proj).q41,
-                   layer.post_attention_layernorm.weight.detach().float().contiguous()]
+        gemma = isinstance(layer, Gemma3DecoderLayer)
+        norm = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
+        weights = [float32(layer.input_layernorm.weight), packed(unwrapped(attn.qkv_proj)),
+                   packed(unwrapped(attn.o_proj)), float32(norm.weight)]
         weights += [torch.empty(0), torch.empty(0)] if attn.q_norm is None else [
-            norm.weight.detach().float().contiguous() for norm in (attn.q_norm, attn.k_norm)]
+            float32(norm.weight) for norm in (attn.q_norm, attn.k_norm)]
         if not isinstance(mlp, SparseMoE):
-            return weights + [unwrapped(mlp.gate_up_proj).q41, unwrapped(mlp.down_proj).q41]
-        weights += [mlp.gate.weight.detach().float().contiguous(),
-                    torch.tensor([mlp.top_k, int(mlp.renormalize)])]
-        return weights + [unwrapped(p).q41 for expert in mlp.experts
+            weights += [packed(unwrapped(mlp.gate_up_proj)), packed(unwrapped(mlp.down_proj))]
+            if gemma:
+                weights += [float32(layer.post_attention_layernorm.weight),
+                            float32(layer.post_feedforward_layernorm.weight)]
+            return weights
+        weights += [float32(mlp.gate.weight), torch.tensor([mlp.top_k, int(mlp.renormalize)])]
+        return weights + [packed(unwrapped(p)) for expert in mlp.experts
                           for p in (expert.gate_up_proj, expert.down_proj)]
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 block_tables: torch.Tensor, lengths: torch.Tensor, kv_caches: list[KVCache],
-                 lora: LoRABatch | None = None) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: DecodeRows,
+                 kv_caches: list[KVCache], lora: LoRABatch | None = None,
+                 window_rows: DecodeRows | None = None) -> torch.Tensor:
         """Float32 hidden states [T, hidden] (before the final norm) of T tokens, each with its
-        cache slot, its sequence's block table (a row of block_tables, padded) and the length of
-        context it attends to, itself included; with `lora`, each row's adapter too."""
+        cache slot, its sequence's block table and the length of context it attends to (`rows`;
+        `window_rows` for the sliding-window layers where they have a pool of their own); with
+        `lora`, each row's adapter too."""
         hidden = self.embedding.lookup(input_ids)
-        cos, signed_sin = self.cos[positions], self.signed_sin[positions]
-        shared = (slots, block_tables, lengths, kv_caches[0].block_size, self.num_heads, self.num_kv_heads,
-                  self.eps, self.scale)
+        if self.embedding_multiplier is not None:
+            hidden *= self.embedding_multiplier
+        rotations = [(cos[positions], signed_sin[positions]) for cos, signed_sin in self.rotary_tables]
+        heads = (kv_caches[0].block_size, self.num_heads, self.num_kv_heads, self.eps, self.scale)
         with_lora = lora is not None and bool(lora.adapters)
-        if not with_lora and all(self.rotates):
+        if not with_lora and self.uniform:
             keys, values = [c.key for c in kv_caches], [c.value for c in kv_caches]
-            torch.ops.hyperserve.decode_layers(hidden, self._all_layers, cos, signed_sin, keys, values,
-                                               *shared)
+            torch.ops.hyperserve.decode_layers(hidden, self._all_layers, *rotations[0], keys, values, *rows,
+                                               *heads)
             return hidden
-        unrotated = None if all(self.rotates) else (torch.ones_like(cos), torch.zeros_like(signed_sin))
+        unrotated = (torch.ones(len(positions), self.head_dim), torch.zeros(len(positions), self.head_dim))
         no_lora = torch.empty(0, dtype=torch.long)
         for index, (layer, weights, cache) in enumerate(zip(self.model.model.layers, self.layers, kv_caches)):
-            rotation = (cos, signed_sin) if self.rotates[index] else unrotated
-            torch.ops.hyperserve.decode_layer(hidden, weights, *rotation, cache.key, cache.value, *shared,
-                                              lora.native(index, layer) if with_lora else [],
-                                              lora.rows if with_lora else no_lora)
+            rotation = unrotated if self.rotary_index[index] is None else rotations[self.rotary_index[index]]
+            window = self.windows[index]
+            torch.ops.hyperserve.decode_layer(hidden, weights, *rotation, cache.key, cache.value,
+                                              *(window_rows if window and window_rows is not None else rows),
+                                              *heads, lora.native(index, layer) if with_lora else [],
+                                              lora.rows if with_lora else no_lora, window, self.gelu[index])
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

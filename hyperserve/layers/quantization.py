@@ -59,6 +59,7 @@ METHODS = ("int4", "int8", "fp8")
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 KEEP_FLOAT_INT8 = frozenset({"down_proj", "lm_head"})  # layers whose inputs have outlier channels (see above)
 INT4_GROUP_SIZE = 32
+Q41_BLOCK_GROUP_BYTES = 8 * (INT4_GROUP_SIZE // 2 + 4)  # interleave_q41's: 8 channels' codes, scales, minimums
 # Up to this many rows the packed kernel runs, beyond it the dense copy. SmolLM2 int4, output tok/s
 # decoding 8 / 16 / 24 sequences on the 2-core AMX VM: threshold 4: 207 / 359 / 467; 16: 294 / 361
 # / 472; 32: 283 / 362 / 416. It also covers a speculative verify step (k + 1 rows per request).
@@ -290,6 +291,10 @@ class Q8Linear(DenseForLargeBatches):
         self.q80 = interleave_q80(rows) if interleaves_q41() else rows
         self.num_bytes = self.q80.numel()
         self._bias = None if bias is None else bias.detach().float()
+
+    @property
+    def has_bias(self) -> bool:
+        return self._bias is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)

@@ -129,6 +129,11 @@ class Gemma3ForCausalLM(nn.Module):
     has_experts = False
 
     @property
+    def embedding_multiplier(self) -> float:
+        """sqrt(hidden_size) rounded to the model's dtype, as forward scales the embeddings."""
+        return float(torch.tensor(self.config.hidden_size**0.5, dtype=self.model.norm.weight.dtype))
+
+    @property
     def sliding_window(self) -> int | None:
         """The local layers' window; the runner adds unwindowed metadata for the global ones."""
         return self.config.sliding_window

@@ -208,6 +208,7 @@ class LlamaForCausalLM(nn.Module):
         return getattr(self.config, "sliding_window", None)
 
     interleaves_full_attention = False  # every layer attends alike (Gemma 3's alternate)
+    embedding_multiplier: float | None = None  # the embeddings as looked up (Gemma 3 scales its own)
 
     @property
     def window_layers(self) -> list[bool]:

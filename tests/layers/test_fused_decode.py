@@ -95,6 +95,33 @@ def test_attention_over_contexts_of_several_spans_matches_the_pytorch_layers(sav
         assert (fused - plain).norm() / plain.norm() < 0.1
 
 
+@pytest.mark.parametrize(("arch", "quantization", "head_dim"), [
+    ("mistral", "int4", 16),  # every layer windowed
+    ("gemma3", "int4", 16),  # a windowed layer and a global one, each with its own rotary table
+    ("gemma3", "int8", 16),  # Q8_0 projections
+    ("gemma3", "int8", 64),  # the span kernel: windows that start inside a span and skip whole ones
+])
+def test_a_sliding_window_and_gemmas_layers_match_the_pytorch_layers(save_hf_model, arch, quantization, head_dim,
+                                                                     q41_layout):
+    """Rows whose context passes the window attend to its last positions only: contexts of 20 and 40
+    against a window of 8, or of 600 and 300 against 300 where a row's window starts inside one span
+    of 256 positions and skips the span before it. Gemma 3 adds the norms of attention's and the
+    MLP's outputs, GELU, scaled embeddings and a rotary table per kind of layer. Q8_0 takes 16-bit
+    activations, as the int4 rows layout does (tolerances as above)."""
+    spans = head_dim == 64
+    extra = dict(head_dim=head_dim, max_position_embeddings=1024) if arch == "gemma3" else {}
+    _, path = save_hf_model(tiny_config(arch, sliding_window=300 if spans else 8, **extra))
+    llm = LLM(model=path, quantization=quantization, dtype="float32", kv_cache_memory_gb=0.05,
+              block_size=24 if spans else 16)
+    window = 300 if spans else 8
+    assert llm.engine.runner.fused_decode.windows == ([window, window] if arch == "mistral" else [window, 0])
+    fused, plain = _decode_both_ways(llm, lengths=(600, 7, 300) if spans else (20, 7, 40))
+    if q41_layout == "rows" or quantization == "int8":
+        assert (fused - plain).abs().max() <= 1e-3 * plain.abs().max()
+    else:
+        assert (fused - plain).norm() / plain.norm() < 0.1
+
+
 @pytest.mark.parametrize("q41_layout", ["interleaved"], indirect=True)
 def test_a_step_gives_the_same_bits_on_one_thread_or_several(save_hf_model, q41_layout, monkeypatch):
     """The step's threads take pieces of each operation as they come free (a descheduled thread's
@@ -228,12 +255,10 @@ def test_where_every_step_is_fused_a_request_is_the_same_cached_chunked_or_batch
 
 @pytest.mark.parametrize(("arch", "options", "reason"), [
     ("llama", dict(kv_cache_dtype="int8"), "quantized KV cache"),
-    ("mistral", dict(), "sliding-window"),
     ("qwen2", dict(), "bias-free"),
 ])
 def test_models_the_fused_layer_cannot_run_keep_the_pytorch_path(save_hf_model, arch, options, reason, caplog):
-    config = tiny_config(arch, sliding_window=8) if arch == "mistral" else tiny_config(arch)
-    _, path = save_hf_model(config)
+    _, path = save_hf_model(tiny_config(arch))
     with caplog.at_level("INFO", logger="hyperserve.runner"):
         llm = LLM(model=path, quantization="int4", kv_cache_memory_gb=0.01, **options)
     assert llm.engine.runner.fused_decode is None
