@@ -42,8 +42,8 @@ from hyperserve.layers.lora import LoRABatch, unwrapped
 from hyperserve.layers.moe import SparseMoE
 from hyperserve.layers.quantization import (
     INTERLEAVED_MAX_ROWS,
-    QUANTIZED_MAX_ROWS,
     Q41_BLOCK_GROUP_BYTES,
+    QUANTIZED_MAX_ROWS,
     Int4Linear,
     Q8Embedding,
     Q8Head,
