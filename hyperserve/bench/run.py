@@ -33,6 +33,8 @@ from urllib3.exceptions import HTTPError, ProtocolError
 
 from hyperserve.common.sse import parse_sse_chunk
 
+DEFAULT_MODEL = "smollm2-135m"  # HyperServe's own default, for a server that lists no model
+
 # Tries of a request whose kept-alive connection the server had closed (several pooled ones may be).
 STALE_CONNECTION_TRIES = 3
 
@@ -421,9 +423,24 @@ def plot(results: list[RequestResult], summary: dict, path: str) -> None:
     plt.close(fig)
 
 
+def served_model(base_url: str, api_key: str | None) -> str:
+    """The first model a server lists at GET /v1/models (OpenAI's API; vLLM, llama-server and ours
+    answer it), for a run given no --model; smollm2-135m where it lists none (the server's 404s for
+    an unknown model then say which it serves)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = urllib3.request("GET", base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30,
+                                   retries=False)
+        models = (response.json().get("data") or []) if response.status == 200 else []
+        return str(models[0]["id"])
+    except (HTTPError, ValueError, LookupError, AttributeError, TypeError):
+        return DEFAULT_MODEL
+
+
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=None,
+                        help=f"default: the first model the server lists at GET /v1/models, else {DEFAULT_MODEL}")
     parser.add_argument("--endpoint", choices=["completions", "chat", "responses", "messages"],
                         default="completions", help="/v1/completions, /v1/chat/completions, /v1/responses "
                                                     "(OpenAI's Responses API) or /v1/messages (Anthropic's)")
@@ -462,6 +479,8 @@ def run_from_args(args: argparse.Namespace) -> dict:
         if args.plot:
             plot_sweep(runs, args.plot)
         return {"runs": runs}
+    if args.model is None:
+        args.model = served_model(args.base_url, args.api_key)
     loads = [{"concurrency": c, "request_rate": None} for c in _values(args.concurrency)] or [
         {"concurrency": None, "request_rate": r} for r in _values(args.request_rate)] or [
         {"concurrency": 8, "request_rate": None}]

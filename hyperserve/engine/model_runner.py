@@ -4,7 +4,7 @@ Owns the model, the KV cache tensors and the per-request random generators. Logi
 only for the rows that are sampled: the last new token of each request that reaches its end, and
 with speculation also the rows of its draft tokens, which are verified against them.
 
-For int4 models on the CPU, steps run the fused native decoder layers (layers/fused_decode.py,
+For int4 and int8 models on the CPU, steps run the fused native decoder layers (layers/fused_decode.py,
 which says which steps: every step on AVX2-only CPUs, those of up to a few hundred tokens
 elsewhere): one call per layer, every token a row with its own slot, block table, context length
 and LoRA adapter (the PyTorch layers' projections add each row's adapter delta too:

@@ -9,7 +9,7 @@ their arithmetic: eager decoding of SmolLM2-135M spent half its time outside the
 Qwen3's per-head QK norms, rotary, the K/V write, paged attention over the block tables, SwiGLU,
 or a mixture of experts: the router, each row's top k, each chosen expert once over its rows) in
 one call, in float32, reading K/V in place; `decode_layers` runs every layer in one call where no
-row has an adapter and every layer rotates.
+row has an adapter and the layers are alike (each rotating by one table, none windowed).
 The Q8_0 embedding, the final norm and the Q8_0 head run in float32 too (`logits`): as PyTorch
 ops in the model's bfloat16 they took 0.2-0.3 ms of a 6 ms token, and the float32 path scores
 closer to float32 weights (benchmarks/quality.py). Every token is a row with its own slot, block
@@ -17,9 +17,9 @@ table and context length, so one call serves decodes, speculative verification (
 a sequence, each attending to those before it) and prefill chunks alike, and a row's numbers do
 not depend on the rows beside it.
 
-Which steps it takes (`FusedDecode.takes`): where the int4 weights are interleaved
-(`quantization.interleaves_q41`) and the CPU has no native bfloat16 (AVX2-only CPUs), every step.
-There its 8-bit kernels prefill faster than the dense float32 path, and one path for every token
+Which steps it takes (`FusedDecode.takes`): where the weights are interleaved
+(`quantization.interleaves_q41`, int8's Q8_0 too) and the CPU has no native bfloat16 (AVX2-only
+CPUs), every step. There its integer kernels prefill faster than the dense float32 path, and one path for every token
 means that a prompt's last tokens, computed here after a prefix-cache hit, round exactly as they do
 when the whole prompt is computed: a request gives the same answer whether its prefix was cached,
 and whatever ran beside it. Elsewhere (AMX or AVX-512 BF16) only steps of up to

@@ -70,6 +70,42 @@ def test_a_failing_server_is_reported_per_request(stub):
     assert summary["errors"] and summary["errors"][0].startswith("HTTP 503")
 
 
+def test_without_model_it_asks_the_server_which_it_serves():
+    """No --model: the first model of GET /v1/models (a server serving Gemma 3 alone answered every
+    request of the default name with 404); a server that lists none gets the default name."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app, asked = FastAPI(), []
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": "gemma3-270m", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: dict):
+        asked.append(body["model"])
+        if body["model"] != "gemma3-270m":
+            return JSONResponse({"error": {"message": "no such model"}}, status_code=404)
+        events = [{"choices": [{"text": " hi", "index": 0}]}, {"choices": [], "usage": {"prompt_tokens": 6,
+                                                                                        "completion_tokens": 1}}]
+        return StreamingResponse(iter([f"data: {json.dumps(e)}\n\n" for e in events] + ["data: [DONE]\n\n"]),
+                                 media_type="text/event-stream")
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        summary = bench(f"http://127.0.0.1:{port}")
+        assert summary["num_ok"] == 4 and summary["model"] == "gemma3-270m" and set(asked) == {"gemma3-270m"}
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
 def test_an_unreachable_server_is_reported_not_raised():
     summary = bench(f"http://127.0.0.1:{free_port()}")
     assert summary["num_failed"] == 4 and "Connect" in summary["errors"][0]
@@ -126,14 +162,14 @@ def test_a_connection_dropped_before_any_answer_is_tried_again():
     closed is sent again on another connection. One that fails every try is reported."""
     server = _DroppingServer(drop_every=2)
     try:
-        summary = bench(server.url, "--concurrency", "1")
+        summary = bench(server.url, "--concurrency", "1", "--model", "any")  # no GET /v1/models to count
         assert summary["num_ok"] == 4 and summary["num_failed"] == 0
         assert server.connections == 7  # answered, then dropped and answered, three times
     finally:
         server.close()
     server = _DroppingServer(drop_every=1)
     try:
-        summary = bench(server.url, "--num-requests", "1")
+        summary = bench(server.url, "--num-requests", "1", "--model", "any")
         assert summary["num_failed"] == 1 and "Disconnected" in summary["errors"][0]
     finally:
         server.close()
