@@ -25,7 +25,8 @@ class ModelConfig:
     load_format: str = "auto"  # auto: weights from the checkpoint; random: random weights from its config
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0
-    quantization: str | None = "auto"  # auto: int4 for a 4-bit GGUF on the CPU, else none | int4 | int8 | fp8 | none
+    # auto: on the CPU int4 for a 4-bit GGUF, int8 for a 5- to 8-bit one, else none | int4 | int8 | fp8 | none
+    quantization: str | None = "auto"
     compile: bool = False  # torch.compile the decode step (fused elementwise ops, less Python per token)
     attention_backend: str = "auto"  # auto: Triton paged decode on CUDA, portable SDPA otherwise | torch | triton
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs

@@ -440,7 +440,8 @@ def served_model(base_url: str, api_key: str | None) -> str:
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None,
-                        help=f"default: the first model the server lists at GET /v1/models, else {DEFAULT_MODEL}")
+                        help=f"default: the first model the server lists at GET /v1/models, else "
+                             f"{DEFAULT_MODEL}")
     parser.add_argument("--endpoint", choices=["completions", "chat", "responses", "messages"],
                         default="completions", help="/v1/completions, /v1/chat/completions, /v1/responses "
                                                     "(OpenAI's Responses API) or /v1/messages (Anthropic's)")

@@ -415,18 +415,20 @@ class ModelRunner:
         for chunk in chunks:
             first = len(rows)
             for position, token in enumerate(chunk.token_ids, start=chunk.start):
-                rows.append((token, position, chunk.block_table[position // bs] * bs + position % bs, position + 1))
+                slot = chunk.block_table[position // bs] * bs + position % bs
+                rows.append((token, position, slot, position + 1))
                 tables.append(chunk.block_table)
                 if chunk.window_block_table is not None:
                     window_slots.append(chunk.window_block_table[position // bs] * bs + position % bs)
                     window_tables.append(chunk.window_block_table)
-            logit_rows.extend(range(first + len(chunk.token_ids) - chunk.num_logits, first + len(chunk.token_ids)))
+            end = first + len(chunk.token_ids)
+            logit_rows.extend(range(end - chunk.num_logits, end))
         input_ids, positions, slots, lengths = torch.from_numpy(np.array(rows, dtype=np.int64).T.copy())
         decode_rows = DecodeRows(slots, padded_block_tables(tables, max(len(t) for t in tables)), lengths)
         window_rows = None
         if window_tables:
-            window_rows = DecodeRows(torch.tensor(window_slots),
-                                     padded_block_tables(window_tables, max(len(t) for t in window_tables)), lengths)
+            width = max(len(t) for t in window_tables)
+            window_rows = DecodeRows(torch.tensor(window_slots), padded_block_tables(window_tables, width), lengths)
         with self._adapters(chunks, with_lora):
             hidden = self.fused_decode(input_ids, positions, decode_rows, self.kv_caches,
                                        self.lora.batch if with_lora else None, window_rows)

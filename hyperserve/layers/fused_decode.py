@@ -19,10 +19,10 @@ not depend on the rows beside it.
 
 Which steps it takes (`FusedDecode.takes`): where the weights are interleaved
 (`quantization.interleaves_q41`, int8's Q8_0 too) and the CPU has no native bfloat16 (AVX2-only
-CPUs), every step. There its integer kernels prefill faster than the dense float32 path, and one path for every token
-means that a prompt's last tokens, computed here after a prefix-cache hit, round exactly as they do
-when the whole prompt is computed: a request gives the same answer whether its prefix was cached,
-and whatever ran beside it. Elsewhere (AMX or AVX-512 BF16) only steps of up to
+CPUs), every step. There its integer kernels prefill faster than the dense float32 path, and one
+path for every token means that a prompt's last tokens, computed here after a prefix-cache hit,
+round exactly as they do when the whole prompt is computed: a request gives the same answer
+whether its prefix was cached, and whatever ran beside it. Elsewhere (AMX or AVX-512 BF16) only steps of up to
 INTERLEAVED_MAX_ROWS tokens (QUANTIZED_MAX_ROWS in the row layout), since larger ones run faster as
 dense bfloat16 matrix products. `FusedDecode.unsupported` says why a model
 cannot use it at all.
@@ -100,8 +100,8 @@ class FusedDecode:
                 cos, signed_sin = rotary.cos_sin_for(torch.arange(rotary.max_position), torch.float32)
                 tables[id(rotary)] = cos.squeeze(1).contiguous(), signed_sin.squeeze(1).contiguous()
         self.rotary_tables = list(tables.values())
-        self.rotary_index = [None if layer.self_attn.rotary is None else list(tables).index(id(layer.self_attn.rotary))
-                             for layer in model.model.layers]
+        rotaries = [layer.self_attn.rotary for layer in model.model.layers]
+        self.rotary_index = [None if r is None else list(tables).index(id(r)) for r in rotaries]
         self.windows = [model.sliding_window if windowed else 0 for windowed in model.window_layers]
         self.gelu = [isinstance(layer, Gemma3DecoderLayer) for layer in model.model.layers]
         self.layers = [self._weights(layer) for layer in model.model.layers]
@@ -211,7 +211,10 @@ class FusedDecode:
             torch.ops.hyperserve.decode_layers(hidden, self._all_layers, *rotations[0], keys, values, *rows,
                                                *heads)
             return hidden
-        unrotated = (torch.ones(len(positions), self.head_dim), torch.zeros(len(positions), self.head_dim))
+        unrotated = None  # cos 1 and sin 0, for layers that do not rotate
+        if None in self.rotary_index:
+            shape = (len(positions), self.head_dim)
+            unrotated = (torch.ones(shape), torch.zeros(shape))
         no_lora = torch.empty(0, dtype=torch.long)
         for index, (layer, weights, cache) in enumerate(zip(self.model.model.layers, self.layers, kv_caches)):
             rotation = unrotated if self.rotary_index[index] is None else rotations[self.rotary_index[index]]

@@ -59,7 +59,8 @@ METHODS = ("int4", "int8", "fp8")
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 KEEP_FLOAT_INT8 = frozenset({"down_proj", "lm_head"})  # layers whose inputs have outlier channels (see above)
 INT4_GROUP_SIZE = 32
-Q41_BLOCK_GROUP_BYTES = 8 * (INT4_GROUP_SIZE // 2 + 4)  # interleave_q41's: 8 channels' codes, scales, minimums
+# interleave_q41's group of a block: its 8 channels' codes, scales and minimums
+Q41_BLOCK_GROUP_BYTES = 8 * (INT4_GROUP_SIZE // 2 + 4)
 # Up to this many rows the packed kernel runs, beyond it the dense copy. SmolLM2 int4, output tok/s
 # decoding 8 / 16 / 24 sequences on the 2-core AMX VM: threshold 4: 207 / 359 / 467; 16: 294 / 361
 # / 472; 32: 283 / 362 / 416. It also covers a speculative verify step (k + 1 rows per request).
@@ -151,7 +152,8 @@ class Int4Linear(DenseForLargeBatches):
             self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 codes.reshape(out_features, in_features).to(torch.int32), 1)
             # the kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale; [groups, out, 2]
-            self._scale_zero = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().bfloat16()
+            scale_zero = torch.stack([scale, low + 8 * scale], -1)
+            self._scale_zero = scale_zero.transpose(0, 1).contiguous().bfloat16()
             dequantized = (codes * scale[..., None] + low[..., None]).reshape(out_features, in_features)
             self._dense = dequantized.to(dense)
             self.num_bytes = (self._packed.numel() + 2 * self._scale_zero.numel()
@@ -235,9 +237,11 @@ def interleave_q80(rows: torch.Tensor) -> torch.Tensor:
     groups = row_bytes // 34
     rows = F.pad(rows, (0, 0, 0, -out_features % 16))
     blocks = rows.shape[0] // 16
-    codes = rows[:, : 32 * groups].reshape(blocks, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)  # [b, g, p, c, i]
+    # [b, g, p, c, i]
+    codes = rows[:, : 32 * groups].reshape(blocks, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
     scales = rows[:, 32 * groups:].reshape(blocks, 16, groups, 2).permute(0, 2, 1, 3)
-    return torch.cat([codes.reshape(blocks, groups, -1), scales.reshape(blocks, groups, -1)], dim=2).contiguous()
+    return torch.cat([codes.reshape(blocks, groups, -1), scales.reshape(blocks, groups, -1)],
+                     dim=2).contiguous()
 
 
 class Q8Embedding(nn.Module):
@@ -245,7 +249,8 @@ class Q8Embedding(nn.Module):
     interleaved), rows dequantized on lookup: a quarter of float32's memory, and the same bytes as a
     tied Q8Head."""
 
-    def __init__(self, q80: torch.Tensor, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, q80: torch.Tensor, num_embeddings: int, embedding_dim: int,
+                 dtype: torch.dtype) -> None:
         super().__init__()
         self.q80, self.embedding_dim, self.dtype = q80, embedding_dim, dtype
         self.num_embeddings = num_embeddings
@@ -346,7 +351,8 @@ class Int8Linear(nn.Module):
         scales = (weight.abs().amax(dim=1).clamp(min=1e-8) / 127).double()  # [out]
         zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
         qweight = torch.quantize_per_channel(weight, scales, zero_points, axis=0, dtype=torch.qint8)
-        self._packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.detach().float())
+        bias = None if bias is None else bias.detach().float()
+        self._packed = torch.ops.quantized.linear_prepack(qweight, bias)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.num_bytes = weight.numel() + 8 * weight.shape[0] + (0 if bias is None else 4 * bias.numel())
         self.reduce_range = int8_reduce_range()
@@ -386,7 +392,8 @@ class Fp8Linear(nn.Module):
         x_scale = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # [M, 1]
         codes = (rows.float() / x_scale).to(torch.float8_e4m3fn)
         # the row-wise scaled GEMM writes bfloat16 only
-        y = torch._scaled_mm(codes, self._weight_t, scale_a=x_scale, scale_b=self._scale, out_dtype=torch.bfloat16)
+        y = torch._scaled_mm(codes, self._weight_t, scale_a=x_scale, scale_b=self._scale,
+                             out_dtype=torch.bfloat16)
         if self._bias is not None:
             y = y + self._bias.to(y.dtype)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -413,7 +420,8 @@ def quantize_linears(module: nn.Module, method: str) -> None:
         if method == "int4":
             setattr(parent, name, Int4Linear(linear.weight, linear.bias, dense_dtype()))
         elif method == "int8":
-            quantized = Int8Linear(linear.weight, linear.bias) if fbgemm else Q8Linear(linear.weight, linear.bias)
+            kind = Int8Linear if fbgemm else Q8Linear
+            quantized = kind(linear.weight, linear.bias)
             setattr(parent, name, quantized)
         else:  # fp8: every projection but the LM head, as vLLM does
             setattr(parent, name, Fp8Linear(linear.weight, linear.bias))
@@ -436,11 +444,14 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> tuple[i
             embedding = pack(embedding_weight)
             model.model.embed_tokens = Q8Embedding(embedding, embedding_weight.shape[0], hidden_size, dtype)
             head_weight = embedding_weight if tied else model.lm_head.weight
-            model.lm_head = Q8Head(embedding if tied else pack(head_weight), head_weight.shape[0], hidden_size,
+            model.lm_head = Q8Head(embedding if tied else pack(head_weight), head_weight.shape[0],
+                                   hidden_size,
                                    shared=tied)
         else:
-            model.lm_head = Int8Head(model.model.embed_tokens.weight if tied else model.lm_head.weight, dense_dtype())
+            head_weight = model.model.embed_tokens.weight if tied else model.lm_head.weight
+            model.lm_head = Int8Head(head_weight, dense_dtype())
     model.to(dtype)
     after = weight_bytes(model)
-    logger.info("quantized the linear layers to %s: weights %.0f MB -> %.0f MB", method, before / 2**20, after / 2**20)
+    logger.info("quantized the linear layers to %s: weights %.0f MB -> %.0f MB", method, before / 2**20,
+                after / 2**20)
     return before, after
