@@ -167,7 +167,9 @@ def test_idle_on_demand_models_unload_after_the_timeout(tiny_models):
 def test_unloading_gives_the_memory_back():
     """Real models: smollm2 pinned, gemma3 on demand. Once gemma3 has been loaded and unloaded
     once (a first load leaves one-time costs behind: the code it imported, the allocator's
-    arenas), a further load and unload returns resident memory to within 5%."""
+    arenas), a further load and unload gives back what the load took, but for the allocator's
+    noise: over repeated cycles the server's RSS after an unload moved by up to 120 MB either way
+    (698, 777, 816, 728 MB) without growing, against 720 MB a load adds."""
     server = start_server("--model", "smollm2-135m", "--model", "gemma3-270m", "--on-demand", "gemma3-270m",
                           log_name="multi-model")
     try:
@@ -186,9 +188,10 @@ def test_unloading_gives_the_memory_back():
         unload()
         baseline = rss_mb()
         assert ask("gemma3-270m") == answer  # reloaded: the same answer
-        assert rss_mb() > baseline + 500  # float32 Gemma 3 270M: about a gigabyte
+        added = rss_mb() - baseline
+        assert added > 500  # Gemma 3 270M in int8 (its 262k-token embedding in Q8_0): about 700 MB
         unload()
-        assert rss_mb() < baseline * 1.05
+        assert rss_mb() < baseline + 0.25 * added
         assert ask("smollm2-135m") == first
     finally:
         stop_server(server)
