@@ -59,6 +59,7 @@ METHODS = ("int4", "int8", "fp8")
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 KEEP_FLOAT_INT8 = frozenset({"down_proj", "lm_head"})  # layers whose inputs have outlier channels (see above)
 INT4_GROUP_SIZE = 32
+PACK_ROWS = 4096  # rows pack_q80 quantizes at a time
 # interleave_q41's group of a block: its 8 channels' codes, scales and minimums
 Q41_BLOCK_GROUP_BYTES = 8 * (INT4_GROUP_SIZE // 2 + 4)
 # Up to this many rows the packed kernel runs, beyond it the dense copy. SmolLM2 int4, output tok/s
@@ -218,14 +219,21 @@ def interleave_q41(rows: torch.Tensor) -> torch.Tensor:
 def pack_q80(weight: torch.Tensor) -> torch.Tensor:
     """weight [out, in] -> GGUF's Q8_0 rows [out, in + in / 16] of uint8 for the native kernels: each
     channel's int8 codes, then its float16 scales (a group's largest magnitude / 127). A Q8_0
-    checkpoint's weights come back exactly."""
+    checkpoint's weights come back exactly. Rows are packed PACK_ROWS at a time, whose temporaries
+    stay in cache: Gemma 3's 262k-row embedding took 0.18 s against 0.7 in one pass."""
     out_features, in_features = weight.shape
     if in_features % INT4_GROUP_SIZE:
         raise ValueError(f"Q8_0 needs in_features divisible by {INT4_GROUP_SIZE}, got {in_features}")
-    groups = weight.detach().float().reshape(out_features, -1, INT4_GROUP_SIZE)
-    scale = (groups.abs().amax(-1) / 127).half()
-    codes = (groups / scale.float().clamp(min=2**-24)[..., None]).round_().clamp_(-127, 127).to(torch.int8)
-    return torch.cat([codes.flatten(1).view(torch.uint8), scale.view(torch.uint8)], dim=1).contiguous()
+    packed = torch.empty(out_features, in_features + in_features // 16, dtype=torch.uint8)
+    for start in range(0, out_features, PACK_ROWS):
+        rows = weight[start:start + PACK_ROWS].detach().float()
+        groups = rows.reshape(len(rows), -1, INT4_GROUP_SIZE)
+        scale = (groups.abs().amax(-1) / 127).half()
+        codes = (groups / scale.float().clamp(min=2**-24)[..., None]).round_().clamp_(-127, 127)
+        codes = codes.to(torch.int8)
+        packed[start:start + PACK_ROWS, :in_features] = codes.flatten(1).view(torch.uint8)
+        packed[start:start + PACK_ROWS, in_features:] = scale.view(torch.uint8)
+    return packed
 
 
 def interleave_q80(rows: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from hyperserve import LLM, SamplingParams, kernels
 from hyperserve.layers.attention import TorchPagedAttention
-from hyperserve.models.loader import build_model, load_config
+from hyperserve.models.loader import build_model, dequantize_q8_0, load_config
 from hyperserve.models.registry import resolve_model
 from tests.conftest import FLOAT32, tiny_config
 
@@ -315,3 +315,19 @@ def test_building_a_model_imports_no_compiler(save_hf_model):
     result = subprocess.run([sys.executable, "-c", _BUILD_WITHOUT_DYNAMO, str(path)], capture_output=True,
                             text=True, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.stdout.split() == ["False", "False", "True"]
+
+
+def test_q8_0_tensors_read_as_ggufs_own_dequantize_reads_them():
+    """Our chunked Q8_0 reader (the embeddings of Gemma 3 and SmolLM2) against gguf's, bit for bit,
+    over more blocks than one chunk holds, with zero, tiny and large scales."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(0)
+    scales = rng.choice([0.0, 1e-6, 0.05, 30.0], (2100, 1))
+    weight = (rng.standard_normal((2100, 1024)) * scales).astype(np.float32)
+    raw = quantize(weight, GGMLQuantizationType.Q8_0).reshape(-1)
+    expected = dequantize(raw, GGMLQuantizationType.Q8_0).reshape(-1)
+    assert np.array_equal(dequantize_q8_0(raw).reshape(-1), expected)
+    assert not np.array_equal(expected, 0)
