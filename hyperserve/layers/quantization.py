@@ -107,12 +107,19 @@ class DenseForLargeBatches(nn.Module):
     `dense_dtype`) for more than `max_rows` rows. Subclasses implement both."""
 
     max_rows = QUANTIZED_MAX_ROWS
+    _bias: torch.Tensor | None = None  # added to the output, in its dtype
+
+    @property
+    def has_bias(self) -> bool:
+        return self._bias is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
             weight = self.dense()
-            return F.linear(x.to(weight.dtype), weight).to(x.dtype)
-        return self.small_batch(x).to(x.dtype)
+            out = F.linear(x.to(weight.dtype), weight).to(x.dtype)
+        else:
+            out = self.small_batch(x).to(x.dtype)
+        return out if self._bias is None else out + self._bias.to(out.dtype)
 
     def dense(self) -> torch.Tensor:
         raise NotImplementedError
@@ -161,14 +168,6 @@ class Int4Linear(DenseForLargeBatches):
                               + self._dense.numel() * self._dense.element_size())
         self._bias = None if bias is None else bias.detach().bfloat16()
         self.in_features, self.out_features = in_features, out_features
-
-    @property
-    def has_bias(self) -> bool:
-        return self._bias is not None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        return out if self._bias is None else out + self._bias.to(out.dtype)
 
     def dense(self) -> torch.Tensor:
         if self.native:
@@ -304,14 +303,6 @@ class Q8Linear(DenseForLargeBatches):
         self.q80 = interleave_q80(rows) if interleaves_q41() else rows
         self.num_bytes = self.q80.numel()
         self._bias = None if bias is None else bias.detach().float()
-
-    @property
-    def has_bias(self) -> bool:
-        return self._bias is not None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        return out if self._bias is None else out + self._bias.to(out.dtype)
 
     def dense(self) -> torch.Tensor:
         weight = torch.ops.hyperserve.dequantize(self.q80, self.in_features, "q8_0")
