@@ -171,15 +171,18 @@ def test_rows_of_one_sequence_attend_together_with_the_same_bits_as_alone(save_h
     assert torch.equal(together, alone)
 
 
-def test_fused_decode_applies_each_rows_lora_adapter_as_the_pytorch_layers_do(save_hf_model, tmp_path, monkeypatch):
-    """In the row layout, whose 16-bit activations leave only float rounding between the paths."""
+@pytest.mark.parametrize(("arch", "method"), [("llama", "int4"), ("gemma3", "int8")])
+def test_fused_decode_applies_each_rows_lora_adapter_as_the_pytorch_layers_do(save_hf_model, tmp_path, monkeypatch,
+                                                                              arch, method):
+    """In the row layout, whose 16-bit activations leave only float rounding between the paths;
+    Gemma 3's layers (one call per layer) in Q8_0 too."""
     from hyperserve import LoRARequest
 
     monkeypatch.setattr(quantization, "interleaves_q41", lambda: False)
     from tests.engine.test_lora import make_adapter
 
-    _, path = save_hf_model(tiny_config("llama"))
-    llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01, enable_lora=True)
+    _, path = save_hf_model(tiny_config(arch))
+    llm = LLM(model=path, quantization=method, dtype="float32", kv_cache_memory_gb=0.01, enable_lora=True)
     variants = [dict(rank=4), dict(rank=8, rslora=True), dict(rank=2, targets=["q_proj", "v_proj"])]
     loras = []
     for i, variant in enumerate(variants):
