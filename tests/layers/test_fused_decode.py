@@ -8,7 +8,8 @@ from hyperserve.engine.model_runner import SeqChunk
 from hyperserve.layers import fused_decode, quantization
 from tests.conftest import tiny_config
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels could not be built here")
+pytestmark = pytest.mark.skipif(not kernels.available(),
+                                reason="the native CPU kernels could not be built here")
 
 
 def _decode_both_ways(llm: LLM, loras: list | None = None, lengths: tuple[int, ...] = (20, 7, 40)
@@ -60,8 +61,8 @@ def q41_layout(request, monkeypatch) -> str:
     ("granite", 4, 2, 64),  # its multipliers: the attention's scale, and folded into the weights
     ("smollm3", 4, 2, 64),  # a layer without rotary
 ])
-def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, arch, num_heads, num_kv_heads, hidden,
-                                                            q41_layout):
+def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, arch, num_heads, num_kv_heads,
+                                                            hidden, q41_layout):
     """With 16-bit activations the two paths differ by float rounding. With 8-bit ones such a
     difference can move an activation across a rounding boundary (a step of 1/127 of its group's
     largest value), after which every later rounding differs too: on this tiny random model (two
@@ -101,8 +102,8 @@ def test_attention_over_contexts_of_several_spans_matches_the_pytorch_layers(sav
     ("gemma3", "int8", 16),  # Q8_0 projections
     ("gemma3", "int8", 64),  # the span kernel: windows that start inside a span and skip whole ones
 ])
-def test_a_sliding_window_and_gemmas_layers_match_the_pytorch_layers(save_hf_model, arch, quantization, head_dim,
-                                                                     q41_layout):
+def test_a_sliding_window_and_gemmas_layers_match_the_pytorch_layers(save_hf_model, arch, quantization,
+                                                                     head_dim, q41_layout):
     """Rows whose context passes the window attend to its last positions only: contexts of 20 and 40
     against a window of 8, or of 600 and 300 against 300 where a row's window starts inside one span
     of 256 positions and skips the span before it. Gemma 3 adds the norms of attention's and the
@@ -172,8 +173,8 @@ def test_rows_of_one_sequence_attend_together_with_the_same_bits_as_alone(save_h
 
 
 @pytest.mark.parametrize(("arch", "method"), [("llama", "int4"), ("gemma3", "int8")])
-def test_fused_decode_applies_each_rows_lora_adapter_as_the_pytorch_layers_do(save_hf_model, tmp_path, monkeypatch,
-                                                                              arch, method):
+def test_fused_decode_applies_each_rows_lora_adapter_as_the_pytorch_layers_do(save_hf_model, tmp_path,
+                                                                              monkeypatch, arch, method):
     """In the row layout, whose 16-bit activations leave only float rounding between the paths;
     Gemma 3's layers (one call per layer) in Q8_0 too."""
     from hyperserve import LoRARequest
@@ -227,7 +228,8 @@ def test_greedy_generation_is_the_same_batched_or_alone(save_hf_model, q41_layou
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral"])
-def test_where_every_step_is_fused_a_request_is_the_same_cached_chunked_or_batched(save_hf_model, monkeypatch, arch):
+def test_where_every_step_is_fused_a_request_is_the_same_cached_chunked_or_batched(save_hf_model, monkeypatch,
+                                                                                   arch):
     """With the interleaved layout (the AVX2-only class) every token runs the fused layers' 8-bit
     kernels however it is scheduled, so a request's tokens and logprobs are the same bit for bit
     computed whole, in chunks, after a prefix-cache hit (its last tokens are a step of a few rows),
@@ -260,7 +262,8 @@ def test_where_every_step_is_fused_a_request_is_the_same_cached_chunked_or_batch
     ("llama", dict(kv_cache_dtype="int8"), "quantized KV cache"),
     ("qwen2", dict(), "bias-free"),
 ])
-def test_models_the_fused_layer_cannot_run_keep_the_pytorch_path(save_hf_model, arch, options, reason, caplog):
+def test_models_the_fused_layer_cannot_run_keep_the_pytorch_path(save_hf_model, arch, options, reason,
+                                                                  caplog):
     _, path = save_hf_model(tiny_config(arch))
     with caplog.at_level("INFO", logger="hyperserve.runner"):
         llm = LLM(model=path, quantization="int4", kv_cache_memory_gb=0.01, **options)
