@@ -101,16 +101,17 @@ class LLMEngine:
             self.close()
             raise
 
-    def _min_idle_cached(self, num_blocks: int) -> int | None:
-        """The CPU's default pool, written on demand up to its 4 GB cap, keeps at least one full
-        context's blocks idle in the prefix cache (at most a quarter of the pool: a 128k context
-        would be all of it), and more only as the running requests once needed (BlockPool); a pool
-        sized by the user, or on a GPU (allocated whole), caches until full."""
+    def _min_idle_cached(self, num_blocks: int, tokens: int | None = None) -> int | None:
+        """The CPU's default pool, written on demand up to its 4 GB cap, keeps at least the blocks of
+        `tokens` (one full context by default; a sliding-window group: the most one sequence holds)
+        idle in the prefix cache, at most a quarter of the pool (a 128k context would be all of it),
+        and more only as the running requests once needed (BlockPool); a pool sized by the user, or
+        on a GPU (allocated whole), caches until full."""
         cache = self.config.cache
         sized = cache.num_kv_blocks is not None or cache.kv_cache_memory_gb is not None
         if self.config.model.device != "cpu" or sized:
             return None
-        return min(-(-self.max_model_len // cache.block_size), num_blocks // 4)
+        return min(-(-(tokens or self.max_model_len) // cache.block_size), num_blocks // 4)
 
     def _build(self, config: EngineConfig) -> None:
         source = self.source
@@ -134,9 +135,13 @@ class LLMEngine:
         self.runner = ModelRunner(model, config, num_blocks, self.grammars, self.lora, num_window_blocks,
                                   self.workers)
         cache = config.cache
+        floors = [self._min_idle_cached(num_blocks)]
+        if num_window_blocks is not None:  # Gemma 3's windowed group: each sequence holds 1 / max_num_seqs
+            per_sequence = num_window_blocks // config.scheduler.max_num_seqs
+            floors.append(self._min_idle_cached(num_window_blocks, per_sequence * cache.block_size))
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                        self._disk_tier(), cache.max_pinned_fraction, window,
-                                       num_window_blocks, self._min_idle_cached(num_blocks))
+                                       num_window_blocks, floors)
         if self.kv_cache.lower_tier is not None:
             self.kv_cache.pool.on_evict = self.kv_cache.lower_tier.spill
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len,

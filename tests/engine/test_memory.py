@@ -50,6 +50,33 @@ def test_the_cpu_default_pool_stops_growing_with_unrelated_prompts(save_hf_model
     assert used[True] == 24 * 2 + 1  # each prompt's 2 full blocks stay cached, its third is reused
 
 
+def test_the_cpu_default_pool_of_gemmas_windowed_layers_stops_growing_too(save_hf_model):
+    """Gemma 3's sliding-window layers have a pool of their own (2 GB of float32 KV for the 270M
+    model, which grew by 280 MB per 32 unrelated prompts while it cached until full): by default it
+    keeps one sequence's share of it idle (or as many blocks as ran at once), as the first group keeps
+    one context; sized by the user, it caches every prompt."""
+    from hyperserve import SamplingParams
+
+    _, path = save_hf_model(tiny_config("gemma3"))  # a window of 8 tokens
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = [[i, *((7 * i + j) % 256 for j in range(40))] for i in range(40)]  # 41 tokens: 2 full blocks
+    used = {}
+    for sized in (False, True):
+        budget = {"kv_cache_memory_gb": 0.5} if sized else {}
+        llm = LLM(model=path, dtype="float32", max_model_len=64, **budget)
+        for prompt in prompts:
+            llm.generate([prompt], params, use_tqdm=False)
+        windowed = llm.engine.kv_cache.groups[1].pool
+        per_sequence = windowed.num_blocks // llm.engine.config.scheduler.max_num_seqs
+        assert windowed.min_idle_cached == (None if sized else per_sequence)
+        used[sized] = windowed.num_used_blocks
+        out = llm.generate([prompts[-1]], params, use_tqdm=False)[0]  # the latest prompt is still cached
+        assert out.metrics.num_cached_tokens == 32
+        llm.close()
+    assert used[False] <= per_sequence + 4
+    assert used[True] == 40 * 2 + 1
+
+
 _LAZY_POOL = """
 import os, torch
 from pathlib import Path
