@@ -22,29 +22,34 @@ def test_kv_cache_memory_gb_sizes_the_pool(save_hf_model):
     assert llm.engine.kv_cache.pool.num_blocks == int(0.01 * 2**30) // per_block
 
 
+def _after_unrelated_prompts(path: str, sized: bool, count: int) -> LLM:
+    """An engine (its default pool, or one sized to 0.5 GB) after `count` unrelated prompts of 41
+    tokens (2 full blocks each), one at a time; the latest is still a prefix-cache hit."""
+    from hyperserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = [[i, *((7 * i + j) % 256 for j in range(40))] for i in range(count)]
+    llm = LLM(model=path, dtype="float32", max_model_len=64, **({"kv_cache_memory_gb": 0.5} if sized else {}))
+    for prompt in prompts:
+        llm.generate([prompt], params, use_tqdm=False)
+    assert llm.generate([prompts[-1]], params, use_tqdm=False)[0].metrics.num_cached_tokens == 32
+    return llm
+
+
 def test_the_cpu_default_pool_stops_growing_with_unrelated_prompts(save_hf_model):
     """The default pool (written on demand up to 4 GB) keeps one context's blocks idle in the prefix
     cache (at most a quarter of the pool), or as many as ran at once, and reuses the least recent
     beyond: a long-running server's memory stays near its working set. A pool the user sizes caches
     until it is full."""
-    from hyperserve import SamplingParams
-
     _, path = save_hf_model(tiny_config("llama"))
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    prompts = [[i, *((7 * i + j) % 256 for j in range(40))] for i in range(24)]  # 41 tokens: 2 full blocks
     used = {}
     for sized in (False, True):
-        budget = {"kv_cache_memory_gb": 0.5} if sized else {}
-        llm = LLM(model=path, dtype="float32", max_model_len=64, **budget)
-        for prompt in prompts:
-            llm.generate([prompt], params, use_tqdm=False)
+        llm = _after_unrelated_prompts(path, sized, 24)
         pool = llm.engine.kv_cache.pool
         used[sized] = pool.num_used_blocks
         assert pool.min_idle_cached == (None if sized else 4)  # 64 tokens in blocks of 16
         if not sized:
             assert llm.engine._min_idle_cached(8) == 2  # at most a quarter of the pool
-        out = llm.generate([prompts[-1]], params, use_tqdm=False)[0]  # the latest prompt is still cached
-        assert out.metrics.num_cached_tokens == 32
         llm.close()
     assert used[False] <= 10
     assert used[True] == 24 * 2 + 1  # each prompt's 2 full blocks stay cached, its third is reused
@@ -55,23 +60,14 @@ def test_the_cpu_default_pool_of_gemmas_windowed_layers_stops_growing_too(save_h
     model, which grew by 280 MB per 32 unrelated prompts while it cached until full): by default it
     keeps one sequence's share of it idle (or as many blocks as ran at once), as the first group keeps
     one context; sized by the user, it caches every prompt."""
-    from hyperserve import SamplingParams
-
     _, path = save_hf_model(tiny_config("gemma3"))  # a window of 8 tokens
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    prompts = [[i, *((7 * i + j) % 256 for j in range(40))] for i in range(40)]  # 41 tokens: 2 full blocks
     used = {}
     for sized in (False, True):
-        budget = {"kv_cache_memory_gb": 0.5} if sized else {}
-        llm = LLM(model=path, dtype="float32", max_model_len=64, **budget)
-        for prompt in prompts:
-            llm.generate([prompt], params, use_tqdm=False)
+        llm = _after_unrelated_prompts(path, sized, 40)
         windowed = llm.engine.kv_cache.groups[1].pool
         per_sequence = windowed.num_blocks // llm.engine.config.scheduler.max_num_seqs
         assert windowed.min_idle_cached == (None if sized else per_sequence)
         used[sized] = windowed.num_used_blocks
-        out = llm.generate([prompts[-1]], params, use_tqdm=False)[0]  # the latest prompt is still cached
-        assert out.metrics.num_cached_tokens == 32
         llm.close()
     assert used[False] <= per_sequence + 4
     assert used[True] == 40 * 2 + 1
