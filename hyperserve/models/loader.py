@@ -32,6 +32,7 @@ from transformers import (
     MixtralConfig,
     PretrainedConfig,
     PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
 )
 
 from hyperserve.config import EngineConfig
@@ -218,11 +219,34 @@ def load_tokenizer(source: ModelSource, chat_template: str | None = None) -> Pre
             raise ValueError("chat_template: this model has no tokenizer to apply it with")
         return None
     directory, gguf_file = _metadata_source(source)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    if source.gguf_file and gguf_file is None:  # the GGUF's tokenizer as gguf_metadata_directory saved it
+        tokenizer = _saved_tokenizer(directory)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     elif not tokenizer.chat_template and load_config(source).model_type == "gemma3_text":
         tokenizer.chat_template = gemma3.CHAT_TEMPLATE  # Gemma's turn format, which its GGUF may lack
+    return tokenizer
+
+
+# tokenizer_config.json's records of its own loading, and its added tokens (tokenizer.json has them)
+_LOADING_KEYS = ("tokenizer_class", "backend", "is_local", "local_files_only", "name_or_path",
+                 "added_tokens_decoder")
+
+
+def _saved_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
+    """A saved tokenizer.json and its settings read by `tokenizers` alone. Through AutoTokenizer,
+    Gemma 3's 262k-entry vocabulary took 3.3 s: its class parses the JSON in Python again to
+    rebuild the same tokenizer (the tokens, special tokens and chat template come out the same,
+    tests/models/test_loader.py); this takes 1.0 s, with the interpreter's lock released, so the
+    engine loads it while the weights load."""
+    settings = json.loads((directory / "tokenizer_config.json").read_text())
+    settings = {key: value for key, value in settings.items() if key not in _LOADING_KEYS}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"),
+                                        name_or_path=str(directory), **settings)
+    if (template := directory / "chat_template.jinja").exists():
+        tokenizer.chat_template = template.read_text()
     return tokenizer
 
 
@@ -461,10 +485,10 @@ def dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
     """GGUF Q8_0 blocks (a float16 scale, then 32 int8 codes) as float32, as gguf's dequantize gives
     them, a few thousand blocks at a time: its one pass over Gemma 3's 262k-row embedding took 2.4 s
     of a 10 s load in temporaries the size of the tensor, this 0.3 s."""
-    blocks = torch.from_numpy(np.asarray(raw).reshape(-1, 34))
+    blocks = np.asarray(raw).reshape(-1, 34)  # read-only (the file's map): copied a chunk at a time
     out = torch.empty(blocks.shape[0], 32)
     for start in range(0, blocks.shape[0], 1 << 16):
-        chunk = blocks[start : start + (1 << 16)]
+        chunk = torch.from_numpy(blocks[start : start + (1 << 16)].copy())
         scale = chunk[:, :2].contiguous().view(torch.float16).float()
         out[start : start + len(chunk)] = chunk[:, 2:].contiguous().view(torch.int8).float() * scale
     return out.numpy()

@@ -54,6 +54,28 @@ def test_chat_turns_use_gemmas_format_and_end_of_turn_ends_them(llm):
     assert llm.tokenizer.convert_tokens_to_ids("<end_of_turn>") in llm.engine.eos_token_ids
 
 
+def test_tokenizer_reads_its_saved_files_as_transformers_gemma_class_does(llm, source):
+    """The engine reads the GGUF's saved tokenizer.json with `tokenizers` alone (loader._saved_tokenizer);
+    GemmaTokenizer, through AutoTokenizer, rebuilds it from the same files in Python."""
+    from transformers import AutoTokenizer
+
+    from hyperserve.models.loader import gguf_metadata_directory
+
+    reference = AutoTokenizer.from_pretrained(gguf_metadata_directory(source.path))
+    assert type(reference).__name__ == "GemmaTokenizer"
+    ours = llm.tokenizer
+    for text in ["", " ", "Hello world", "  two spaces,\ttab\n\nnewlines ", "日本語のテキスト 🤖", "A" * 40,
+                 "<start_of_turn>user\nhi<end_of_turn>", "<bos><eos><pad> x**2 ```py```"]:
+        ids = ours(text).input_ids
+        assert ids == reference(text).input_ids, text
+        assert ours.decode(ids) == reference.decode(ids)
+        assert ours.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
+    assert ours.all_special_ids == reference.all_special_ids
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == \
+        (reference.bos_token_id, reference.eos_token_id, reference.pad_token_id)
+    assert ours.get_vocab() == reference.get_vocab()
+
+
 def test_default_runs_in_int8_and_follows_float32_up_to_near_ties(llm):
     """The GGUF is mostly 5- to 8-bit (Q5_0, Q6_K, Q8_0), so the default is int8 (Q8_0 through the
     native kernels) where the kernels are built. Its greedy tokens are float32's until a step where

@@ -58,6 +58,32 @@ def test_unknown_model_lists_the_available_ones():
         resolve_model("no-such-model")
 
 
+def test_an_assembled_gguf_is_hashed_once_then_known_by_its_size_and_time(tmp_path, monkeypatch):
+    """A package that ships its GGUF in parts verifies the joined file by SHA-256 on every assemble();
+    the registry asks it once, and again only when the file changed."""
+    import types
+
+    from hyperserve.models import registry
+
+    target = tmp_path / "model.gguf"
+    calls = []
+
+    def assemble():
+        calls.append(1)
+        target.write_bytes(b"GGUF" * 4)
+        return target
+
+    package = types.SimpleNamespace(default_output_path=lambda: target, assemble=assemble, EXPECTED_SHA256="ab")
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(registry.importlib, "import_module", lambda name: package)
+    assert registry._assembled_file("parts") == target
+    assert registry._assembled_file("parts") == target
+    assert len(calls) == 1
+    target.write_bytes(b"GGUF" * 5)  # changed: verified again
+    registry._assembled_file("parts")
+    assert len(calls) == 2
+
+
 @pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels could not be built here")
 def test_int4_holds_the_gguf_weights_exactly(smollm2_source, hf_smollm2):
     """Q4_1 projections and the Q8_0 embedding (also the tied head) are re-packed, not re-quantized."""
