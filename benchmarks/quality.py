@@ -36,7 +36,7 @@ MAX_MODEL_LEN = 4096  # what the 1 GB pool holds of Gemma 3's 32k context too
 
 
 def engine_options(config: str) -> dict:
-    """`int4+compile+kv-int8` -> LLM keyword arguments."""
+    """`int4+compile+kv-int8`, `int8+dtype-bfloat16` -> LLM keyword arguments."""
     options: dict = {}
     for part in config.split("+"):
         if part in ("int4", "int8", "fp8"):
@@ -47,6 +47,8 @@ def engine_options(config: str) -> dict:
             options["kv_cache_dtype"] = part[3:]
         elif part == "float32":
             options["quantization"] = None  # float32 weights even where a GGUF would default to int4
+        elif part.startswith("dtype-"):  # the activations' and the KV cache's
+            options["dtype"] = part[6:]
         else:
             raise ValueError(f"unknown configuration part {part!r} in {config!r}")
     return options

@@ -10,7 +10,7 @@ server of another checkout (e.g. a worktree of an older commit) beside this one'
 each wave in turns.
 
     python benchmarks/server_memory.py [--waves 4] [--requests 64] [--hyperserve before=/tmp/wt]
-        [--no-llama-cpp] [--plot benchmarks/results/server_memory.png]
+        [--no-llama-cpp] [--plot benchmarks/results/server_memory.png] [--model gemma3-270m]
 """
 
 from __future__ import annotations
@@ -47,10 +47,11 @@ def main() -> None:
                         help="also run the server of the checkout in DIR, labelled NAME")
     parser.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--model", default="smollm2-135m", help="a registered name or a GGUF's path")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "server_memory.json"))
     parser.add_argument("--plot", default=None, help="a PNG of RSS against requests served")
     args = parser.parse_args()
-    gguf = resolve_model("smollm2-135m").path
+    gguf = resolve_model(args.model).path
     checkouts = {"hyperserve": ROOT}
     for spec in args.hyperserve:
         name, _, checkout = spec.partition("=")
@@ -64,7 +65,8 @@ def main() -> None:
             servers["llama.cpp"] = start_timed(command, port)[0], port
         for name, checkout in checkouts.items():
             port = free_port()
-            command = [sys.executable, "-m", "hyperserve.cli", "serve", "--port", str(port)]
+            command = [sys.executable, "-m", "hyperserve.cli", "serve", "--model", args.model,
+                       "--port", str(port)]
             servers[name] = start_timed(command, port, cwd=checkout)[0], port
         for name, (process, _) in servers.items():
             rss[name] = [memory_mb(process.pid)[0]]
@@ -82,7 +84,7 @@ def main() -> None:
     served = [wave * args.requests for wave in range(args.waves + 1)]
     Path(args.json).write_text(json.dumps({"machine": header, "requests_served": served, "rss_mb": rss},
                                           indent=2))
-    print(f"\nSmolLM2-135M-Instruct Q4_1 GGUF. {header}\n")
+    print(f"\n{gguf.name}. {header}\n")
     print("| requests served | " + " | ".join(f"{name} RSS MB" for name in rss) + " |")
     print("|---" * (len(rss) + 1) + "|")
     for i, count in enumerate(served):
@@ -97,7 +99,7 @@ def main() -> None:
         for name, values in rss.items():
             axes.plot(served, values, marker="o", label=name)
         axes.set(xlabel="distinct requests served (~330 tokens each)", ylabel="server RSS, MB",
-                 ylim=(0, None), title="Server memory over unrelated prompts, SmolLM2-135M Q4_1")
+                 ylim=(0, None), title=f"Server memory over unrelated prompts, {gguf.name}")
         axes.legend()
         figure.tight_layout()
         figure.savefig(args.plot, dpi=120)

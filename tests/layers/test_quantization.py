@@ -149,9 +149,12 @@ def test_a_4_bit_gguf_runs_in_int4_by_default_on_the_cpu(smollm2_source, save_hf
     assert ModelConfig(model=path).quantization is None  # safetensors: as stored
 
 
-def test_int4_runs_in_bfloat16_unless_told_otherwise():
+def test_int4_and_native_int8_run_in_bfloat16_unless_told_otherwise():
     assert ModelConfig(quantization="int4").torch_dtype == torch.bfloat16
-    assert ModelConfig(quantization="int8").torch_dtype == torch.float32
+    native = kernels.available()  # Q8_0 through the native kernels; fbgemm's int8 takes float32
+    assert ModelConfig(quantization="int8").torch_dtype == (torch.bfloat16 if native else torch.float32)
+    assert ModelConfig(quantization="int8", dtype="float32").torch_dtype == torch.float32
+    assert ModelConfig(quantization=None).torch_dtype == torch.float32
 
 
 def _perplexity(llm: LLM, token_ids: list[int], chunk: int = 64) -> float:
