@@ -72,31 +72,34 @@ def _set(module: nn.Module, kind: str, name: str, tensor: torch.Tensor) -> None:
 def move_to_huge_pages(model: nn.Module) -> int:
     """Copy every CPU tensor of `model` into one huge-page-backed block, storage by storage (views
     of one storage stay views of one copy, so tied weights are not duplicated), and point the
-    model at the copies; the old memory is freed with its last reference. Returns the bytes moved
-    (0 where huge pages are not available)."""
+    model at the copies, one storage at a time, so each old storage is freed (with its last
+    reference) before the next is copied: Gemma 3 270M's load peaked 300 MB higher when all were
+    copied first. Returns the bytes moved (0 where huge pages are not available)."""
     if not available():
         return 0
-    slots = _tensor_slots(model)
-    storages: dict[int, tuple[int, torch.UntypedStorage]] = {}  # address -> (offset in the block, storage)
-    size = 0
-    for slot in slots:
-        storage = _get(*slot).untyped_storage()
-        if storage.data_ptr() not in storages:
-            storages[storage.data_ptr()] = size, storage
-            size += -(-storage.nbytes() // ALIGNMENT) * ALIGNMENT
+    by_storage: dict[int, list[tuple[nn.Module, str, str]]] = {}  # a storage's address -> its slots
+    for slot in _tensor_slots(model):
+        by_storage.setdefault(_get(*slot).untyped_storage().data_ptr(), []).append(slot)
+    offsets, size = {}, 0  # a storage's address -> its offset in the block
+    for address, slots in by_storage.items():
+        offsets[address] = size
+        size += -(-_get(*slots[0]).untyped_storage().nbytes() // ALIGNMENT) * ALIGNMENT
     if size == 0:
         return 0
     memory = huge_page_memory(size)
-    for at, storage in storages.values():
-        memory[at:at + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
-    moved: dict[int, torch.Tensor] = {}  # id of a tensor -> its copy, so a tensor held twice stays one object
-    for slot in slots:
-        tensor = _get(*slot)
-        if id(tensor) not in moved:
-            at, storage = storages[tensor.untyped_storage().data_ptr()]
-            typed = memory[at:at + storage.nbytes()].view(tensor.dtype)
-            moved[id(tensor)] = typed.as_strided(tensor.shape, tensor.stride(),
-                                                 typed.storage_offset() + tensor.storage_offset())
-        _set(*slot, moved[id(tensor)])
+    for address, slots in by_storage.items():
+        storage = _get(*slots[0]).untyped_storage()
+        block = memory[offsets[address]:offsets[address] + storage.nbytes()]
+        block.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+        del storage
+        moved: dict[int, torch.Tensor] = {}  # id of a tensor -> its copy: a tensor held twice stays one object
+        for slot in slots:
+            tensor = _get(*slot)
+            if id(tensor) not in moved:
+                typed = block.view(tensor.dtype)
+                moved[id(tensor)] = typed.as_strided(tensor.shape, tensor.stride(),
+                                                     typed.storage_offset() + tensor.storage_offset())
+            _set(*slot, moved[id(tensor)])
+        del tensor, moved
     logger.info("weights in 2 MiB pages: %.0f MB", size / 2**20)
     return size

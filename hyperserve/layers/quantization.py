@@ -242,13 +242,17 @@ def interleave_q80(rows: torch.Tensor) -> torch.Tensor:
     channels at once in this layout, reading one stream of bytes per block (kernels/cpu_ops.cpp)."""
     out_features, row_bytes = rows.shape
     groups = row_bytes // 34
-    rows = F.pad(rows, (0, 0, 0, -out_features % 16))
-    blocks = rows.shape[0] // 16
-    # [b, g, p, c, i]
-    codes = rows[:, : 32 * groups].reshape(blocks, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
-    scales = rows[:, 32 * groups:].reshape(blocks, 16, groups, 2).permute(0, 2, 1, 3)
-    return torch.cat([codes.reshape(blocks, groups, -1), scales.reshape(blocks, groups, -1)],
-                     dim=2).contiguous()
+    out = torch.empty(-(-out_features // 16), groups, 16 * 34, dtype=torch.uint8)
+    for start in range(0, out_features, PACK_ROWS):  # PACK_ROWS at a time, as pack_q80
+        chunk = rows[start:start + PACK_ROWS]
+        chunk = F.pad(chunk, (0, 0, 0, -len(chunk) % 16))
+        blocks, first = len(chunk) // 16, start // 16
+        # [b, g, p, c, i]
+        codes = chunk[:, : 32 * groups].reshape(blocks, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
+        scales = chunk[:, 32 * groups:].reshape(blocks, 16, groups, 2).permute(0, 2, 1, 3)
+        out[first:first + blocks, :, : 16 * 32] = codes.reshape(blocks, groups, -1)
+        out[first:first + blocks, :, 16 * 32:] = scales.reshape(blocks, groups, -1)
+    return out
 
 
 class Q8Embedding(nn.Module):
@@ -426,26 +430,38 @@ def quantize_linears(module: nn.Module, method: str) -> None:
             setattr(parent, name, Fp8Linear(linear.weight, linear.bias))
 
 
-def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> tuple[int, int]:
+def packs_embeddings_q80(method: str | None) -> bool:
+    """Whether `method` keeps the embedding and the LM head in Q8_0 (Q8Embedding, Q8Head)."""
+    return method in ("int4", "int8") and kernels.available()
+
+
+def quantize_model(model: nn.Module, method: str, dtype: torch.dtype,
+                   packed: dict[str, torch.Tensor] | None = None) -> tuple[int, int]:
     """Replace the model's projections in place (those not replaced yet), then cast what stays
     float to `dtype`; returns weight bytes before and after. For int4 and int8 the model must hold
     float32 weights (a bfloat16 round trip would lose the exactness of int4 on Q4_1 checkpoints);
     fp8 takes any float dtype, since e4m3 keeps fewer mantissa bits than bfloat16. With int4 the LM
-    head is 8-bit, and so is int8's with the native kernels (see the module's docstring)."""
+    head is 8-bit, and so is int8's with the native kernels (see the module's docstring). `packed`:
+    the embedding's or the head's pack_q80 rows where the loader read them as such (their weights
+    then never left the meta device)."""
     before = weight_bytes(model)
     quantize_linears(model, method)
     if method == "int4" or (method == "int8" and kernels.available()):
         tied, hidden_size = model.lm_head is None, model.config.hidden_size
-        if kernels.available():
-            # interleaved where the int4 weights are: the same bytes, for kernels with no per-row permutes
-            pack = (lambda w: interleave_q80(pack_q80(w))) if interleaves_q41() else pack_q80
+        if packs_embeddings_q80(method):
+            packed = packed or {}
+
+            def pack(name: str, weight: torch.Tensor) -> torch.Tensor:
+                rows = packed[name] if name in packed else pack_q80(weight)
+                # interleaved where the int4 weights are: the same bytes, for kernels with no per-row permutes
+                return interleave_q80(rows) if interleaves_q41() else rows
+
             embedding_weight = model.model.embed_tokens.weight
-            embedding = pack(embedding_weight)
+            embedding = pack("model.embed_tokens.weight", embedding_weight)
             model.model.embed_tokens = Q8Embedding(embedding, embedding_weight.shape[0], hidden_size, dtype)
             head_weight = embedding_weight if tied else model.lm_head.weight
-            model.lm_head = Q8Head(embedding if tied else pack(head_weight), head_weight.shape[0],
-                                   hidden_size,
-                                   shared=tied)
+            head = embedding if tied else pack("lm_head.weight", head_weight)
+            model.lm_head = Q8Head(head, head_weight.shape[0], hidden_size, shared=tied)
         else:
             head_weight = model.model.embed_tokens.weight if tied else model.lm_head.weight
             model.lm_head = Int8Head(head_weight, dense_dtype())

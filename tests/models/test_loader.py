@@ -12,7 +12,8 @@ import torch
 
 from hyperserve import LLM, SamplingParams, kernels
 from hyperserve.layers.attention import TorchPagedAttention
-from hyperserve.models.loader import build_model, dequantize_q8_0, load_config
+from hyperserve.layers.quantization import pack_q80
+from hyperserve.models.loader import build_model, dequantize_q8_0, load_config, q80_from_gguf
 from hyperserve.models.registry import resolve_model
 from tests.conftest import FLOAT32, tiny_config
 
@@ -345,7 +346,8 @@ def test_building_a_model_imports_no_compiler(save_hf_model):
 
 def test_q8_0_tensors_read_as_ggufs_own_dequantize_reads_them():
     """Our chunked Q8_0 reader (the embeddings of Gemma 3 and SmolLM2) against gguf's, bit for bit,
-    over more blocks than one chunk holds, with zero, tiny and large scales."""
+    over more blocks than one chunk holds, with zero, tiny and large scales; and the same blocks as
+    pack_q80's rows without the float32 pass."""
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
@@ -357,3 +359,14 @@ def test_q8_0_tensors_read_as_ggufs_own_dequantize_reads_them():
     expected = dequantize(raw, GGMLQuantizationType.Q8_0).reshape(-1)
     assert np.array_equal(dequantize_q8_0(raw).reshape(-1), expected)
     assert not np.array_equal(expected, 0)
+    # the embedding kept in Q8_0: the blocks reordered, as pack_q80 packs their dequantized weights,
+    # but for scales below float16's range (1e-6 here), which keep their codes: zero weights either way
+    ours, packed = q80_from_gguf(raw, 2100), pack_q80(torch.from_numpy(expected.reshape(2100, 1024)))
+
+    def values(rows: torch.Tensor) -> torch.Tensor:
+        codes = rows[:, :1024].contiguous().view(torch.int8).float().reshape(2100, 32, 32)
+        return codes * rows[:, 1024:].contiguous().view(torch.float16).float()[..., None]
+
+    assert torch.equal(values(ours), values(packed))
+    normal = torch.from_numpy(scales[:, 0] != 1e-6)
+    assert torch.equal(ours[normal], packed[normal]) and not torch.equal(ours, packed)
