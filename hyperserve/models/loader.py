@@ -243,8 +243,8 @@ _LOADING_KEYS = ("tokenizer_class", "backend", "is_local", "local_files_only", "
 def _saved_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
     """A saved tokenizer.json and its settings read by `tokenizers` alone. Through AutoTokenizer,
     Gemma 3's 262k-entry vocabulary took 3.3 s: its class parses the JSON in Python again to
-    rebuild the same tokenizer (the tokens, special tokens and chat template come out the same,
-    tests/models/test_loader.py); this takes 1.0 s, with the interpreter's lock released, so the
+    rebuild the same tokenizer (the tokens, special tokens and vocabulary come out the same,
+    tests/models/test_gemma3.py); this takes 1.0 s, with the interpreter's lock released, so the
     engine loads it while the weights load."""
     settings = json.loads((directory / "tokenizer_config.json").read_text())
     settings = {key: value for key, value in settings.items() if key not in _LOADING_KEYS}
@@ -411,6 +411,7 @@ def _load_checkpoint(model: LlamaForCausalLM, source: ModelSource, quantization:
         for name, tensor in _per_expert(checkpoint_name, checkpoint_tensor):
             if name in embeddings:
                 if name in rows:  # not a tied head's copy of the embedding
+                    # a GGUF's Q8_0 blocks come as pack_q80's rows (uint8), anything else as weights
                     packed[name] = tensor if tensor.dtype == torch.uint8 else pack_q80(tensor)
                     written[name] = rows[name]
                 continue
