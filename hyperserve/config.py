@@ -28,7 +28,8 @@ class ModelConfig:
     # auto: on the CPU int4 for a 4-bit GGUF, int8 for a 5- to 8-bit one, else none | int4 | int8 | fp8 | none
     quantization: str | None = "auto"
     compile: bool = False  # torch.compile the decode step (fused elementwise ops, less Python per token)
-    attention_backend: str = "auto"  # auto: Triton paged decode on CUDA, portable SDPA otherwise | torch | triton
+    # auto: Triton paged decode on CUDA, portable SDPA otherwise | torch | triton
+    attention_backend: str = "auto"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     # the chat template to use instead of the model's own: a Jinja file's path, or the template itself
     chat_template: str | None = None
@@ -50,11 +51,14 @@ class ModelConfig:
             self.quantization = self._default_quantization()
         if self.quantization is not None:
             if self.quantization not in ("int4", "int8", "fp8"):
-                raise ValueError(f"quantization must be auto, int4, int8, fp8 or none, got {self.quantization!r}")
+                raise ValueError(
+                    f"quantization must be auto, int4, int8, fp8 or none, got {self.quantization!r}")
             if self.device != "cpu" and self.quantization != "fp8":
-                raise ValueError(f"quantization={self.quantization!r} runs on the CPU (PyTorch's CPU kernels)")
+                raise ValueError(
+                    f"quantization={self.quantization!r} runs on the CPU (PyTorch's CPU kernels)")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
 
@@ -93,12 +97,15 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # explicit pool size; overrides the memory settings below
-    kv_cache_memory_gb: float | None = None  # the KV pool's budget (per rank); None: 4 GB on CPU, see below on CUDA
-    gpu_memory_utilization: float = 0.9  # CUDA: the share of GPU memory for weights, activations and the KV pool
+    # the KV pool's budget (per rank); None: 4 GB on CPU, see below on CUDA
+    kv_cache_memory_gb: float | None = None
+    # CUDA: the share of GPU memory for weights, activations and the KV pool
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True  # reuse the KV of prefixes seen before (--no-prefix-caching)
     disk_cache_dir: str | None = None  # a disk tier for evicted prefix blocks; None: memory only
     disk_cache_gb: float = 8.0  # the disk tier's budget
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8 or fp8: quantized with a scale per token and head
+    # auto: the model's dtype; int8 or fp8: quantized with a scale per token and head
+    kv_cache_dtype: str = "auto"
     max_pinned_fraction: float = 0.5  # the share of the KV pool that /v1/cache pins may hold
 
     def __post_init__(self) -> None:
@@ -119,13 +126,15 @@ class CacheConfig:
 # The scheduler's limits where none are given, by device: a CPU decodes a few sequences at a time
 # and prefills a few hundred tokens a step; a GPU needs hundreds of sequences and thousands of
 # tokens a step to keep its matrix units busy (vLLM's server takes 1,024 and 8,192 on an H100).
-SCHEDULER_DEFAULTS = {"cpu": (64, 512), "cuda": (256, 8192)}  # device -> (max_num_seqs, max_num_batched_tokens)
+# device -> (max_num_seqs, max_num_batched_tokens)
+SCHEDULER_DEFAULTS = {"cpu": (64, 512), "cuda": (256, 8192)}
 
 
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int | None = None  # running sequences at most; None: 64 on CPU, 256 on CUDA
-    max_num_batched_tokens: int | None = None  # tokens per step, decodes and prefill chunks; None: 512 / 8,192
+    # tokens per step, decodes and prefill chunks; None: 512 / 8,192
+    max_num_batched_tokens: int | None = None
     # prompt tokens a step takes while other requests decode: every decoding request waits for the
     # whole step, so this bounds the stall a new prompt causes them, for more steps per prompt (on
     # 2 CPU cores at 16 streams, 128: ITL p99 244 -> 95 ms, output -6%); None: the step's budget
@@ -202,7 +211,8 @@ class LoRAConfig:
     enable_lora: bool = False  # wrap the projections so requests can carry an adapter
     max_loras: int = 8  # distinct adapters running at once (a step's LoRA cost grows with their number)
     max_lora_rank: int = 64  # adapters of a higher rank are refused
-    max_cpu_loras: int = 32  # adapters kept loaded in memory (least recently used evicted; reloaded from disk)
+    # adapters kept loaded in memory (least recently used evicted; reloaded from disk)
+    max_cpu_loras: int = 32
 
     def __post_init__(self) -> None:
         if self.max_loras < 1 or self.max_lora_rank < 1 or self.max_cpu_loras < 1:
@@ -213,7 +223,8 @@ class LoRAConfig:
 
 @dataclass
 class ParallelConfig:
-    tensor_parallel_size: int = 1  # processes that each hold a slice of every layer (gloo on the CPU, NCCL on CUDA)
+    # processes that each hold a slice of every layer (gloo on the CPU, NCCL on CUDA)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -92,7 +92,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
         block = memory[offsets[address]:offsets[address] + storage.nbytes()]
         block.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
         del storage
-        moved: dict[int, torch.Tensor] = {}  # id of a tensor -> its copy: a tensor held twice stays one object
+        moved: dict[int, torch.Tensor] = {}  # a tensor's id -> its copy: one held twice stays one object
         for slot in slots:
             tensor = _get(*slot)
             if id(tensor) not in moved:

