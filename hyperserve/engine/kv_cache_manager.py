@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -100,21 +101,20 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  lower_tier: PrefixTier | None = None, max_pinned_fraction: float = 0.5,
                  window: int | None = None, num_window_blocks: int | None = None,
-                 min_idle_cached: list[int | None] | None = None) -> None:
+                 min_idle_cached: Sequence[int | None] = (None, None)) -> None:
         """One group of num_blocks, windowed if `window` is given; with num_window_blocks as well,
         two: the full-attention layers' (num_blocks) and the windowed layers' (num_window_blocks).
         min_idle_cached: each group's, see BlockPool (Gemma 3 270M's windowed group holds 2 GB of
         float32 KV: cached until full, it grew by 280 MB per 32 unrelated prompts)."""
-        floors = list(min_idle_cached or []) + [None, None]
         self.block_size = block_size
         self.max_pinned_blocks = int(num_blocks * max_pinned_fraction)  # pins never starve running requests
         self.lower_tier = lower_tier
         self.enable_prefix_caching = enable_prefix_caching
         if num_window_blocks is None:
-            self.groups = [KVGroup(BlockPool(num_blocks, floors[0]), window)]
+            self.groups = [KVGroup(BlockPool(num_blocks, min_idle_cached[0]), window)]
         else:
-            self.groups = [KVGroup(BlockPool(num_blocks, floors[0])),
-                           KVGroup(BlockPool(num_window_blocks, floors[1]), window)]
+            self.groups = [KVGroup(BlockPool(num_blocks, min_idle_cached[0])),
+                           KVGroup(BlockPool(num_window_blocks, min_idle_cached[1]), window)]
         if lower_tier is not None and window is not None:
             raise ValueError("the lower prefix tier keeps whole blocks of every layer: not with windowed KV")
         self.pool = self.groups[0].pool

@@ -446,25 +446,24 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype,
     then never left the meta device)."""
     before = weight_bytes(model)
     quantize_linears(model, method)
-    if method == "int4" or (method == "int8" and kernels.available()):
-        tied, hidden_size = model.lm_head is None, model.config.hidden_size
-        if packs_embeddings_q80(method):
-            packed = packed or {}
+    tied, hidden_size = model.lm_head is None, model.config.hidden_size
+    if packs_embeddings_q80(method):
+        packed = packed or {}
 
-            def pack(name: str, weight: torch.Tensor) -> torch.Tensor:
-                rows = packed[name] if name in packed else pack_q80(weight)
-                # interleaved where the int4 weights are: the same bytes, for kernels with no per-row permutes
-                return interleave_q80(rows) if interleaves_q41() else rows
+        def pack(name: str, weight: torch.Tensor) -> torch.Tensor:
+            rows = packed[name] if name in packed else pack_q80(weight)
+            # interleaved where the int4 weights are: the same bytes, for kernels with no per-row permutes
+            return interleave_q80(rows) if interleaves_q41() else rows
 
-            embedding_weight = model.model.embed_tokens.weight
-            embedding = pack("model.embed_tokens.weight", embedding_weight)
-            model.model.embed_tokens = Q8Embedding(embedding, embedding_weight.shape[0], hidden_size, dtype)
-            head_weight = embedding_weight if tied else model.lm_head.weight
-            head = embedding if tied else pack("lm_head.weight", head_weight)
-            model.lm_head = Q8Head(head, head_weight.shape[0], hidden_size, shared=tied)
-        else:
-            head_weight = model.model.embed_tokens.weight if tied else model.lm_head.weight
-            model.lm_head = Int8Head(head_weight, dense_dtype())
+        embedding_weight = model.model.embed_tokens.weight
+        embedding = pack("model.embed_tokens.weight", embedding_weight)
+        model.model.embed_tokens = Q8Embedding(embedding, embedding_weight.shape[0], hidden_size, dtype)
+        head_weight = embedding_weight if tied else model.lm_head.weight
+        head = embedding if tied else pack("lm_head.weight", head_weight)
+        model.lm_head = Q8Head(head, head_weight.shape[0], hidden_size, shared=tied)
+    elif method == "int4":  # without the native kernels: the head in PyTorch's int8
+        head_weight = model.model.embed_tokens.weight if tied else model.lm_head.weight
+        model.lm_head = Int8Head(head_weight, dense_dtype())
     model.to(dtype)
     after = weight_bytes(model)
     logger.info("quantized the linear layers to %s: weights %.0f MB -> %.0f MB", method, before / 2**20,
