@@ -16,14 +16,14 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import uvicorn
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -36,6 +36,7 @@ from hyperserve.common.request_log import RequestLog
 from hyperserve.common.responses_api import ResponsesAPI
 from hyperserve.common.sse import DONE, parse_sse_data, sse_event
 from hyperserve.common.web_ui import install_web_ui
+from hyperserve.common.websocket_api import Stream, serve_websocket
 from hyperserve.gateway.backends import Backend, build_backend, wait_ready
 from hyperserve.gateway.cache_store import RedisStore, SQLiteStore
 from hyperserve.gateway.config import GatewayConfig
@@ -43,6 +44,7 @@ from hyperserve.gateway.response_cache import CacheKey, ResponseCache, cache_key
 from hyperserve.gateway.router import Route, Router
 from hyperserve.gateway.streaming import StreamAccumulator, replay
 from hyperserve.gateway.telemetry import GatewayMetrics
+from hyperserve.gateway.websocket import answer_chunks, close_later
 from hyperserve.security.middleware import Governor, add_security
 
 logger = logging.getLogger("hyperserve.gateway")
@@ -86,7 +88,7 @@ class Gateway:
         self.backends: dict[str, Backend] = {}
         self.ready = False
         self.start_error: str | None = None
-        self.pending: set[asyncio.Task] = set()  # cache inserts after the answer went out
+        self.pending: set[asyncio.Task] = set()  # cache inserts after the answer went out, streams closing
         self._servers: list[tuple[_EmbeddedServer, asyncio.Task]] = []
         self._waiter: asyncio.Task | None = None
 
@@ -179,34 +181,58 @@ class Gateway:
             return Response(await upstream.read(), status_code=upstream.status,
                             media_type=upstream.headers.get("content-type"))
 
-    def _check_ready(self) -> None:
+    def check_ready(self) -> None:
         if not self.ready:
-            raise APIError(503, f"the gateway is {self.start_error or 'starting'}", type_="service_unavailable",
+            raise APIError(503, f"the gateway is {self.start_error or 'starting'}",
+                           type_="service_unavailable",
                            headers={"Retry-After": "5"})
 
     async def embed(self, request: Request) -> Response:
         """Embeddings, and the scores and rerankings made of them (/v1/score, /v1/rerank): from a
         backend by the route `model` names (balanced, with retries and fallback as completions are;
         never cached, and a cascade route cannot embed)."""
-        self._check_ready()
+        self.check_ready()
         body = await _json_body(request, {"/v1/score": "score", "/v1/rerank": "rerank"}.get(request.url.path,
                                                                                              "embedding"))
         name = body.get("model") or _default_route(self.router)
         if self.router.route(name).config.cascade is not None:
             raise APIError(400, f"the route {name!r} is a cascade of generative models; it cannot embed",
                            param="model")
-        call = _Call("embedding", False, False, time.perf_counter(), {"id": uuid.uuid4().hex[:16], "route": name})
+        call = _Call("embedding", False, False, time.perf_counter(),
+                     {"id": uuid.uuid4().hex[:16], "route": name})
         reply = await self.router.complete(name, request.url.path, body, None)
         call.timings["backend"] = reply.backend_s
         call.record["backend"] = reply.backend
         self._finish(call, "bypass", reply.status, reply.body.get("usage"))
-        return JSONResponse(reply.body, status_code=reply.status, headers={"x-hyperserve-backend": reply.backend})
+        return JSONResponse(reply.body, status_code=reply.status,
+                            headers={"x-hyperserve-backend": reply.backend})
+
+    async def open_stream(self, kind: str, body: dict[str, Any], ws: WebSocket) -> Stream:
+        """A request on WS /v1/ws (gateway/websocket.py): checked now, answered as it is read."""
+        self.check_ready()
+        chat = kind == "chat.completions"
+        check_body(body, "chat" if chat else "completion")
+        scope = getattr(ws.state, "cache_scope", None)
+        chunks = answer_chunks(lambda: self.answer({**body, "stream": True}, chat, scope, "",
+                                                   time.perf_counter()))
+        return Stream(chunks, lambda: close_later(chunks, self.pending))
 
     async def handle(self, request: Request, chat: bool) -> Response:
-        """A completion: from the response cache where it may be, else from a backend by its route."""
+        """POST /v1/chat/completions and /v1/completions."""
         started = time.perf_counter()
-        self._check_ready()
+        self.check_ready()
         body = await _json_body(request, "chat" if chat else "completion")
+        answer = await self.answer(body, chat, getattr(request.state, "cache_scope", None),
+                                   request.headers.get("x-hyperserve-cache", ""), started)
+        if answer.events is not None:
+            return StreamingResponse(answer.events, media_type="text/event-stream", headers=answer.headers)
+        return JSONResponse(answer.body, status_code=answer.status, headers=answer.headers)
+
+    async def answer(self, body: dict[str, Any], chat: bool, scope: str | None, cache_mode: str,
+                     started: float) -> Answer:
+        """A completion, checked by check_body: from the response cache where it may be, else from a
+        backend by its route. `scope`: the API key's cache scope (security sets it), or None;
+        `cache_mode`: the x-hyperserve-cache header (on, off, or empty for deterministic requests)."""
         name = body.get("model") or _default_route(self.router)
         route = self.router.route(name)
         stream = body.get("stream") is True
@@ -214,13 +240,12 @@ class Gateway:
         call = _Call("chat" if chat else "completion", stream, include_usage, started,
                      {"id": uuid.uuid4().hex[:16], "route": name})
 
-        scope = getattr(request.state, "cache_scope", None)  # the API key's (security), or None
-        mode = request.headers.get("x-hyperserve-cache", "").lower()
+        mode = cache_mode.lower()
         if self.cache is not None and mode != "off" and (mode == "on" or is_deterministic(body)):
             call.key = cache_key(call.kind, name, body, scope)
-            answer = await self._from_cache(call)
-            if answer is not None:
-                return answer
+            cached = await self._from_cache(call)
+            if cached is not None:
+                return cached
         call.cache_state = "miss" if call.key is not None else "bypass"
         affinity = affinity_text(body, chat)[: route.config.affinity_prefix_chars]
         path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -229,9 +254,8 @@ class Gateway:
             upstream = {**body, "stream_options": {"include_usage": True}}  # token counts for the log
             lines, backend = await self.router.stream(name, path, upstream, affinity, scope)
             call.record["backend"] = backend
-            return StreamingResponse(self._relay(lines, call), media_type="text/event-stream",
-                                     headers={"x-hyperserve-cache": call.cache_state, "x-hyperserve-backend": backend,
-                                              "Cache-Control": "no-cache"})
+            return Answer(200, {"x-hyperserve-cache": call.cache_state, "x-hyperserve-backend": backend,
+                                "Cache-Control": "no-cache"}, events=self._relay(lines, call))
 
         reply = await self.router.complete(name, path, {**body, "stream": False}, affinity, scope)
         call.timings["backend"] = reply.backend_s
@@ -246,31 +270,31 @@ class Gateway:
             self.metrics.overhead.observe(max(0.0, time.perf_counter() - started - reply.backend_s))
         self._finish(call, call.cache_state, reply.status, reply.body.get("usage"))
         if stream:
-            return StreamingResponse(replay(reply.body, chat, call.include_usage), media_type="text/event-stream",
-                                     headers=headers)
-        return JSONResponse(reply.body, status_code=reply.status, headers=headers)
+            events = _aiter(replay(reply.body, chat, call.include_usage))
+            return Answer(reply.status, headers, reply.body, events)
+        return Answer(reply.status, headers, reply.body)
 
-    async def _from_cache(self, call: _Call) -> Response | None:
+    async def _from_cache(self, call: _Call) -> Answer | None:
         """The cached answer to `call` (exact, then semantic), or None; a miss keeps the prompt's
         vector on `call` for the insert."""
         t = time.perf_counter()
         try:
             hit, call.vector = await self.cache.lookup(call.key)
         except Exception as error:  # an unreachable or slow store degrades to a miss, never to an error
-            logger.warning("response cache: lookup failed, serving a miss: %s: %s", type(error).__name__, error)
+            logger.warning("response cache: lookup failed, serving a miss: %s: %s",
+                           type(error).__name__, error)
             hit, call.vector = None, None
         call.timings["cache_lookup"] = time.perf_counter() - t
-        self.metrics.cache_lookup.labels(f"hit-{hit.kind}" if hit else "miss").observe(call.timings["cache_lookup"])
+        outcome = f"hit-{hit.kind}" if hit else "miss"
+        self.metrics.cache_lookup.labels(outcome).observe(call.timings["cache_lookup"])
         if hit is None:
             return None
         answer = {**hit.entry.response, "id": f"{'chatcmpl' if call.chat else 'cmpl'}-{uuid.uuid4().hex}",
                   "created": int(time.time())}
-        headers = {"x-hyperserve-cache": f"hit-{hit.kind}", "x-hyperserve-similarity": f"{hit.similarity:.4f}"}
-        self._finish(call, f"hit-{hit.kind}", 200, answer.get("usage"), similarity=round(hit.similarity, 4))
-        if call.stream:
-            return StreamingResponse(replay(answer, call.chat, call.include_usage), media_type="text/event-stream",
-                                     headers=headers)
-        return JSONResponse(answer, headers=headers)
+        headers = {"x-hyperserve-cache": outcome, "x-hyperserve-similarity": f"{hit.similarity:.4f}"}
+        self._finish(call, outcome, 200, answer.get("usage"), similarity=round(hit.similarity, 4))
+        events = _aiter(replay(answer, call.chat, call.include_usage)) if call.stream else None
+        return Answer(200, headers, answer, events)
 
     async def _relay(self, lines: AsyncIterator[str], call: _Call) -> AsyncIterator[str]:
         """A backend's stream to the client as it comes, folded into a whole answer for the cache."""
@@ -311,18 +335,20 @@ class Gateway:
         async def insert() -> None:
             try:
                 await self.cache.insert(call.key, body, call.vector)
-            except Exception as error:  # a cache that cannot store (Redis down, disk full) must not fail requests
+            except Exception as error:  # a store that cannot (Redis down, disk full) must not fail requests
                 logger.warning("response cache: insert failed: %s: %s", type(error).__name__, error)
 
         task = asyncio.create_task(insert())
         self.pending.add(task)
         task.add_done_callback(self.pending.discard)
 
-    def _finish(self, call: _Call, cache: str, status: int, usage: dict[str, Any] | None, **extra: Any) -> None:
+    def _finish(self, call: _Call, cache: str, status: int, usage: dict[str, Any] | None,
+                **extra: Any) -> None:
         self.metrics.requests.labels(call.record["route"], cache, str(status)).inc()
         call.timings["total"] = time.perf_counter() - call.started
         self.log.write({**call.record, "kind": call.kind, "stream": call.stream, **extra, "cache": cache,
-                        "status": status, "latency_ms": {k: round(v * 1000, 2) for k, v in call.timings.items()},
+                        "status": status,
+                        "latency_ms": {k: round(v * 1000, 2) for k, v in call.timings.items()},
                         "tokens": {"prompt": (usage or {}).get("prompt_tokens"),
                                    "completion": (usage or {}).get("completion_tokens")}})
 
@@ -344,6 +370,22 @@ class _Call:
     @property
     def chat(self) -> bool:
         return self.kind == "chat"
+
+
+@dataclass
+class Answer:
+    """A completion as the gateway gives it: a status and headers, with the whole body, the SSE
+    events of a streamed request, or both (a cached or cascaded answer, replayed as a stream)."""
+
+    status: int
+    headers: dict[str, str]
+    body: dict[str, Any] | None = None
+    events: AsyncIterator[str] | None = None
+
+
+async def _aiter(events: Iterable[str]) -> AsyncIterator[str]:
+    for event in events:
+        yield event
 
 
 def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = None,
@@ -412,6 +454,11 @@ async def embeddings(request: Request) -> Response:
     return await _gateway(request).embed(request)
 
 
+@routes.websocket("/v1/ws")
+async def websocket(ws: WebSocket) -> None:
+    await serve_websocket(ws, ws.app.state.gateway.open_stream)
+
+
 @routes.api_route("/v1/{path:path}", methods=["GET", "POST", "DELETE"])
 async def engine_endpoints(path: str, request: Request) -> Response:
     return await _gateway(request).pass_through(path, request)
@@ -428,13 +475,19 @@ class _EmbeddedServer(uvicorn.Server):
 
 async def _json_body(request: Request, kind: str) -> dict[str, Any]:
     """The parsed body of a `kind` request (chat, completion, embedding, score or rerank), checked
-    just enough to route and cache it; the backend validates the rest."""
+    by check_body."""
     try:
         body = json.loads(await request.body())
     except (ValueError, RecursionError) as error:
         raise APIError(400, f"the request body is not valid JSON: {error}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    check_body(body, kind)
+    return body
+
+
+def check_body(body: dict[str, Any], kind: str) -> None:
+    """A `kind` request's body checked just enough to route and cache it; the backend validates the rest."""
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise APIError(400, "model must be a string", param="model")
     if kind == "chat":
@@ -447,7 +500,6 @@ async def _json_body(request: Request, kind: str) -> dict[str, Any]:
         for field_name in needed:
             if field_name not in body:
                 raise APIError(400, f"{field_name} is required", param=field_name)
-    return body
 
 
 def _default_route(router: Router) -> str:

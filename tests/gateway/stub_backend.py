@@ -2,7 +2,7 @@
 "<name> says: <last user message>", one token per word, each with a controllable log-probability
 (and embeds each input as [its length, the length of <name>]).
 POST /control changes its behaviour (fail with a status, delay, per-token delay of streams, logprob);
-GET /stats counts requests.
+GET /stats counts requests, and the streams still open (a client that went away closes its own).
 
     python tests/gateway/stub_backend.py --port 9001 --name a
 """
@@ -22,7 +22,8 @@ from starlette.routing import Route
 
 
 def build_stub(name: str) -> Starlette:
-    state = {"fail_status": None, "delay_s": 0.0, "token_delay_s": 0.0, "logprob": -0.1, "count": 0}
+    state = {"fail_status": None, "delay_s": 0.0, "token_delay_s": 0.0, "logprob": -0.1, "count": 0,
+             "open_streams": 0}
 
     def answer_text(body: dict, chat: bool) -> str:
         if chat:
@@ -54,17 +55,21 @@ def build_stub(name: str) -> Starlette:
         base = {"id": f"stub-{state['count']}", "created": int(time.time()), "model": name}
         if body.get("stream"):
             async def events():
-                for i, token in enumerate(tokens):
-                    last = i == len(tokens) - 1
-                    choice = ({"index": 0, "delta": {"content": token}} if chat else {"index": 0, "text": token})
-                    choice.update(logprobs=None, finish_reason="stop" if last else None)
-                    chunk = {**base, "object": "chat.completion.chunk" if chat else "text_completion",
-                             "choices": [choice]}
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                    await asyncio.sleep(state["token_delay_s"])
-                if (body.get("stream_options") or {}).get("include_usage"):
-                    yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
-                yield "data: [DONE]\n\n"
+                state["open_streams"] += 1
+                try:
+                    for i, token in enumerate(tokens):
+                        last = i == len(tokens) - 1
+                        choice = {"index": 0, "logprobs": None, "finish_reason": "stop" if last else None}
+                        choice.update({"delta": {"content": token}} if chat else {"text": token})
+                        chunk = {**base, "object": "chat.completion.chunk" if chat else "text_completion",
+                                 "choices": [choice]}
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                        await asyncio.sleep(state["token_delay_s"])
+                    if (body.get("stream_options") or {}).get("include_usage"):
+                        yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
+                    yield "data: [DONE]\n\n"
+                finally:
+                    state["open_streams"] -= 1
             return StreamingResponse(events(), media_type="text/event-stream")
         text = "".join(tokens)
         choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}

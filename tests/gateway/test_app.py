@@ -1,10 +1,12 @@
 """The gateway as users run it: a `hyperserve gateway` process in front of stub backend processes."""
 
+import asyncio
 import json
 import time
 
 import httpx
 import pytest
+import websockets
 import yaml
 
 from tests.gateway.conftest import Stub, start_gateway
@@ -272,3 +274,72 @@ def test_a_batch_through_the_gateway_takes_its_routes(stubs, tmp_path):
         output = [json.loads(line) for line in api.files.content(batch.output_file_id).text.splitlines()]
         assert [line["response"]["body"]["choices"][0]["message"]["content"] for line in output] == \
             [f"a says: question {i}" for i in range(3)]
+
+
+def test_websocket_streams_caches_refuses_and_cancels_through_the_routes(stubs, tmp_path):
+    """WS /v1/ws on the gateway speaks the server's protocol over the gateway's routes: streamed
+    answers, the response cache, errors that leave the socket open, and a cancel that closes the
+    backend's stream."""
+    stub = stubs[0]
+
+    async def session(url: str) -> None:
+        async with websockets.connect(url.replace("http", "ws") + "/v1/ws") as ws:
+            async def request(request_id: str, kind: str, body: dict) -> tuple[str, list[dict]]:
+                await ws.send(json.dumps({"type": kind, "request_id": request_id, "body": body}))
+                chunks = []
+                while (event := json.loads(await ws.recv()))["type"] == "chunk":
+                    assert event["request_id"] == request_id
+                    chunks.append(event["data"])
+                assert event["request_id"] == request_id
+                return event, chunks
+
+            chat = {"model": "m", "messages": [{"role": "user", "content": PARIS}], "temperature": 0}
+            event, chunks = await request("first", "chat.completions", chat)
+            assert event["type"] == "done"
+            assert _text(chunks) == f"a says: {PARIS}"
+            assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+            await asyncio.sleep(0.3)  # the insert happens after the answer went out
+            event, again = await request("again", "chat.completions", chat)
+            assert event["type"] == "done" and stub.count == 1  # from the cache
+            assert _text(again) == f"a says: {PARIS}"
+
+            text = {"model": "m", "prompt": "hi there", "seed": 1, "temperature": 0.5}
+            event, chunks = await request("text", "completions", text)
+            assert event["type"] == "done" and "".join(c["choices"][0]["text"] for c in chunks) == "a says: hi there"
+
+            event, _ = await request("empty", "chat.completions", {"model": "m", "messages": []})
+            assert event["type"] == "error" and event["status"] == 400
+            assert event["error"]["param"] == "messages"
+            event, _ = await request("nope", "chat.completions", {**chat, "model": "nope"})
+            assert event["type"] == "error" and event["error"]["code"] == "model_not_found"
+
+            stub.control(token_delay_s=0.5)
+            long = {"model": "m", "messages": [{"role": "user", "content": "word " * 30}], "temperature": 0.7}
+            await ws.send(json.dumps({"type": "chat.completions", "request_id": "long", "body": long}))
+            assert json.loads(await ws.recv())["type"] == "chunk"
+            await ws.send(json.dumps({"type": "cancel", "request_id": "long"}))
+            while (event := json.loads(await ws.recv()))["type"] == "chunk":
+                pass
+            assert event == {"type": "cancelled", "request_id": "long"}
+            deadline = time.time() + 10
+            while httpx.get(f"{stub.url}/stats").json()["open_streams"] and time.time() < deadline:
+                await asyncio.sleep(0.1)
+            # the gateway closed the backend's stream (31 tokens at 0.5 s would take 15 s)
+            assert httpx.get(f"{stub.url}/stats").json()["open_streams"] == 0
+
+            stub.control(token_delay_s=0.0, fail_status=422)
+            event, _ = await request("refused", "chat.completions", {**chat, "temperature": 0.7})
+            assert event["type"] == "error" and event["status"] == 422
+            assert "stub failure" in event["error"]["message"]
+            stub.control(fail_status=None)
+            event, _ = await request("after", "chat.completions", {**chat, "temperature": 0.7})
+            assert event["type"] == "done"
+
+    with start_gateway(_config(stubs[:1], tmp_path), tmp_path) as gateway:
+        asyncio.run(session(gateway.url))
+        log = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+        assert [entry["cache"] for entry in log if entry["status"] == 200][:2] == ["miss", "hit-exact"]
+
+
+def _text(chunks: list[dict]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])

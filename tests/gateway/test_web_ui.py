@@ -1,7 +1,9 @@
-"""The same pages on the gateway, in a real browser: the playground streams over HTTP (the gateway
-has no WebSocket) and the dashboard shows cache outcomes and the backends' health."""
+"""The same pages on the gateway, in a real browser: the playground streams over the gateway's
+WebSocket and the dashboard shows cache outcomes and the backends' health."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -17,11 +19,14 @@ def test_the_gateway_playground_and_dashboard(stubs, tmp_path, browser):  # noqa
     with start_gateway(_config(stubs[:1], tmp_path), tmp_path) as gateway:
         try:
             page = context.new_page()
+            frames = []  # what the page's sockets received
+            page.on("websocket", lambda ws: ws.on("framereceived", lambda frame: frames.append(frame)))
             page.goto(gateway.url)
             page.wait_for_selector("#model option[value=m]", state="attached")
             answer = send(page, "What is the capital of France?")
             playwright_api.expect(answer.locator(".stats")).to_contain_text("TTFT", timeout=30_000)
             assert answer.locator(".content").inner_text().strip()
+            assert any(json.loads(frame)["type"] == "chunk" for frame in frames)  # streamed over the socket
             page.goto(f"{gateway.url}/ui/dashboard.html")
             playwright_api.expect(page.locator("#backends tbody")).to_contain_text("up", timeout=10_000)
             for _ in range(3):  # a miss, then exact hits, while the page watches

@@ -117,7 +117,7 @@ export function streamChat(body, handlers) {
   };
   socket.onclose = (event) => {
     if (finished) return;
-    // Refused for limits or guardrails, or no socket endpoint at all (the gateway): HTTP instead.
+    // Refused for limits or guardrails, or no socket endpoint at all (an older server): HTTP instead.
     if (event.reason.startsWith("use HTTP") || (!opened && event.reason === "")) viaHTTP();
     else {
       finished = true;
