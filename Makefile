@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install serve chat test lint bench clean redis chromium
+.PHONY: install serve chat test lint bench clean redis chromium qemu
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,20 +29,24 @@ serve: $(STAMP)
 chat: $(STAMP)
 	$(BIN)/hyperserve chat $(ARGS)
 
-test: $(STAMP) redis chromium
+test: $(STAMP) redis chromium qemu
 	$(BIN)/python -m pytest -q --durations=10 $(ARGS)
 
-redis:  # the shared-cache tests start their own redis-server; Debian's package provides it
-	@command -v redis-server >/dev/null || { command -v apt-get >/dev/null && \
-		(apt-get install -y -q redis-server >/dev/null 2>&1 || \
-		 (apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null)) ; } || \
-		echo "redis-server could not be installed: the Redis tests will be skipped"
+# $(call debian,COMMAND,PACKAGE,TESTS): install the Debian package that gives a test suite COMMAND
+# (as root, where apt-get exists), or say which tests will be skipped
+debian = @command -v $(1) >/dev/null || { command -v apt-get >/dev/null && \
+	(apt-get install -y -q $(2) >/dev/null 2>&1 || \
+	 (apt-get update -q >/dev/null && apt-get install -y -q $(2) >/dev/null)) ; } || \
+	echo "$(2) could not be installed: $(3) will be skipped"
+
+redis:  # the shared-cache tests start their own redis-server
+	$(call debian,redis-server,redis-server,the Redis tests)
 
 chromium:  # the web-page tests drive Debian's headless Chromium (Playwright cannot download its own here)
-	@command -v chromium >/dev/null || { command -v apt-get >/dev/null && \
-		(apt-get install -y -q chromium >/dev/null 2>&1 || \
-		 (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null)) ; } || \
-		echo "chromium could not be installed: the browser tests will be skipped"
+	$(call debian,chromium,chromium,the browser tests)
+
+qemu:  # the AVX2-only CPU test runs the kernel tests in qemu-user emulating a Haswell (no AVX-512)
+	$(call debian,qemu-x86_64,qemu-user,the AVX2-only CPU test)
 
 lint: $(STAMP)
 	$(BIN)/ruff check hyperserve tests benchmarks

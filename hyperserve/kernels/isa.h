@@ -26,10 +26,15 @@ bool cpu_has_avx2() {
   return has;
 }
 
-bool cpu_has_avx512() {  // HYPERSERVE_MAX_ISA=avx2 hides it, as it does from the Python side
+// HYPERSERVE_MAX_ISA=avx2 hides AVX-512, as it does from the Python side (cpu_flags), and so does
+// ATEN_CPU_CAPABILITY=avx2 or default, which sets PyTorch's own kernels below it.
+bool cpu_has_avx512() {
   static const bool has = [] {
     const char* cap = std::getenv("HYPERSERVE_MAX_ISA");
-    return !(cap && std::string(cap) == "avx2") && cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+    const char* aten = std::getenv("ATEN_CPU_CAPABILITY");
+    const bool hidden = (cap && std::string(cap) == "avx2") ||
+                        (aten && (std::string(aten) == "avx2" || std::string(aten) == "default"));
+    return !hidden && cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512vnni");
   }();
@@ -74,7 +79,9 @@ AVX2 inline float hmax(__m128 m) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-AVX2 inline float hmax(__m256 v) { return hmax(_mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))); }
+AVX2 inline float hmax(__m256 v) {
+  return hmax(_mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+}
 
 AVX2 inline __m256 load8_half(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -123,11 +130,13 @@ AVX2 inline __m256 exp_avx2(__m256 x) {
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
   __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f}) {
+  for (const float c :
+       {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f}) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
   }
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, one));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  const __m256i two_n = _mm256_slli_epi32(biased, 23);
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
 }
 

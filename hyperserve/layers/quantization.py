@@ -76,9 +76,11 @@ INTERLEAVED_MAX_ROWS = 256
 def cpu_flags() -> frozenset[str]:
     """The instruction-set flags our code paths may use. HYPERSERVE_MAX_ISA=avx2 hides AVX-512 and
     AMX, so that an AVX-512 machine takes the AVX2-only class's paths (benchmarks/cpu_vs_llamacpp.py
-    --isa avx2)."""
+    --isa avx2). So does a CPU whose CPUID (which PyTorch and the native kernels ask) denies AVX-512
+    that /proc/cpuinfo lists: an emulator's (qemu-user shows its host's file), or
+    ATEN_CPU_CAPABILITY set lower."""
     flags = hardware_cpu_flags()
-    if os.environ.get("HYPERSERVE_MAX_ISA") == "avx2":
+    if os.environ.get("HYPERSERVE_MAX_ISA") == "avx2" or torch.backends.cpu.get_cpu_capability() != "AVX512":
         flags = frozenset(f for f in flags if not f.startswith(("avx512", "amx")))
     return flags
 
