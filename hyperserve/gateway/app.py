@@ -1,4 +1,5 @@
-"""The gateway's HTTP front: OpenAI's API in, cache -> route -> backend, OpenAI's API out.
+"""The gateway: OpenAI's API in, cache -> route -> backend, OpenAI's API out (its endpoints in
+gateway/routes.py).
 
 Per request: parse, look up the response cache (exact, then semantic), and on a miss forward to a
 backend picked by the route (streaming passes through chunk by chunk and is folded into a complete
@@ -23,9 +24,9 @@ from typing import Any
 
 import aiohttp
 import uvicorn
-from fastapi import APIRouter, FastAPI, Request, WebSocket
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import generate_latest
 
 from hyperserve.common.affinity import affinity_text
 from hyperserve.common.anthropic_api import AnthropicAPI
@@ -36,15 +37,14 @@ from hyperserve.common.request_log import RequestLog
 from hyperserve.common.responses_api import ResponsesAPI
 from hyperserve.common.sse import DONE, parse_sse_data, sse_event
 from hyperserve.common.web_ui import install_web_ui
-from hyperserve.common.websocket_api import Stream, serve_websocket
 from hyperserve.gateway.backends import Backend, build_backend, wait_ready
 from hyperserve.gateway.cache_store import RedisStore, SQLiteStore
 from hyperserve.gateway.config import GatewayConfig
 from hyperserve.gateway.response_cache import CacheKey, ResponseCache, cache_key, is_deterministic
 from hyperserve.gateway.router import Route, Router
+from hyperserve.gateway.routes import routes
 from hyperserve.gateway.streaming import StreamAccumulator, replay
 from hyperserve.gateway.telemetry import GatewayMetrics
-from hyperserve.gateway.websocket import answer_chunks, close_later
 from hyperserve.security.middleware import Governor, add_security
 
 logger = logging.getLogger("hyperserve.gateway")
@@ -187,52 +187,28 @@ class Gateway:
                            type_="service_unavailable",
                            headers={"Retry-After": "5"})
 
-    async def embed(self, request: Request) -> Response:
+    async def embed(self, body: dict[str, Any], path: str) -> Answer:
         """Embeddings, and the scores and rerankings made of them (/v1/score, /v1/rerank): from a
         backend by the route `model` names (balanced, with retries and fallback as completions are;
         never cached, and a cascade route cannot embed)."""
-        self.check_ready()
-        body = await _json_body(request, {"/v1/score": "score", "/v1/rerank": "rerank"}.get(request.url.path,
-                                                                                             "embedding"))
         name = body.get("model") or _default_route(self.router)
         if self.router.route(name).config.cascade is not None:
             raise APIError(400, f"the route {name!r} is a cascade of generative models; it cannot embed",
                            param="model")
         call = _Call("embedding", False, False, time.perf_counter(),
                      {"id": uuid.uuid4().hex[:16], "route": name})
-        reply = await self.router.complete(name, request.url.path, body, None)
+        reply = await self.router.complete(name, path, body, None)
         call.timings["backend"] = reply.backend_s
         call.record["backend"] = reply.backend
         self._finish(call, "bypass", reply.status, reply.body.get("usage"))
-        return JSONResponse(reply.body, status_code=reply.status,
-                            headers={"x-hyperserve-backend": reply.backend})
-
-    async def open_stream(self, kind: str, body: dict[str, Any], ws: WebSocket) -> Stream:
-        """A request on WS /v1/ws (gateway/websocket.py): checked now, answered as it is read."""
-        self.check_ready()
-        chat = kind == "chat.completions"
-        check_body(body, "chat" if chat else "completion")
-        scope = getattr(ws.state, "cache_scope", None)
-        chunks = answer_chunks(lambda: self.answer({**body, "stream": True}, chat, scope, "",
-                                                   time.perf_counter()))
-        return Stream(chunks, lambda: close_later(chunks, self.pending))
-
-    async def handle(self, request: Request, chat: bool) -> Response:
-        """POST /v1/chat/completions and /v1/completions."""
-        started = time.perf_counter()
-        self.check_ready()
-        body = await _json_body(request, "chat" if chat else "completion")
-        answer = await self.answer(body, chat, getattr(request.state, "cache_scope", None),
-                                   request.headers.get("x-hyperserve-cache", ""), started)
-        if answer.events is not None:
-            return StreamingResponse(answer.events, media_type="text/event-stream", headers=answer.headers)
-        return JSONResponse(answer.body, status_code=answer.status, headers=answer.headers)
+        return Answer(reply.status, {"x-hyperserve-backend": reply.backend}, reply.body)
 
     async def answer(self, body: dict[str, Any], chat: bool, scope: str | None, cache_mode: str,
                      started: float) -> Answer:
-        """A completion, checked by check_body: from the response cache where it may be, else from a
-        backend by its route. `scope`: the API key's cache scope (security sets it), or None;
-        `cache_mode`: the x-hyperserve-cache header (on, off, or empty for deterministic requests)."""
+        """A completion (its body checked by routes.check_body): from the response cache where it
+        may be, else from a backend by its route. `scope`: the API key's cache scope (security
+        sets it), or None; `cache_mode`: the x-hyperserve-cache header (on, off, or empty: cached
+        when deterministic)."""
         name = body.get("model") or _default_route(self.router)
         route = self.router.route(name)
         stream = body.get("stream") is True
@@ -414,56 +390,6 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
     return app
 
 
-routes = APIRouter()
-
-
-def _gateway(request: Request) -> Gateway:
-    return request.app.state.gateway
-
-
-@routes.get("/health")
-async def health(request: Request) -> Response:
-    return _gateway(request).health()
-
-
-@routes.get("/metrics")
-async def prometheus(request: Request) -> Response:
-    return Response(await _gateway(request).metrics_text(), media_type=CONTENT_TYPE_LATEST)
-
-
-@routes.get("/v1/models")
-async def models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "hyperserve"}
-                                       for name in _gateway(request).model_names()]}
-
-
-@routes.post("/v1/chat/completions")
-async def chat_completions(request: Request) -> Response:
-    return await _gateway(request).handle(request, chat=True)
-
-
-@routes.post("/v1/completions")
-async def completions(request: Request) -> Response:
-    return await _gateway(request).handle(request, chat=False)
-
-
-@routes.post("/v1/embeddings")
-@routes.post("/v1/score")
-@routes.post("/v1/rerank")
-async def embeddings(request: Request) -> Response:
-    return await _gateway(request).embed(request)
-
-
-@routes.websocket("/v1/ws")
-async def websocket(ws: WebSocket) -> None:
-    await serve_websocket(ws, ws.app.state.gateway.open_stream)
-
-
-@routes.api_route("/v1/{path:path}", methods=["GET", "POST", "DELETE"])
-async def engine_endpoints(path: str, request: Request) -> Response:
-    return await _gateway(request).pass_through(path, request)
-
-
 class _EmbeddedServer(uvicorn.Server):
     """An engine server inside the gateway's process: the gateway's own server owns the signals,
     drains its requests, then stops this one from its shutdown."""
@@ -471,35 +397,6 @@ class _EmbeddedServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         yield
-
-
-async def _json_body(request: Request, kind: str) -> dict[str, Any]:
-    """The parsed body of a `kind` request (chat, completion, embedding, score or rerank), checked
-    by check_body."""
-    try:
-        body = json.loads(await request.body())
-    except (ValueError, RecursionError) as error:
-        raise APIError(400, f"the request body is not valid JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    check_body(body, kind)
-    return body
-
-
-def check_body(body: dict[str, Any], kind: str) -> None:
-    """A `kind` request's body checked just enough to route and cache it; the backend validates the rest."""
-    if body.get("model") is not None and not isinstance(body["model"], str):
-        raise APIError(400, "model must be a string", param="model")
-    if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise APIError(400, "messages must be a non-empty list of message objects", param="messages")
-    else:  # what an embedding-made answer needs: /v1/embeddings' input, /v1/score's texts, /v1/rerank's query
-        needed = {"completion": ["prompt"], "embedding": ["input"], "score": ["text_1", "text_2"],
-                  "rerank": ["query", "documents"]}[kind]
-        for field_name in needed:
-            if field_name not in body:
-                raise APIError(400, f"{field_name} is required", param=field_name)
 
 
 def _default_route(router: Router) -> str:
