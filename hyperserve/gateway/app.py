@@ -245,7 +245,7 @@ class Gateway:
         if route.config.cascade is None and not stream:
             self.metrics.overhead.observe(max(0.0, time.perf_counter() - started - reply.backend_s))
         self._finish(call, call.cache_state, reply.status, reply.body.get("usage"))
-        if stream:
+        if stream and reply.status == 200:  # a refusal is an HTTP error, not a stream
             events = _aiter(replay(reply.body, chat, call.include_usage))
             return Answer(reply.status, headers, reply.body, events)
         return Answer(reply.status, headers, reply.body)

@@ -26,7 +26,7 @@ async def answer_chunks(answer: Callable[[], Awaitable[Answer]]) -> AsyncIterato
     """The chunks of a streamed `answer()`. Nothing is asked of the gateway until the first chunk
     is, so a request cancelled before it ran holds no backend connection."""
     reply = await answer()
-    if reply.status != 200:  # a cascade's refusal, answered whole
+    if reply.events is None:  # refused before any stream (a cascade's every stage failed)
         error = (reply.body or {}).get("error") or {}
         raise APIError(reply.status, str(error.get("message") or "the backend refused the request"),
                        type_=error.get("type") or "bad_gateway")

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Version.h>
 
 #include <cstdint>
 #include <string>
@@ -26,14 +27,12 @@ bool cpu_has_avx2() {
   return has;
 }
 
-// HYPERSERVE_MAX_ISA=avx2 hides AVX-512, as it does from the Python side (cpu_flags), and so does
-// ATEN_CPU_CAPABILITY=avx2 or default, which sets PyTorch's own kernels below it.
+// As the Python side decides (cpu_flags): HYPERSERVE_MAX_ISA=avx2 hides AVX-512, and so does a
+// PyTorch CPU capability below AVX512 (ATEN_CPU_CAPABILITY set lower, or a CPU without it).
 bool cpu_has_avx512() {
   static const bool has = [] {
     const char* cap = std::getenv("HYPERSERVE_MAX_ISA");
-    const char* aten = std::getenv("ATEN_CPU_CAPABILITY");
-    const bool hidden = (cap && std::string(cap) == "avx2") ||
-                        (aten && (std::string(aten) == "avx2" || std::string(aten) == "default"));
+    const bool hidden = (cap && std::string(cap) == "avx2") || at::get_cpu_capability() != "AVX512";
     return !hidden && cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512vnni");

@@ -163,6 +163,10 @@ def test_cascade_escalates_exactly_below_the_threshold(stubs, tmp_path, small_lo
         assert gateway.metric("gateway_cascade_escalations_total", reason="low_confidence") == int(escalates)
         headers, text = _stream(gateway, "How hard is this?")
         assert text.startswith("b says" if escalates else "a says")
+        small.control(fail_status=422)  # refused: an HTTP error, also for a streamed request
+        refused = httpx.post(f"{gateway.url}/v1/chat/completions", timeout=60, json={
+            "model": "m", "stream": True, "messages": [{"role": "user", "content": "How hard is this?"}]})
+        assert refused.status_code == 422 and "stub failure" in refused.json()["error"]["message"]
 
 
 def test_prefix_affinity_keeps_a_conversation_on_one_replica(stubs, tmp_path):
@@ -305,7 +309,8 @@ def test_websocket_streams_caches_refuses_and_cancels_through_the_routes(stubs, 
 
             text = {"model": "m", "prompt": "hi there", "seed": 1, "temperature": 0.5}
             event, chunks = await request("text", "completions", text)
-            assert event["type"] == "done" and "".join(c["choices"][0]["text"] for c in chunks) == "a says: hi there"
+            assert event["type"] == "done"
+            assert "".join(c["choices"][0]["text"] for c in chunks) == "a says: hi there"
 
             event, _ = await request("empty", "chat.completions", {"model": "m", "messages": []})
             assert event["type"] == "error" and event["status"] == 400
