@@ -169,7 +169,7 @@ def test_unloading_gives_the_memory_back():
     once (a first load leaves one-time costs behind: the code it imported, the allocator's
     arenas), a further load and unload gives back what the load took, but for the allocator's
     noise: over repeated cycles the server's RSS after an unload moved by up to 120 MB either way
-    (698, 777, 816, 728 MB) without growing, against 720 MB a load adds."""
+    (698, 777, 816, 728 MB) without growing, against the 470-720 MB a load adds."""
     server = start_server("--model", "smollm2-135m", "--model", "gemma3-270m", "--on-demand", "gemma3-270m",
                           log_name="multi-model")
     try:
@@ -189,7 +189,9 @@ def test_unloading_gives_the_memory_back():
         baseline = rss_mb()
         assert ask("gemma3-270m") == answer  # reloaded: the same answer
         added = rss_mb() - baseline
-        assert added > 500  # Gemma 3 270M in int8 (its 262k-token embedding in Q8_0): about 700 MB
+        # Gemma 3 270M in int8: 304 MB of weights in 2 MiB pages, and its KV and buffers (470-700 MB
+        # measured since its embedding loads without a float32 copy and its KV is in bfloat16)
+        assert added > 300
         unload()
         assert rss_mb() < baseline + 0.25 * added
         assert ask("smollm2-135m") == first
