@@ -326,9 +326,9 @@ def build_model(
         inside = {id(m) for m in model.model.layers.modules()}
         for module in model.modules():
             if id(module) not in inside:
-                module.to_empty(device=device, recurse=False)
+                _materialise(module, device, recurse=False)
     else:
-        model.to_empty(device=device)
+        _materialise(model, device)
     packed = {}  # weights the checkpoint gave as Q8_0 rows (pack_q80's)
     if source is None:
         _init_random(model, config, seed)
@@ -362,12 +362,20 @@ def _without_init() -> Iterator[None]:
                 setattr(torch.nn.init, name, function)
 
 
+def _materialise(module: torch.nn.Module, device: str, recurse: bool = True) -> None:
+    """Module.to_empty without its torch.empty_like: from a meta tensor that runs through torch._refs,
+    whose first call imports sympy (0.42 s of start-up) for a tensor torch.empty makes alike."""
+    module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device), recurse=recurse)
+
+
 def load_model(config: EngineConfig, tp: TensorParallel | None = None, name: str | None = None,
-               max_position: int | None = None, seed_offset: int = 0) -> LlamaForCausalLM:
+               max_position: int | None = None, seed_offset: int = 0,
+               resolved: tuple[ModelSource, PretrainedConfig] | None = None) -> LlamaForCausalLM:
     """The model an engine of this config serves (this rank's slice of it, with `tp`), or the
-    model `name` built alike (a draft model: its own random weights with seed_offset)."""
-    source = resolve_model(name or config.model.model)
-    hf_config = load_config(source)
+    model `name` built alike (a draft model: its own random weights with seed_offset). `resolved`:
+    its source and config where the caller has read them; reading them again while the tokenizer
+    loads in another thread waited on that thread's interpreter lock (1.1 s of Gemma 3's start)."""
+    source, hf_config = resolved or (source := resolve_model(name or config.model.model), load_config(source))
     return build_model(
         hf_config,
         None if config.model.load_format == "random" else source,
@@ -418,7 +426,7 @@ def _load_checkpoint(model: LlamaForCausalLM, source: ModelSource, quantization:
             index = _layer_index(name) if quantization is not None else None
             by_layer = index is not None and index < len(layers)
             if by_layer and index not in materialised:  # its first tensor
-                layers[index].to_empty(device=device)
+                _materialise(layers[index], device)
                 materialised.add(index)
             target = model.load_weight(name, tensor)
             if target != name and name == "lm_head.weight":
