@@ -30,6 +30,7 @@ from hyperserve.distributed.group import TensorParallel
 from hyperserve.distributed.workers import TensorParallelWorkers
 from hyperserve.engine.detokenizer import IncrementalDetokenizer
 from hyperserve.engine.disk_cache import DiskKVStore, DiskTier
+from hyperserve.engine.input_processor import InputProcessor
 from hyperserve.engine.kv_cache_manager import KVCacheManager, tenant_salt
 from hyperserve.engine.kv_transfer import KVTransfer
 from hyperserve.engine.lora_manager import LoRAManager
@@ -49,13 +50,8 @@ from hyperserve.sampling_params import SamplingParams
 
 MAX_FAILED_STEPS = 3  # steps failing in a row after which the engine is taken to be broken
 MAX_FORCED_DRAFTS = 16  # a grammar's forced tokens drafted per step (a verify step of 17 rows at most)
-MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_LOGIT_BIAS_ENTRIES = 16, 4096, 64, 1024
 
 logger = logging.getLogger("hyperserve.engine")
-
-
-class ContextLengthError(ValueError):
-    """The prompt (or prompt plus requested output) does not fit the model's context."""
 
 
 class PinLimitError(ValueError):
@@ -135,6 +131,8 @@ class LLMEngine:
         self.eos_token_ids = loader.load_eos_token_ids(source, self.hf_config, self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size,
                                         self._grammar_eos_token_id())
+        self.inputs = InputProcessor(self.tokenizer, self.hf_config.vocab_size, self.max_model_len,
+                                     self.grammars)
         self.runner = ModelRunner(model, config, num_blocks, self.grammars, self.lora, num_window_blocks,
                                   self.workers)
         cache = config.cache
@@ -227,8 +225,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text, prompt_ids = self.process_prompt(prompt)
-        self.check_params(params)
+        prompt_text, prompt_ids = self.inputs.process_prompt(prompt)
+        self.inputs.check_params(params)
         salt = (self.check_lora(lora_request) if lora_request is not None else b"") + tenant_salt(cache_salt)
         arrival_time = time.time() if arrival_time is None else arrival_time
         samples = []
@@ -293,7 +291,7 @@ class LLMEngine:
             raise ValueError("pinning needs prefix caching, which is disabled")
         if request_id in self.kv_cache.pins:
             raise ValueError(f"pin id {request_id!r} is already in use")
-        num_blocks = len(self.process_prompt(prompt)[1]) // self.kv_cache.block_size
+        num_blocks = len(self.inputs.process_prompt(prompt)[1]) // self.kv_cache.block_size
         cap = self.kv_cache.max_pinned_blocks
         if num_blocks > cap - self.kv_cache.num_pinned_blocks:
             raise PinLimitError(
@@ -512,51 +510,6 @@ class LLMEngine:
         if self.lora is None:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora (--enable-lora)")
         return self.lora.check(lora_request)
-
-    def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check without the model: token ids in its vocabulary, and
-        sizes bounded so that no request costs the engine more than its own tokens."""
-        vocab = self.hf_config.vocab_size
-        if len(params.stop) > MAX_STOP_STRINGS or sum(len(s) for s in params.stop) > MAX_STOP_CHARS:
-            raise ValueError(
-                f"stop takes at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all")
-        if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
-        if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries")
-        if len(params.allowed_token_ids or ()) > vocab:
-            raise ValueError(f"allowed_token_ids takes at most the vocabulary's {vocab} ids")
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
-            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
-            if bad:
-                raise ValueError(f"{name}: token ids must be integers in [0, {vocab}), got {bad[0]!r}")
-        if params.structured_outputs is not None:
-            self.grammars.compile(params.structured_outputs)  # cached: add_request will not compile again
-
-    def process_prompt(self, prompt: str | list[int],
-                       truncate: int | None = None) -> tuple[str | None, list[int]]:
-        """Tokenize and validate a prompt without touching engine state (safe from any thread);
-        `truncate`: keep only its last this many tokens."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt token ids")
-            text, ids = prompt, self.tokenizer(prompt).input_ids
-        else:
-            text, ids = None, list(prompt)
-            vocab = self.hf_config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if truncate is not None and len(ids) > truncate:
-            text, ids = None, ids[-truncate:]
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ContextLengthError(
-                f"the prompt is {len(ids)} tokens long; this model's context is "
-                f"{self.max_model_len} tokens (max_model_len), prompt and output together"
-            )
-        return text, ids
 
     def _grammar_eos_token_id(self) -> int | None:
         """The end token grammars allow once complete: the tokenizer's own EOS if it ends generation."""

@@ -1,6 +1,6 @@
 """ModelRunner: SchedulerOutput -> flat input tensors and attention metadata -> forward -> sample.
 
-Owns the model, the KV cache tensors and the per-request random generators. Logits are computed
+Owns the model and the KV cache tensors. Logits are computed
 only for the rows that are sampled: the last new token of each request that reaches its end, and
 with speculation also the rows of its draft tokens, which are verified against them.
 
@@ -34,6 +34,7 @@ from hyperserve.engine.lora_manager import LoRAManager
 from hyperserve.engine.rejection_sampler import verify_greedy, verify_sampled
 from hyperserve.engine.request import Request
 from hyperserve.engine.sampler import SamplerOutput, SamplingBatch, gather_logprobs, sample, sampling_probs
+from hyperserve.engine.sampling_batch import SamplingBatchBuilder
 from hyperserve.engine.scheduler import SchedulerOutput
 from hyperserve.engine.structured_output import GrammarCompiler
 from hyperserve.layers.attention import (
@@ -126,7 +127,7 @@ class ModelRunner:
         self.kv_caches = self.allocate_kv_caches(model.config, model.window_layers,
                                                  model.model.layers[0].self_attn.num_kv_heads)
         self.shared_generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
-        self._generators: dict[str, torch.Generator] = {}
+        self.sampling = SamplingBatchBuilder(self.vocab_size, self.device)
         self._compiled_decode = None
         self.decode_graphs = None
         self.fused_decode = self._fused_decode(config)
@@ -137,12 +138,13 @@ class ModelRunner:
             if model.tp.rank == 0:  # the other ranks compile as rank 0's warm-up passes reach them
                 self._compile_decode_graphs()
         # the graphs take one kind of attention metadata, and no host work within the step
-        if (self.device.type == "cuda" and not config.model.enforce_eager and model.attention_backend.ragged_decode
-                and not model.interleaves_full_attention and not model.has_experts):
-            max_len = config.model.max_model_len or model.config.max_position_embeddings
-            self.decode_graphs = DecodeGraphs(self._decode_logits, config.scheduler.max_num_seqs,
-                                              -(-max_len // self.block_size), self.block_size, self.padding_slot,
-                                              model.sliding_window, self.device)
+        if (self.device.type == "cuda" and not config.model.enforce_eager
+                and model.attention_backend.ragged_decode and not model.interleaves_full_attention
+                and not model.has_experts):
+            max_blocks = -(-self.max_model_len // self.block_size)
+            self.decode_graphs = DecodeGraphs(self._decode_logits, config.scheduler.max_num_seqs, max_blocks,
+                                              self.block_size, self.padding_slot, model.sliding_window,
+                                              self.device)
             if model.tp.rank == 0:  # the other ranks capture when rank 0 does (capture_graphs)
                 self.capture_graphs()
 
@@ -190,8 +192,9 @@ class ModelRunner:
         The steps are timed after VERIFY_TIMING_CONTEXT tokens of context, since each extra row
         attends to it too (timed at the start of a sequence, n-gram speculation slowed open chat on
         an AVX2-only CPU by 6%)."""
-        pool_blocks = min(self.num_blocks, self.num_window_blocks or self.num_blocks)  # the smaller of two pools
-        context = max(0, min(VERIFY_TIMING_CONTEXT, (pool_blocks - 1) * self.block_size, self.max_model_len) - rows)
+        pool_blocks = min(self.num_blocks, self.num_window_blocks or self.num_blocks)  # the smaller pool
+        most = min(VERIFY_TIMING_CONTEXT, (pool_blocks - 1) * self.block_size, self.max_model_len)
+        context = max(0, most - rows)
         one = self.time_step(1, context, repeats)
         cost = max(0.0, (self.time_step(rows, context, repeats) - one) / (rows - 1) / one)
         logger.info("speculative decoding: one more token costs a step %.2f of a one-token step", cost)
@@ -216,12 +219,13 @@ class ModelRunner:
         its own; fewer on a tensor-parallel rank): its pool's blocks and one more, which padding
         rows of CUDA graph batches write into (and dropped window entries point at)."""
         def num_blocks(layer: int) -> int:
-            windowed = self.num_window_blocks is not None and window_layers is not None and window_layers[layer]
+            windowed = (self.num_window_blocks is not None and window_layers is not None
+                        and window_layers[layer])
             return self.num_window_blocks if windowed else self.num_blocks
 
         heads = num_kv_heads or hf_config.num_key_value_heads
-        return [KVCache.allocate(num_blocks(layer) + 1, self.block_size, heads, head_dim_of(hf_config), self.dtype,
-                                 self.kv_cache_dtype, self.device)
+        return [KVCache.allocate(num_blocks(layer) + 1, self.block_size, heads, head_dim_of(hf_config),
+                                 self.dtype, self.kv_cache_dtype, self.device)
                 for layer in range(hf_config.num_hidden_layers)]
 
     def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
@@ -246,8 +250,7 @@ class ModelRunner:
 
     def release(self, request_ids: list[str]) -> None:
         """Forget finished requests' per-request state (their seeded generators)."""
-        for request_id in request_ids:
-            self._generators.pop(request_id, None)
+        self.sampling.release(request_ids)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv_cache: KVCacheManager) -> StepResult:
@@ -255,7 +258,8 @@ class ModelRunner:
         if out.num_steps > 1:
             return self._execute_steps(out, kv_cache)
         chunks, rows, sampled = [], [], []
-        prompt_rows, sample_rows, row = [], [], 0  # prompt logprobs: (request, first logits row, rows, position)
+        # prompt_rows: for prompt logprobs, (request, first logits row, rows, position)
+        prompt_rows, sample_rows, row = [], [], 0
         for request, num_new in zip(out.requests, out.num_new_tokens):
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
             tokens = request.all_token_ids[start:end]
@@ -263,13 +267,16 @@ class ModelRunner:
             num_logits = num_drafts + 1 if end >= request.num_tokens else 0
             if num_drafts:
                 tokens += request.spec_token_ids[:num_drafts]
-            num_prompt = max(0, min(end, request.num_prompt_tokens - 1) - start) if request.needs_prompt_logprobs else 0
-            if num_prompt:  # the rows whose next token is the prompt's come first, then the sampled one if any
+            num_prompt = 0
+            if request.needs_prompt_logprobs:
+                num_prompt = max(0, min(end, request.num_prompt_tokens - 1) - start)
+            if num_prompt:  # the rows whose next token is the prompt's come first, then any sampled one
                 prompt_rows.append((request, row, num_prompt, start))
             sample_rows.extend(range(row + num_prompt, row + num_prompt + num_logits))
             row += num_prompt + num_logits
-            chunks.append(SeqChunk(tokens, start, kv_cache.block_table(request.request_id), num_prompt + num_logits,
-                                   request.lora_request, kv_cache.window_block_table(request.request_id)))
+            chunks.append(SeqChunk(tokens, start, kv_cache.block_table(request.request_id),
+                                   num_prompt + num_logits, request.lora_request,
+                                   kv_cache.window_block_table(request.request_id)))
             rows.extend((request, request.spec_token_ids[:j]) for j in range(num_logits))
             if num_logits:
                 sampled.append((request, num_drafts))
@@ -281,12 +288,12 @@ class ModelRunner:
             logits = logits[sample_rows]
         if not sampled:
             return StepResult([], [], None, prompt_logprobs)
-        batch = self.sampling_batch(rows, None if masks is None else masks.result())
+        batch = self.sampling.build(rows, None if masks is None else masks.result())
         if len(rows) == len(sampled):  # no drafts: one batched sample
             output = sample(logits, batch, self.shared_generator)
             token_ids = [[t] for t in output.token_ids.tolist()]
-            return StepResult([r for r, _ in sampled], token_ids, output if batch.num_logprobs is not None else None,
-                              prompt_logprobs)
+            logprobs = output if batch.num_logprobs is not None else None
+            return StepResult([r for r, _ in sampled], token_ids, logprobs, prompt_logprobs)
         return self._verify(logits, batch, sampled)
 
     def _prompt_logprobs(self, logits: torch.Tensor, request: Request, position: int) -> PromptLogprobs:
@@ -294,7 +301,8 @@ class ModelRunner:
         `position`, one logits row each, and the top prompt_logprobs of each row. SCORED_ROWS rows
         at a time: a 512-token chunk's temporaries whole (100 MB each) were page-faulted in anew
         every time, 3x slower on the CPU."""
-        targets = torch.tensor(request.prompt_token_ids[position + 1 : position + 1 + len(logits)], device=self.device)
+        targets = torch.tensor(request.prompt_token_ids[position + 1 : position + 1 + len(logits)],
+                               device=self.device)
         num = request.sampling_params.prompt_logprobs
         parts = [gather_logprobs(targets[i : i + SCORED_ROWS],
                                  torch.log_softmax(logits[i : i + SCORED_ROWS].float(), dim=-1), num)
@@ -308,9 +316,9 @@ class ModelRunner:
         input tokens. Through the CUDA graphs those stay on the device: the replays and samplers
         queue one behind another and the host waits once, for all the tokens."""
         requests = out.requests
-        chunks = [SeqChunk([r.all_token_ids[-1]], r.num_computed_tokens, kv_cache.block_table(r.request_id), 1,
-                           r.lora_request, kv_cache.window_block_table(r.request_id)) for r in requests]
-        batch = self.sampling_batch([(r, []) for r in requests])
+        chunks = [SeqChunk([r.all_token_ids[-1]], r.num_computed_tokens, kv_cache.block_table(r.request_id),
+                           1, r.lora_request, kv_cache.window_block_table(r.request_id)) for r in requests]
+        batch = self.sampling.build([(r, []) for r in requests])
         on_device = (self.workers is None and self._replays(len(chunks))
                      and not (self.lora is not None and any(c.lora for c in chunks)))
         tokens: torch.Tensor | None = None
@@ -319,7 +327,8 @@ class ModelRunner:
             if on_device:
                 tables = [c.block_table for c in chunks] if step == 0 else None  # unchanged after the first
                 starts = [c.start + step for c in chunks]
-                logits = self.decode_graphs.run(tokens if step else [c.token_ids[0] for c in chunks], starts, tables)
+                inputs = tokens if step else [c.token_ids[0] for c in chunks]
+                logits = self.decode_graphs.run(inputs, starts, tables)
             else:
                 for chunk, token in zip(chunks, tokens.tolist() if step else []):
                     chunk.token_ids, chunk.start = [token], chunk.start + 1
@@ -327,26 +336,29 @@ class ModelRunner:
             output = sample(logits, batch, self.shared_generator)
             tokens = output.token_ids
             if batch.output_token_counts is not None:  # the penalties of the next step count this token
-                batch.output_token_counts.scatter_add_(1, tokens.unsqueeze(1), torch.ones_like(tokens).unsqueeze(1))
+                column = tokens.unsqueeze(1)
+                batch.output_token_counts.scatter_add_(1, column, torch.ones_like(column))
             outputs.append(output)
         token_ids = torch.stack([o.token_ids for o in outputs], dim=1).tolist()  # [B, num_steps]
         logprobs = None
         if batch.num_logprobs is not None:  # rows request by request, as StepResult orders them
-            logprobs = SamplerOutput(**{f.name: torch.stack([getattr(o, f.name) for o in outputs], dim=1).flatten(0, 1)
-                                        for f in fields(SamplerOutput)})
+            stacked = {f.name: torch.stack([getattr(o, f.name) for o in outputs], dim=1).flatten(0, 1)
+                       for f in fields(SamplerOutput)}
+            logprobs = SamplerOutput(**stacked)
         return StepResult(list(requests), token_ids, logprobs)
 
     def _replays(self, batch: int) -> bool:
         """Whether a decode step of this many sequences replays a CUDA graph."""
         return self.decode_graphs is not None and batch <= self.decode_graphs.max_batch
 
-    def _verify(self, logits: torch.Tensor, batch: SamplingBatch, sampled: list[tuple[Request, int]]) -> StepResult:
+    def _verify(self, logits: torch.Tensor, batch: SamplingBatch,
+                sampled: list[tuple[Request, int]]) -> StepResult:
         greedy, probs = sampling_probs(logits, batch)
         greedy = greedy.tolist()
         token_ids, emitted_rows, row = [], [], 0
         for request, num_drafts in sampled:
             drafts = request.spec_token_ids[:num_drafts]
-            generator = self._generator(request) or self.shared_generator
+            generator = self.sampling.generator(request) or self.shared_generator
             if request.sampling_params.is_greedy:
                 tokens = verify_greedy(greedy[row : row + num_drafts + 1], drafts)
             else:
@@ -380,17 +392,19 @@ class ModelRunner:
             return self._fused_forward(chunks, with_lora)
         compiled = decode_only and self._compiled_decode is not None
         batch = self._prepare(chunks, model.sliding_window, model.attention_backend.ragged_decode,
-                              min_blocks=2 if compiled else 1, full_attention=model.interleaves_full_attention)
+                              min_blocks=2 if compiled else 1,
+                              full_attention=model.interleaves_full_attention)
         if compiled:
             group = batch.attn.decodes[0]  # batch size and context blocks vary; nothing else does
-            for tensor, dims in ((batch.input_ids, [0]), (batch.positions, [0]), (batch.attn.slot_mapping, [0]),
-                                 (group.context_lens, [0]), (group.block_tables, [0, 1]), (group.mask, [0, 3])):
+            dynamic = ((batch.input_ids, [0]), (batch.positions, [0]), (batch.attn.slot_mapping, [0]),
+                       (group.context_lens, [0]), (group.block_tables, [0, 1]), (group.mask, [0, 3]))
+            for tensor, dims in dynamic:
                 if tensor is not None:
                     torch._dynamo.maybe_mark_dynamic(tensor, dims)
             return self._compiled_decode(batch.input_ids, batch.positions, batch.attn)
         with self._adapters(chunks, with_lora):
-            hidden = model(batch.input_ids, batch.positions, self.kv_caches if kv_caches is None else kv_caches,
-                           batch.attn)
+            caches = self.kv_caches if kv_caches is None else kv_caches
+            hidden = model(batch.input_ids, batch.positions, caches, batch.attn)
         return model.compute_logits(hidden[batch.logit_rows])
 
     @contextlib.contextmanager
@@ -428,7 +442,8 @@ class ModelRunner:
         window_rows = None
         if window_tables:
             width = max(len(t) for t in window_tables)
-            window_rows = DecodeRows(torch.tensor(window_slots), padded_block_tables(window_tables, width), lengths)
+            window_rows = DecodeRows(torch.tensor(window_slots), padded_block_tables(window_tables, width),
+                                     lengths)
         with self._adapters(chunks, with_lora):
             hidden = self.fused_decode(input_ids, positions, decode_rows, self.kv_caches,
                                        self.lora.batch if with_lora else None, window_rows)
@@ -466,14 +481,16 @@ class ModelRunner:
                 windowed = window is not None and chunk.window_block_table is not None
                 return chunk.window_block_table if windowed else chunk.block_table
 
-            slots = torch.cat([self._slots(table(c), c.start, c.start + len(c.token_ids)) for c in chunks]).to(to)
+            slots = torch.cat([self._slots(table(c), c.start, c.start + len(c.token_ids))
+                               for c in chunks]).to(to)
             tables = [table(c) for c in decode_chunks]
             lengths = [c.start + 1 for c in decode_chunks]
             if not decode_rows:
                 decodes = []
             elif ragged_decode or min_blocks > 1:
                 rows = None if len(decode_rows) == row else decode_rows
-                decodes = [self._decode_group(rows, tables, lengths, window, min_blocks, with_mask=not ragged_decode)]
+                decodes = [self._decode_group(rows, tables, lengths, window, min_blocks,
+                                              with_mask=not ragged_decode)]
             else:
                 decodes = self._decode_groups(decode_rows, tables, lengths, window)
             spans = [self._prefill_span(first, c.start, c.start + len(c.token_ids), table(c), window)
@@ -535,74 +552,3 @@ class ModelRunner:
         to = self.device
         return DecodeGroup(None if rows is None else torch.tensor(rows, device=to), padded.to(to),
                            lengths_t.to(to), mask)
-
-    def sampling_batch(self, rows: list[tuple[Request, list[int]]], token_bitmask: torch.Tensor | None = None
-                       ) -> SamplingBatch:
-        """Sampling parameters of logits rows, each a request and the draft tokens before the row
-        (they count as output tokens for the penalties at that row), and the rows' grammar masks."""
-        requests = [r for r, _ in rows]
-        params = [r.sampling_params for r in requests]
-        to = self.device
-        floats = lambda values: torch.tensor(values, dtype=torch.float32, device=to)
-        any_penalties = any(p.has_penalties for p in params)
-        counts = prompt_mask = None
-        if any_penalties:
-            counts = torch.zeros(len(requests), self.vocab_size, dtype=torch.long)
-            prompt_mask = torch.zeros(len(requests), self.vocab_size, dtype=torch.bool)
-            for i, (r, drafts) in enumerate(rows):
-                if r.output_token_ids or drafts:
-                    output = torch.tensor(r.output_token_ids + drafts)
-                    counts[i] = torch.bincount(output, minlength=self.vocab_size)
-                prompt_mask[i, r.prompt_token_ids] = True
-            counts, prompt_mask = counts.to(to), prompt_mask.to(to)
-        logit_bias = None
-        banned = [self._banned(r, len(drafts)) for r, drafts in rows]
-        if any(p.logit_bias or p.allowed_token_ids is not None for p in params) or any(banned):
-            logit_bias = torch.zeros(len(requests), self.vocab_size)
-            for i, p in enumerate(params):
-                if p.allowed_token_ids is not None:
-                    logit_bias[i] = float("-inf")
-                    logit_bias[i, p.allowed_token_ids] = 0.0
-                if p.logit_bias:
-                    logit_bias[i, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()))
-                if banned[i]:
-                    logit_bias[i, banned[i]] = float("-inf")
-            logit_bias = logit_bias.to(to)
-        requested_logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        all_greedy = all(p.is_greedy for p in params)
-        return SamplingBatch(
-            temperature=None if all_greedy else floats([p.temperature for p in params]),
-            top_k=None if all_greedy else torch.tensor(
-                [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params], device=to),
-            top_p=None if all_greedy else floats([p.top_p for p in params]),
-            min_p=None if all_greedy else floats([p.min_p for p in params]),
-            presence_penalty=floats([p.presence_penalty for p in params]) if any_penalties else None,
-            frequency_penalty=floats([p.frequency_penalty for p in params]) if any_penalties else None,
-            repetition_penalty=floats([p.repetition_penalty for p in params]) if any_penalties else None,
-            output_token_counts=counts,
-            prompt_token_mask=prompt_mask,
-            logit_bias=logit_bias,
-            token_bitmask=None if token_bitmask is None else token_bitmask.to(to),
-            generators=[self._generator(r) for r in requests],
-            num_logprobs=max(requested_logprobs) if requested_logprobs else None,
-            all_greedy=all_greedy,
-            needs_top_k_top_p=any(0 < p.top_k < self.vocab_size or p.top_p < 1 for p in params),
-            needs_min_p=any(p.min_p > 0 for p in params),
-        )
-
-    @staticmethod
-    def _banned(request: Request, num_drafts: int) -> list[int]:
-        """The tokens that would end a row's answer before its min_tokens: EOS (unless ignored) and
-        stop_token_ids."""
-        params = request.sampling_params
-        if request.num_output_tokens + num_drafts >= params.min_tokens:
-            return []
-        return list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(request.eos_token_ids))
-
-    def _generator(self, request: Request) -> torch.Generator | None:
-        if request.seed is None:
-            return None
-        if request.request_id not in self._generators:
-            generator = torch.Generator(device=self.device).manual_seed(request.seed)
-            self._generators[request.request_id] = generator
-        return self._generators[request.request_id]

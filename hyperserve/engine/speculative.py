@@ -50,7 +50,8 @@ class Proposal:
     source: str = "text"
 
 
-def num_tokens_to_propose(acceptance: Acceptance, max_tokens: int, draft_cost: float, verify_cost: float) -> int:
+def num_tokens_to_propose(acceptance: Acceptance, max_tokens: int, draft_cost: float,
+                          verify_cost: float) -> int:
     """The k that maximises expected tokens per unit of cost: with per-token acceptance a, a step
     emits (1 - a^(k+1)) / (1 - a) tokens and costs 1 + k * (draft_cost + verify_cost), where
     verify_cost is what one more token costs a step (ModelRunner.verify_row_cost, measured)."""
@@ -105,7 +106,8 @@ class OutputHistory:
 
     def __init__(self, capacity: int, ngram_min: int, ngram_max: int) -> None:
         self.capacity, self.ngram_min, self.ngram_max = capacity, ngram_min, ngram_max
-        self.longest = 4 * ngram_max  # matches are grown this far: a repeated answer's run apart from chance ones
+        # matches are grown this far: a repeated answer's run, apart from chance ones
+        self.longest = 4 * ngram_max
         self.clear()
 
     def clear(self) -> None:
@@ -193,14 +195,15 @@ class NgramProposer:
     draft_cost = 0.0
     sizes_proposals = True
 
-    def __init__(self, ngram_min: int, ngram_max: int, verify_cost: float = 0.0, history_tokens: int = 0) -> None:
+    def __init__(self, ngram_min: int, ngram_max: int, verify_cost: float = 0.0,
+                 history_tokens: int = 0) -> None:
         self.ngram_min, self.ngram_max, self.verify_cost = ngram_min, ngram_max, verify_cost
         self.acceptance = {n: Acceptance() for n in range(ngram_min, ngram_max + 1)}
         self.history = OutputHistory(history_tokens, ngram_min, ngram_max) if history_tokens else None
         # earlier answers' matches keep rates of their own, and one for runs as long as `longest`
         # (a repeated answer): they are not the request's own text
-        self.history_acceptance = {n: Acceptance() for n in (*range(ngram_min, ngram_max + 1), self.history.longest)
-                                   } if self.history is not None else {}
+        lengths = (*range(ngram_min, ngram_max + 1), self.history.longest) if self.history is not None else ()
+        self.history_acceptance = {n: Acceptance() for n in lengths}
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Proposal]:
         proposals = []
@@ -268,13 +271,15 @@ class ModelProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         chunks = []
         for r in requests:
-            start = r.num_computed_tokens if self.shares_target_kv else min(r.draft_num_computed, r.num_computed_tokens)
-            chunks.append(SeqChunk(r.all_token_ids[start:], start, self.kv_cache.block_table(r.request_id), 1))
+            start = (r.num_computed_tokens if self.shares_target_kv
+                     else min(r.draft_num_computed, r.num_computed_tokens))
+            chunks.append(SeqChunk(r.all_token_ids[start:], start, self.kv_cache.block_table(r.request_id),
+                                   1))
         active = list(range(len(requests)))
         for step in range(max(num_tokens, default=0)):
             logits = self.runner.forward(chunks, self.model, self.kv_caches)
             rows = [(requests[i], drafts[i]) for i in active]
-            batch = self.runner.sampling_batch(rows)
+            batch = self.runner.sampling.build(rows)
             greedy, p = sampling_probs(logits, batch)
             greedy = greedy.tolist()
             next_active, chunks = [], []
@@ -287,7 +292,8 @@ class ModelProposer:
                 drafts[i].append(token)
                 if step + 1 < num_tokens[i]:
                     r = requests[i]
-                    chunks.append(SeqChunk([token], r.num_tokens + step, self.kv_cache.block_table(r.request_id), 1))
+                    table = self.kv_cache.block_table(r.request_id)
+                    chunks.append(SeqChunk([token], r.num_tokens + step, table, 1))
                     next_active.append(i)
             active = next_active
         for r, k in zip(requests, num_tokens):
@@ -307,8 +313,8 @@ def build_proposer(config: SpeculativeConfig, runner: ModelRunner, kv_cache: KVC
                              draft_cost=_cost(target, n) / _cost(target, num_layers))
     assert draft is not None
     draft_cost = _cost(draft, draft.config.num_hidden_layers) / _cost(target, target.config.num_hidden_layers)
-    return ModelProposer(runner, kv_cache, draft, runner.allocate_kv_caches(draft.config), shares_target_kv=False,
-                         draft_cost=draft_cost)
+    return ModelProposer(runner, kv_cache, draft, runner.allocate_kv_caches(draft.config),
+                         shares_target_kv=False, draft_cost=draft_cost)
 
 
 def _cost(model: LlamaForCausalLM, num_layers: int) -> float:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hyperserve.common.errors import APIError, unavailable
-from hyperserve.engine.engine import ContextLengthError, EngineDeadError, PinLimitError
+from hyperserve.engine.engine import EngineDeadError, PinLimitError
+from hyperserve.engine.input_processor import ContextLengthError
 from hyperserve.layers.lora import LoRARequest
 from hyperserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from hyperserve.sampling_params import SamplingParams, StructuredOutputs
@@ -22,6 +23,7 @@ from hyperserve.security.config import cache_salt
 from hyperserve.server import reasoning, tools
 from hyperserve.server.async_engine import AsyncEngine, RequestFailedError, RequestStream
 from hyperserve.server.disaggregation import RemotePrefill, encode_blocks
+from hyperserve.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from hyperserve.server.protocol import (
     CacheRequest,
     ChatCompletionRequest,
@@ -52,7 +54,7 @@ class Job:
     include_usage: bool
     chat_logprobs: bool = False
     tool_calls: tools.CallParser | None = None  # chat with tools: how its answers are parsed for calls
-    reasoning_parser: str | None = None  # chat: the answer's thinking goes to reasoning_content (reasoning.py)
+    reasoning_parser: str | None = None  # chat: its thinking goes to reasoning_content (reasoning.py)
     lora: LoRARequest | None = None  # the adapter `model` named
     echo: list[str] | None = None  # completions with `echo`: each prompt's text, which its answers start with
     prompt_logprobs: bool = False  # the response carries vLLM's `prompt_logprobs`
@@ -82,7 +84,8 @@ class OpenAIServing:
         self.tool_format = tools.FORMATS[parser] if parser is not None else native or tools.HERMES
         self.native_tools = native is self.tool_format  # else the fallback prompt describes the format
         self.tool_marker_id = added.get(self.tool_format.marker)
-        # a special token is left out of the answer's text unless asked for, and the parser reads the marker there
+        # a special token is left out of the answer's text unless asked for, and the parser reads the
+        # marker there
         self.tool_marker_special = (self.tool_marker_id is not None
                                     and tokenizer.added_tokens_decoder[self.tool_marker_id].special)
         # <think> and </think> as single tokens: usage then counts a reasoning model's thinking tokens, and
@@ -121,9 +124,10 @@ class OpenAIServing:
                 params = replace(params, prompt_logprobs=max(request.logprobs, params.prompt_logprobs or 0))
         salt = cache_salt(scope, request.cache_salt)
         await self._prefill_remotely(prompts, lora, salt)
-        return Job("completion", new_id("cmpl"), request.model or self.model_name, prompts, params, request.priority,
-                   bool(request.stream_options and request.stream_options.include_usage), lora=lora, echo=echo,
-                   prompt_logprobs=request.prompt_logprobs is not None, cache_salt=salt)
+        return Job("completion", new_id("cmpl"), request.model or self.model_name, prompts, params,
+                   request.priority, bool(request.stream_options and request.stream_options.include_usage),
+                   lora=lora, echo=echo, prompt_logprobs=request.prompt_logprobs is not None,
+                   cache_salt=salt)
 
     async def prepare_chat(self, request: ChatCompletionRequest, scope: str | None = None) -> Job:
         """`scope`: as prepare_completion's."""
@@ -135,13 +139,13 @@ class OpenAIServing:
             raise APIError(400, "response_format (or a guided_* constraint) cannot be combined with tools; "
                                 "set tool_choice to 'none' or drop the constraint", param="response_format")
         if offered and self.tool_format.syntax == "xml" and (bad := tools.unreadable_xml_parameter(offered)):
-            raise APIError(400, f"parameter name {bad!r} cannot be written in {self.tool_format.name}'s XML tags "
-                                "(it holds '>' or a line break); rename it", param="tools")
+            raise APIError(400, f"parameter name {bad!r} cannot be written in {self.tool_format.name}'s "
+                                "XML tags (it holds '>' or a line break); rename it", param="tools")
         if offered:
             constraint = tools.tool_constraint(offered, request.tool_choice, request.parallel_tool_calls,
                                                self.tool_format, self.tool_marker_id)
-        ids = await asyncio.to_thread(self._chat_ids, request.messages, request.add_generation_prompt, offered,
-                                      request.chat_template_kwargs, request.continue_final_message)
+        ids = await asyncio.to_thread(self._chat_ids, request.messages, request.add_generation_prompt,
+                                      offered, request.chat_template_kwargs, request.continue_final_message)
         ids = self._prompt_ids(ids, "messages", request.truncate_prompt_tokens)
         prompts = [ids]
         if constraint is not None:
@@ -155,8 +159,8 @@ class OpenAIServing:
             params = replace(params, skip_special_tokens=False)
         salt = cache_salt(scope, request.cache_salt)
         await self._prefill_remotely(prompts, lora, salt)
-        return Job("chat", new_id("chatcmpl"), request.model or self.model_name, prompts, params, request.priority,
-                   bool(request.stream_options and request.stream_options.include_usage),
+        return Job("chat", new_id("chatcmpl"), request.model or self.model_name, prompts, params,
+                   request.priority, bool(request.stream_options and request.stream_options.include_usage),
                    chat_logprobs=request.logprobs,
                    tool_calls=(tools.CallParser.offered(offered, request.calls_only, self.tool_format)
                                if offered else None),
@@ -230,8 +234,9 @@ class OpenAIServing:
         (server/disaggregation.py); the pin that kept them is released once they are read."""
         self._check_model(request.model)
         if request.kv_identity != self.engine.engine.kv_identity:
-            raise APIError(409, "this prefill server's KV does not fit the decode server's: they must run the same "
-                                "model, dtype, quantization and block size", type_="conflict", param="kv_identity")
+            raise APIError(409, "this prefill server's KV does not fit the decode server's: they must run "
+                                "the same model, dtype, quantization and block size", type_="conflict",
+                           param="kv_identity")
         ids = await asyncio.to_thread(self._prompt_ids, request.prompt_token_ids, "prompt_token_ids")
         pin_id = await self._pin_prompt(ids, KV_PIN_TTL_S, "kv", request.cache_salt)
 
@@ -270,7 +275,8 @@ class OpenAIServing:
         parser, start, end = self.settings.reasoning_parser, self.think_start_id, self.think_end_id
         if parser is None or start is None or end is None:
             return constraint
-        thinking = reasoning.thinking_before(parser, prompt_ids, start, end, self.engine.engine.tokenizer.decode)
+        decode = self.engine.engine.tokenizer.decode
+        thinking = reasoning.thinking_before(parser, prompt_ids, start, end, decode)
         return replace(constraint, thinking=thinking)
 
     @staticmethod
@@ -283,8 +289,8 @@ class OpenAIServing:
     def _check_fanout(self, num_prompts: int, n: int) -> None:
         if num_prompts * n > self.max_sequences:
             factor = self.settings.max_fanout_factor
-            raise APIError(400, f"{num_prompts} prompt(s) x n={n} would run {num_prompts * n} sequences; one request "
-                                f"may run at most {self.max_sequences} ({factor} x max_num_seqs)",
+            raise APIError(400, f"{num_prompts} prompt(s) x n={n} would run {num_prompts * n} sequences; "
+                                f"one request may run at most {self.max_sequences} ({factor} x max_num_seqs)",
                            param="n" if n > 1 else "prompt", code="request_too_large")
 
     def _check_model(self, model: str | None) -> None:
@@ -306,7 +312,7 @@ class OpenAIServing:
 
     def _prompt_ids(self, prompt: str | list[int], param: str, truncate: int | None = None) -> list[int]:
         try:
-            return self.engine.engine.process_prompt(prompt, truncate)[1]
+            return self.engine.engine.inputs.process_prompt(prompt, truncate)[1]
         except ContextLengthError as error:
             raise APIError(400, str(error), param=param, code="context_length_exceeded") from error
         except ValueError as error:
@@ -327,7 +333,7 @@ class OpenAIServing:
         try:
             params = request.sampling_params(max_tokens, logprobs, constraint)
             # off the event loop: a new grammar compiles here (milliseconds; more for a large schema)
-            await asyncio.to_thread(self.engine.engine.check_params, params)
+            await asyncio.to_thread(self.engine.engine.inputs.check_params, params)
         except ValueError as error:
             raise APIError(400, str(error), param="response_format" if constraint else None) from error
         return params
@@ -340,8 +346,9 @@ class OpenAIServing:
         job.streams = []
         try:
             for i, prompt in enumerate(job.prompts):
-                job.streams.append(self._submit(f"{job.id}-{i}", prompt, job.params, job.priority, lora=job.lora,
-                                                final_only=final_only, cache_salt=job.cache_salt))
+                job.streams.append(self._submit(f"{job.id}-{i}", prompt, job.params, job.priority,
+                                                lora=job.lora, final_only=final_only,
+                                                cache_salt=job.cache_salt))
         except APIError:
             job.close()
             raise
@@ -410,12 +417,12 @@ class OpenAIServing:
                 if job.echo:
                     self._echo(job, choice, prompt_index, final)
                 if job.prompt_logprobs and job.kind == "completion":
-                    choice["prompt_logprobs"] = _prompt_logprobs(final)
+                    choice["prompt_logprobs"] = prompt_logprobs(final)
                 choices.append(choice)
         body = {"id": job.id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
                 "created": now(), "model": job.model, "choices": choices, "usage": self.usage(job)}
         if job.prompt_logprobs and job.kind == "chat":
-            body["prompt_logprobs"] = _prompt_logprobs(job.finals[0])
+            body["prompt_logprobs"] = prompt_logprobs(job.finals[0])
         return body
 
     async def stream_chunks(self, job: Job) -> AsyncIterator[dict[str, Any]]:
@@ -431,7 +438,8 @@ class OpenAIServing:
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(len(job.prompts) * job.params.n)]
             yield {**base, "choices": first}
-        prompts_scored: set[int] = set()  # prompt_logprobs: the prompts whose scores went out, with their first chunk
+        # prompt_logprobs: the prompts whose scores went out, with their first chunk
+        prompts_scored: set[int] = set()
         async for prompt_index, output in self.run(job):
             choices = []
             for c in output.outputs:
@@ -454,12 +462,13 @@ class OpenAIServing:
                 if held and not (thought or text or calls or c.finished or job.chat_logprobs):
                     continue  # all held back (a call or a marker in the making): nothing to send yet
                 echo = job.echo[prompt_index] if job.echo else ""
-                choice = self._choice(job, index, c, text, new_logprobs, final=False, calls=calls, called=called,
-                                      text_offset=text_offsets.get(index, len(echo)), thought=thought)
+                choice = self._choice(job, index, c, text, new_logprobs, final=False, calls=calls,
+                                      called=called, text_offset=text_offsets.get(index, len(echo)),
+                                      thought=thought)
                 if first and job.echo:  # the prompt comes first
                     self._echo(job, choice, prompt_index, output)
                 if first and job.prompt_logprobs and job.kind == "completion":
-                    choice["prompt_logprobs"] = _prompt_logprobs(output)
+                    choice["prompt_logprobs"] = prompt_logprobs(output)
                 if job.kind == "completion" and choice["logprobs"] and choice["logprobs"]["tokens"]:
                     lp = choice["logprobs"]
                     text_offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
@@ -469,7 +478,7 @@ class OpenAIServing:
             chunk = {**base, "choices": choices}
             if job.prompt_logprobs and job.kind == "chat" and prompt_index not in prompts_scored:
                 prompts_scored.add(prompt_index)  # as a whole answer has them: beside the choices
-                chunk["prompt_logprobs"] = _prompt_logprobs(output)
+                chunk["prompt_logprobs"] = prompt_logprobs(output)
             yield chunk
         if job.include_usage:
             yield {**base, "choices": [], "usage": self.usage(job)}
@@ -503,7 +512,7 @@ class OpenAIServing:
         finish_reason = c.finish_reason if c.finished else None
         token_ids = c.token_ids[len(c.token_ids) - len(logprobs):] if logprobs else []
         if job.kind == "chat":
-            lp = self._chat_logprobs(token_ids, logprobs, job.params.logprobs) if job.chat_logprobs else None
+            lp = chat_logprobs(token_ids, logprobs, job.params.logprobs) if job.chat_logprobs else None
             content: str | None = text
             reasoning_content: str | None = thought or None
             if final and job.reasoning_parser is not None:
@@ -523,65 +532,22 @@ class OpenAIServing:
             return {"index": index, key: message, "logprobs": lp, "finish_reason": finish_reason,
                     "stop_reason": c.stop_reason if c.finished else None}
         num_top = job.params.logprobs
-        lp = self._completion_logprobs(token_ids, logprobs, num_top, text_offset) if num_top is not None else None
+        lp = (completion_logprobs(token_ids, logprobs, num_top, self._decode_token, text_offset)
+              if num_top is not None else None)
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason}
 
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs], num_top: int) -> dict[str, Any]:
-        content = []
-        for token_id, entries in zip(token_ids, logprobs):
-            sampled = entries[token_id]
-            top = self._top(entries, num_top)
-            content.append({
-                "token": sampled.decoded_token, "logprob": sampled.logprob,
-                "bytes": list(sampled.decoded_token.encode()),
-                "top_logprobs": [{"token": e.decoded_token, "logprob": e.logprob,
-                                  "bytes": list(e.decoded_token.encode())} for e in top],
-            })
-        return {"content": content}
-
-    def _completion_logprobs(
-        self, token_ids: list[int], logprobs: list[TokenLogprobs | None], num_top: int, offset: int = 0
-    ) -> dict[str, Any]:
-        """OpenAI's legacy logprobs. An entry is None for a prompt's first token, which nothing predicts."""
-        tokens, values, tops, offsets = [], [], [], []
-        for token_id, entries in zip(token_ids, logprobs):
-            if entries is None:
-                tokens.append(self.engine.engine.tokenizer.decode([token_id]))
-                values.append(None)
-                tops.append(None)
-            else:
-                sampled = entries[token_id]
-                tokens.append(sampled.decoded_token)
-                values.append(sampled.logprob)
-                tops.append({e.decoded_token: e.logprob for e in self._top(entries, num_top)})
-            offsets.append(offset)
-            offset += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+    def _decode_token(self, token_id: int) -> str:
+        return self.engine.engine.tokenizer.decode([token_id])
 
     def _echo(self, job: Job, choice: dict[str, Any], prompt_index: int, output: RequestOutput) -> None:
         """A completion choice with `echo`: the prompt's text before the answer's, and with logprobs,
         the prompt's tokens (the first without a logprob, as OpenAI's) before the answer's."""
         choice["text"] = job.echo[prompt_index] + choice["text"]
         if choice["logprobs"] is not None and output.prompt_logprobs is not None:
-            prompt = self._completion_logprobs(output.prompt_token_ids, output.prompt_logprobs, job.params.logprobs)
+            prompt = completion_logprobs(output.prompt_token_ids, output.prompt_logprobs, job.params.logprobs,
+                                         self._decode_token)
             choice["logprobs"] = {key: prompt[key] + choice["logprobs"][key] for key in prompt}
-
-    @staticmethod
-    def _top(entries: TokenLogprobs, num: int) -> list:
-        """Entries hold the top-N and the sampled token (which may rank below N)."""
-        return sorted(entries.values(), key=lambda e: e.rank)[:num]
-
-
-def _prompt_logprobs(output: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
-    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: its logprob,
-    rank and text} for the prompt's own token and the most likely ones."""
-    if output.prompt_logprobs is None:
-        return None
-    return [None if entries is None else {str(token_id): {"logprob": e.logprob, "rank": e.rank,
-                                                           "decoded_token": e.decoded_token}
-                                          for token_id, e in entries.items()}
-            for entries in output.prompt_logprobs]
 
 
 def _received(job: Job, index: int, item: RequestOutput | Exception) -> RequestOutput:

@@ -81,12 +81,12 @@ def test_seeded_generators_are_released_when_a_request_is_aborted(tiny_llm):
     engine = tiny_llm.engine
     engine.add_request("seeded", [1, 2, 3], SamplingParams(temperature=1.0, seed=7, max_tokens=50))
     engine.step()
-    assert "seeded" in engine.runner._generators
+    assert "seeded" in engine.runner.sampling.generators
     engine.abort_request("seeded")
-    assert engine.runner._generators == {}
+    assert engine.runner.sampling.generators == {}
     engine.add_request("finishes", [1, 2, 3], SamplingParams(temperature=1.0, seed=7, max_tokens=2))
     drain_and_check = [engine.step() for _ in range(2)]
-    assert drain_and_check[-1][0].finished and engine.runner._generators == {}
+    assert drain_and_check[-1][0].finished and engine.runner.sampling.generators == {}
 
 
 @pytest.mark.parametrize("params", [
