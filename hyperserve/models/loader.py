@@ -244,8 +244,7 @@ def _saved_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
     """A saved tokenizer.json and its settings read by `tokenizers` alone. Through AutoTokenizer,
     Gemma 3's 262k-entry vocabulary took 3.3 s: its class parses the JSON in Python again to
     rebuild the same tokenizer (the tokens, special tokens and vocabulary come out the same,
-    tests/models/test_gemma3.py); this takes 1.0 s, with the interpreter's lock released, so the
-    engine loads it while the weights load."""
+    tests/models/test_gemma3.py); this takes 1.0 s."""
     settings = json.loads((directory / "tokenizer_config.json").read_text())
     settings = {key: value for key, value in settings.items() if key not in _LOADING_KEYS}
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"),
@@ -373,9 +372,11 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None, name: str
                resolved: tuple[ModelSource, PretrainedConfig] | None = None) -> LlamaForCausalLM:
     """The model an engine of this config serves (this rank's slice of it, with `tp`), or the
     model `name` built alike (a draft model: its own random weights with seed_offset). `resolved`:
-    its source and config where the caller has read them; reading them again while the tokenizer
-    loads in another thread waited on that thread's interpreter lock (1.1 s of Gemma 3's start)."""
-    source, hf_config = resolved or (source := resolve_model(name or config.model.model), load_config(source))
+    its source and config, where the caller has read them already."""
+    if resolved is None:
+        source = resolve_model(name or config.model.model)
+        resolved = source, load_config(source)
+    source, hf_config = resolved
     return build_model(
         hf_config,
         None if config.model.load_format == "random" else source,
