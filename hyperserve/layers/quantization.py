@@ -140,20 +140,26 @@ class Int4Linear(DenseForLargeBatches):
     as a dense copy for larger steps."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dense: torch.dtype) -> None:
+        """`weight`: float [out, in], or with the native kernels a Q4_1 checkpoint's blocks already
+        as pack_q41's rows (uint8 [out, in * 5 / 8], models/loader.py), kept as they are."""
         super().__init__()
-        out_features, in_features = weight.shape
-        if in_features % INT4_GROUP_SIZE:
-            raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP_SIZE}, got {in_features}")
-        groups = weight.detach().float().reshape(out_features, -1, INT4_GROUP_SIZE)
-        low, high = groups.amin(-1), groups.amax(-1)
-        # scale and minimum rounded to float16 as GGUF stores them (a Q4_1 checkpoint's come back exactly)
-        low = low.half().float()
-        scale = ((high - low) / 15).clamp(min=2**-24).half().float()
-        codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15)
         self.native = kernels.available()
         self.dense_dtype = dense
+        packed = weight.dtype == torch.uint8
+        if packed and not self.native:
+            raise ValueError("Q4_1 rows need the native kernels")
+        out_features, in_features = weight.shape[0], weight.shape[1] * 8 // 5 if packed else weight.shape[1]
+        if in_features % INT4_GROUP_SIZE:
+            raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP_SIZE}, got {in_features}")
+        if not packed:
+            groups = weight.detach().float().reshape(out_features, -1, INT4_GROUP_SIZE)
+            low, high = groups.amin(-1), groups.amax(-1)
+            # scale and minimum rounded to float16 as GGUF stores them (a Q4_1 checkpoint's come back exactly)
+            low = low.half().float()
+            scale = ((high - low) / 15).clamp(min=2**-24).half().float()
+            codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15)
         if self.native:
-            self.q41 = pack_q41(codes.to(torch.uint8), scale, low)
+            self.q41 = weight.detach() if packed else pack_q41(codes.to(torch.uint8), scale, low)
             if interleaves_q41() and out_features % 8 == 0:
                 self.q41 = interleave_q41(self.q41)
                 self.max_rows = INTERLEAVED_MAX_ROWS

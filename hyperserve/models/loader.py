@@ -35,6 +35,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from hyperserve import kernels
 from hyperserve.config import EngineConfig
 from hyperserve.distributed.group import TensorParallel
 from hyperserve.layers.attention import AttentionBackend, attention_backend
@@ -408,7 +409,10 @@ def _load_checkpoint(model: LlamaForCausalLM, source: ModelSource, quantization:
     not dequantized): returned by name, for quantize_model. Gemma 3's embedding in float32 took
     671 MB twice over while it loaded (the load's peak RSS: 2.1 GB, against 0.85 after)."""
     embeddings = _EMBEDDINGS if packs_embeddings_q80(quantization) else frozenset()
-    tensors = (_gguf_tensors(source.path, model.config, embeddings) if source.gguf_file
+    q41_layers = quantization == "int4" and _keeps_q41_blocks(source, model.config)
+    if q41_layers:
+        _expect_q41_rows(model.model.layers)
+    tensors = (_gguf_tensors(source.path, model.config, embeddings, q41_layers) if source.gguf_file
                else _safetensors(source.directory))
     rows = {name: param.shape[0] for name, param in model.named_parameters()}
     written = dict.fromkeys(rows, 0)  # rows of each parameter written so far (fused ones take several)
@@ -442,6 +446,34 @@ def _load_checkpoint(model: LlamaForCausalLM, source: ModelSource, quantization:
     if missing:
         raise ValueError(f"checkpoint {source.path} lacks weights: {sorted(missing)[:5]}")
     return packed
+
+
+def _keeps_q41_blocks(source: ModelSource, config: PretrainedConfig) -> bool:
+    """Whether int4 takes the decoder layers' projections as the GGUF's own Q4_1 blocks (pack_q41's
+    rows: the same bytes reordered) rather than quantizing their float32 values again: where the
+    native kernels run and every matrix of every block is Q4_1 (llama.cpp's Q4_1 files: SmolLM2's),
+    and no weight is rescaled as it loads (Granite's). The bytes are the same either way (llama.cpp
+    gives each group's least and greatest weight the codes 0 and 15); SmolLM2's load took 1.0 s,
+    0.4 s of it in gguf's dequantization to float32 and 0.4 s in quantizing that again."""
+    from gguf import GGMLQuantizationType
+
+    if not source.gguf_file or not kernels.available() or config.model_type == "granite":
+        return False
+    matrices = [t for t in gguf_index(source.path)["tensors"]
+                if t["name"].startswith("blk.") and len(t["shape"]) >= 2]
+    return bool(matrices) and all(len(t["shape"]) == 2 and t["type"] == GGMLQuantizationType.Q4_1
+                                  for t in matrices)
+
+
+def _expect_q41_rows(layers: torch.nn.Module) -> None:
+    """The layers' projections, still on the meta device, take pack_q41's rows (uint8 [out, in * 5 /
+    8]: codes, then float16 scales and minimums) in place of float weights: load_weight writes a
+    fused projection's parts as rows either way, and Int4Linear keeps the rows it is given."""
+    for module in layers.modules():
+        if isinstance(module, torch.nn.Linear):
+            shape = (module.out_features, module.in_features * 5 // 8)
+            module.weight = torch.nn.Parameter(torch.empty(shape, dtype=torch.uint8, device="meta"),
+                                               requires_grad=False)
 
 
 # Mixtral's names for its MoE block and its experts' projections -> Qwen's (and ours)
@@ -489,8 +521,10 @@ def _safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, handle.get_tensor(name)
 
 
-def _gguf_tensors(path: Path, config: PretrainedConfig,
-                  q80_rows: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_tensors(path: Path, config: PretrainedConfig, q80_rows: frozenset[str] = frozenset(),
+                  q41_layers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, dequantized to float32, but for `q80_rows` given as Q8_0 and, with
+    `q41_layers`, the decoder layers' Q4_1 matrices, which come as pack_q41's rows."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -506,8 +540,11 @@ def _gguf_tensors(path: Path, config: PretrainedConfig,
         if name in q80_rows and kind == GGMLQuantizationType.Q8_0:
             yield name, q80_from_gguf(raw, tensor["shape"][0])
             continue
-        array = dequantize_q8_0(raw) if kind == GGMLQuantizationType.Q8_0 else dequantize(raw, kind)
-        array = array.reshape(tensor["shape"]).astype(np.float32, copy=False)
+        if q41_layers and kind == GGMLQuantizationType.Q4_1 and name.startswith("model.layers."):
+            array = q41_from_gguf(raw, tensor["shape"][0])
+        else:
+            array = dequantize_q8_0(raw) if kind == GGMLQuantizationType.Q8_0 else dequantize(raw, kind)
+            array = array.reshape(tensor["shape"]).astype(np.float32, copy=False)
         if not array.flags.writeable:  # an F32 tensor is the file's own (read-only) map
             array = array.copy()
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -533,6 +570,15 @@ def q80_from_gguf(raw: np.ndarray, out_features: int) -> torch.Tensor:
         codes[start : start + 4096] = blocks[start : start + 4096, :, 2:]
         scales[start : start + 4096] = blocks[start : start + 4096, :, :2]
     return torch.from_numpy(out)
+
+
+def q41_from_gguf(raw: np.ndarray, out_features: int) -> np.ndarray:
+    """A GGUF Q4_1 tensor's blocks (float16 scale and minimum, then 16 bytes of codes: code j in
+    the low nibble of byte j, code j + 16 in its high one) as pack_q41's rows [out, in * 5 / 8]:
+    each channel's codes, then its scales, then its minimums."""
+    blocks = np.asarray(raw).reshape(out_features, -1, 20)
+    codes, scales, minimums = blocks[:, :, 4:], blocks[:, :, :2], blocks[:, :, 2:4]
+    return np.concatenate([part.reshape(out_features, -1) for part in (codes, scales, minimums)], axis=1)
 
 
 def dequantize_q8_0(raw: np.ndarray) -> np.ndarray:

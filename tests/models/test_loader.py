@@ -103,6 +103,27 @@ def test_int4_holds_the_gguf_weights_exactly(smollm2_source, hf_smollm2):
                        hf_smollm2.model.layers[3].mlp.down_proj.weight)
 
 
+@pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels could not be built here")
+def test_q4_1_blocks_load_as_the_bytes_quantizing_their_weights_again_gives(smollm2_source, monkeypatch):
+    """SmolLM2's projections come as the GGUF's own Q4_1 blocks, without a float32 pass; the slower
+    way, quantizing their dequantized weights again, gives every projection the same bytes."""
+    from hyperserve.layers.quantization import Int4Linear
+    from hyperserve.models import loader
+
+    config = load_config(smollm2_source)
+    assert loader._keeps_q41_blocks(smollm2_source, config)
+    build = lambda: build_model(config, smollm2_source, TorchPagedAttention(), 64, torch.bfloat16, "cpu",
+                                quantization="int4")
+    direct = build()
+    monkeypatch.setattr(loader, "_keeps_q41_blocks", lambda *args: False)
+    requantized = build()
+    ours = {name: m.q41 for name, m in direct.named_modules() if isinstance(m, Int4Linear)}
+    theirs = {name: m.q41 for name, m in requantized.named_modules() if isinstance(m, Int4Linear)}
+    assert ours.keys() == theirs.keys() and len(ours) == 4 * config.num_hidden_layers
+    for name, q41 in ours.items():
+        assert torch.equal(q41, theirs[name]), name
+
+
 def test_gguf_metadata_is_parsed_once_into_files_that_read_back_the_same(smollm2_source, tmp_path,
                                                                          monkeypatch):
     import gguf
