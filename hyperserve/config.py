@@ -68,7 +68,7 @@ class ModelConfig:
         int4 would round away: +27% perplexity on Gemma 3 270M). Either decodes several times faster
         than float32. Anything else as stored."""
         from hyperserve import kernels
-        from hyperserve.models.loader import gguf_weight_bits
+        from hyperserve.models.gguf_reader import gguf_weight_bits
         from hyperserve.models.registry import resolve_model
 
         if self.device != "cpu" or self.load_format == "random":

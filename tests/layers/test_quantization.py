@@ -19,7 +19,8 @@ from hyperserve.layers.quantization import (
     int8_reduce_range,
     quantize_model,
 )
-from hyperserve.models.loader import build_model, gguf_weight_bits
+from hyperserve.models.gguf_reader import gguf_weight_bits
+from hyperserve.models.loader import build_model
 from tests.conftest import DEVICES, FLOAT32, tiny_config
 
 TEXT = Path(__file__).parents[2] / "data" / "quality_text.txt"

@@ -59,7 +59,7 @@ def test_tokenizer_reads_its_saved_files_as_transformers_gemma_class_does(llm, s
     GemmaTokenizer, through AutoTokenizer, rebuilds it from the same files in Python."""
     from transformers import AutoTokenizer
 
-    from hyperserve.models.loader import gguf_metadata_directory
+    from hyperserve.models.gguf_reader import gguf_metadata_directory
 
     reference = AutoTokenizer.from_pretrained(gguf_metadata_directory(source.path))
     assert type(reference).__name__ == "GemmaTokenizer"

@@ -13,7 +13,8 @@ import torch
 from hyperserve import LLM, SamplingParams, kernels
 from hyperserve.layers.attention import TorchPagedAttention
 from hyperserve.layers.quantization import pack_q80
-from hyperserve.models.loader import build_model, dequantize_q8_0, load_config, q80_from_gguf
+from hyperserve.models.gguf_reader import dequantize_q8_0, q80_from_gguf
+from hyperserve.models.loader import build_model, load_config
 from hyperserve.models.registry import resolve_model
 from tests.conftest import FLOAT32, tiny_config
 
@@ -129,18 +130,18 @@ def test_gguf_metadata_is_parsed_once_into_files_that_read_back_the_same(smollm2
     import gguf
     from transformers import AutoConfig, AutoTokenizer
 
-    from hyperserve.models import loader
+    from hyperserve.models import gguf_reader, loader
 
     monkeypatch.setenv("HYPERSERVE_GGUF_CACHE", str(tmp_path))
-    loader.gguf_metadata_directory.cache_clear()
-    loader.gguf_index.cache_clear()
+    gguf_reader.gguf_metadata_directory.cache_clear()
+    gguf_reader.gguf_index.cache_clear()
     try:
-        directory = loader.gguf_metadata_directory(smollm2_source.path)
+        directory = gguf_reader.gguf_metadata_directory(smollm2_source.path)
         assert directory.parent == tmp_path
         assert {p.name for p in directory.iterdir()} >= {"config.json", "tokenizer.json", "gguf_index.json"}
         reader = gguf.GGUFReader(smollm2_source.path)  # the references below share one parse of the file
         monkeypatch.setattr(gguf, "GGUFReader", lambda *args, **kwargs: reader)
-        assert loader.gguf_index(smollm2_source.path) == loader._read_gguf_index(smollm2_source.path)
+        assert gguf_reader.gguf_index(smollm2_source.path) == gguf_reader._read_gguf_index(smollm2_source.path)
         reference = AutoConfig.from_pretrained(smollm2_source.directory, gguf_file=smollm2_source.gguf_file)
         ours = loader.load_config(smollm2_source)
         assert {k: v for k, v in ours.to_dict().items() if k != "_name_or_path"} == \
@@ -151,8 +152,8 @@ def test_gguf_metadata_is_parsed_once_into_files_that_read_back_the_same(smollm2
         assert tokenizer.apply_chat_template(chat) == original.apply_chat_template(chat)
         assert tokenizer.eos_token_id == original.eos_token_id
     finally:
-        loader.gguf_metadata_directory.cache_clear()
-        loader.gguf_index.cache_clear()
+        gguf_reader.gguf_metadata_directory.cache_clear()
+        gguf_reader.gguf_index.cache_clear()
 
 
 def _write_gguf(hf_model, path, tokenizer_gguf, q8_0: bool = True) -> None:

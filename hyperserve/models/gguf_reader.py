@@ -1,0 +1,253 @@
+"""Reading GGUF files (llama.cpp's): their tensor table, their metadata saved once as ordinary
+files (config, tokenizer), and their tensors under Hugging Face's names, dequantized to float32 or,
+where our kernels keep the file's own layout (Q8_0 and Q4_1), its blocks reordered into their rows.
+models/loader.py builds the model from them.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from tqdm import tqdm
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+
+logger = logging.getLogger("hyperserve.gguf")
+
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",  # [E, I, H]: split per expert by loader._per_expert
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+
+
+# Gemma 3 has four norms per layer; its ffn_norm is the one before the MLP
+_GGUF_NAMES_BY_ARCHITECTURE = {"gemma3_text": {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}}
+
+_FOUR_BIT_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"})
+_FIVE_TO_EIGHT_BIT_GGUF_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"})
+_GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def gguf_weight_bits(path: Path) -> int | None:
+    """4 when most of a GGUF's transformer-block weights are in a 4-bit type (as in Q4_0, Q4_1 and
+    Q4_K_M files, whose few 6-bit tensors do not count); 8 when most are in a 5- to 8-bit one (Gemma
+    3 270M's Q4_K_M file, whose 640-wide rows do not fit Q4_K's 256-weight blocks, is mostly Q5_0);
+    None for float weights or a mix."""
+    from gguf import GGMLQuantizationType
+
+    types = [GGMLQuantizationType(t["type"]).name for t in gguf_index(path)["tensors"]
+             if t["name"].startswith("blk.") and len(t["shape"]) == 2]
+    for bits, kinds in ((4, _FOUR_BIT_GGUF_TYPES), (8, _FIVE_TO_EIGHT_BIT_GGUF_TYPES)):
+        if types and sum(name in kinds for name in types) * 2 > len(types):
+            return bits
+    return None
+
+
+@functools.lru_cache(maxsize=4)
+def gguf_index(path: Path) -> dict:
+    """What we read of a GGUF besides its config and tokenizer: its tensor table (name, type,
+    shape, byte offset and size) and its EOS token ids, from the saved metadata."""
+    directory = gguf_metadata_directory(path)
+    if directory is None:
+        return _read_gguf_index(path)
+    return json.loads((directory / "gguf_index.json").read_text())
+
+
+def _read_gguf_index(path: Path) -> dict:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    fields = reader.fields
+    architecture = fields["general.architecture"].contents() if "general.architecture" in fields else ""
+    used = f"{architecture}.expert_used_count"
+    return {
+        "tensors": [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in reversed(t.shape)],
+                     "offset": int(t.data_offset), "bytes": int(t.n_bytes)} for t in reader.tensors],
+        "eos_token_ids": [int(fields[key].contents()) for key in _GGUF_EOS_KEYS if key in fields],
+        "experts_per_token": int(fields[used].contents()) if used in fields else None,
+    }
+
+
+_GGUF_METADATA_VERSION = 2  # of what save_gguf_metadata writes
+
+
+@functools.lru_cache(maxsize=4)
+def gguf_metadata_directory(path: Path) -> Path | None:
+    """A GGUF's metadata saved once as ordinary files under HYPERSERVE_GGUF_CACHE (default
+    ~/.cache/hyperserve/gguf), keyed by the file and the transformers version: the config and
+    tokenizer transformers derives from it (config.json, tokenizer.json, the chat template) and
+    gguf_index.json. Parsing a GGUF's metadata (gguf's GGUFReader, and transformers' own parses)
+    builds Python objects for every vocabulary entry: SmolLM2's start-up peaked 300 MB higher and
+    kept ~150 MB of it, so a child process parses, once. None where that fails: the caller then
+    parses in process."""
+    stat = path.stat()
+    identity = (f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+                f"|{_GGUF_METADATA_VERSION}")
+    root = Path(os.environ.get("HYPERSERVE_GGUF_CACHE", Path.home() / ".cache" / "hyperserve" / "gguf"))
+    directory = root / hashlib.sha256(identity.encode()).hexdigest()[:16]
+    if not (directory / "gguf_index.json").exists():
+        convert = ("import sys; from hyperserve.models import gguf_reader; "
+                   "gguf_reader.save_gguf_metadata(*sys.argv[1:])")
+        done = subprocess.run([sys.executable, "-c", convert, str(path), str(directory)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            logger.warning("could not save %s's metadata as files: %s", path,
+                           done.stderr.strip().splitlines()[-1:])
+            return None
+    return directory
+
+
+def save_gguf_metadata(gguf_path: str, directory: str) -> None:
+    """gguf_metadata_directory's child: writes a temporary directory, then renames it whole. One
+    parse of the file by gguf's reader serves transformers' config, its tokenizer and our index,
+    which would each parse it again (20-30 s apiece for Gemma 3's 262k-entry vocabulary): this
+    process reads nothing else, so its GGUFReader is made to hand out that one reader."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    gguf.GGUFReader = lambda *args, **kwargs: reader
+    path, target = Path(gguf_path), Path(directory)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    AutoConfig.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(partial)
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(partial)
+    (partial / "gguf_index.json").write_text(json.dumps(_read_gguf_index(path)))
+    try:
+        partial.rename(target)
+    except OSError:  # another process saved it first
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+
+def gguf_tensors(path: Path, config: PretrainedConfig, q80_rows: frozenset[str] = frozenset(),
+                 q41_layers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, dequantized to float32, but for `q80_rows` given as Q8_0 and, with
+    `q41_layers`, the decoder layers' Q4_1 matrices, which come as pack_q41's rows."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    permuted = config.model_type in ("llama", "mistral", "mixtral")  # llama.cpp permutes Q/K rows for these
+    gemma = config.model_type == "gemma3_text"
+    for tensor in tqdm(gguf_index(path)["tensors"], desc="Loading weights", unit="tensor", leave=False):
+        name = _hf_name(tensor["name"], config.model_type)
+        if name is None:
+            continue
+        raw = data[tensor["offset"] : tensor["offset"] + tensor["bytes"]]
+        kind = GGMLQuantizationType(tensor["type"])
+        if name in q80_rows and kind == GGMLQuantizationType.Q8_0:
+            yield name, q80_from_gguf(raw, tensor["shape"][0])
+            continue
+        if q41_layers and kind == GGMLQuantizationType.Q4_1 and name.startswith("model.layers."):
+            array = q41_from_gguf(raw, tensor["shape"][0])
+        else:
+            array = dequantize_q8_0(raw) if kind == GGMLQuantizationType.Q8_0 else dequantize(raw, kind)
+            array = array.reshape(tensor["shape"]).astype(np.float32, copy=False)
+        if not array.flags.writeable:  # an F32 tensor is the file's own (read-only) map
+            array = array.copy()
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            array = _undo_rope_permutation(array, heads)
+        if gemma and name.endswith("norm.weight"):
+            array = array - 1  # llama.cpp stores Gemma's norms as 1 + w; Hugging Face names mean w
+        yield name, torch.from_numpy(array)
+
+
+def q80_from_gguf(raw: np.ndarray, out_features: int) -> torch.Tensor:
+    """A GGUF Q8_0 tensor's blocks (a float16 scale, then 32 int8 codes) as pack_q80's rows [out,
+    in + in / 16]: the same bytes reordered, without the float32 copy. pack_q80 of the dequantized
+    weight gives these bytes too (llama.cpp's Q8_0 gives each block's largest weight the code 127,
+    whose value over 127 is the scale again), but for a scale that underflowed to zero, whose
+    codes pack_q80 zeroes: the same weights either way."""
+    blocks = np.asarray(raw).reshape(out_features, -1, 34)
+    groups = blocks.shape[1]
+    out = np.empty((out_features, groups * 34), dtype=np.uint8)
+    codes = out[:, : groups * 32].reshape(out_features, groups, 32)  # views of `out`
+    scales = out[:, groups * 32 :].reshape(out_features, groups, 2)
+    for start in range(0, out_features, 4096):  # in pieces that stay in cache: 0.5-0.7 s -> 0.1-0.2 s
+        codes[start : start + 4096] = blocks[start : start + 4096, :, 2:]
+        scales[start : start + 4096] = blocks[start : start + 4096, :, :2]
+    return torch.from_numpy(out)
+
+
+def q41_from_gguf(raw: np.ndarray, out_features: int) -> np.ndarray:
+    """A GGUF Q4_1 tensor's blocks (float16 scale and minimum, then 16 bytes of codes: code j in
+    the low nibble of byte j, code j + 16 in its high one) as pack_q41's rows [out, in * 5 / 8]:
+    each channel's codes, then its scales, then its minimums."""
+    blocks = np.asarray(raw).reshape(out_features, -1, 20)
+    codes, scales, minimums = blocks[:, :, 4:], blocks[:, :, :2], blocks[:, :, 2:4]
+    return np.concatenate([part.reshape(out_features, -1) for part in (codes, scales, minimums)], axis=1)
+
+
+def dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
+    """GGUF Q8_0 blocks (a float16 scale, then 32 int8 codes) as float32, as gguf's dequantize gives
+    them, a few thousand blocks at a time: its one pass over Gemma 3's 262k-row embedding took 2.4 s
+    of a 10 s load in temporaries the size of the tensor, this 0.3 s."""
+    blocks = np.asarray(raw).reshape(-1, 34)  # read-only (the file's map): copied a chunk at a time
+    out = torch.empty(blocks.shape[0], 32)
+    for start in range(0, blocks.shape[0], 1 << 16):
+        chunk = torch.from_numpy(blocks[start : start + (1 << 16)].copy())
+        scale = chunk[:, :2].contiguous().view(torch.float16).float()
+        out[start : start + len(chunk)] = chunk[:, 2:].contiguous().view(torch.int8).float() * scale
+    return out.numpy()
+
+
+def _hf_name(gguf_name: str, model_type: str) -> str | None:
+    names = {**_GGUF_NAMES, **_GGUF_NAMES_BY_ARCHITECTURE.get(model_type, {})}
+    match = re.fullmatch(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)", gguf_name)
+    if match is None or match.group(2) not in names:
+        return None  # e.g. rope_freqs: derived from the config instead
+    layer, base, leaf = match.groups()
+    prefix = f"model.layers.{layer}." if layer is not None else ""
+    return f"{prefix}{names[base]}.{leaf}"
+
+
+def _undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp interleaves each head's rotary halves; restore the rotate-half row order."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def blocks_are_q41(path: Path) -> bool:
+    """Whether every matrix of the file's blocks is a 2-D Q4_1 tensor (llama.cpp's Q4_1 files)."""
+    from gguf import GGMLQuantizationType
+
+    matrices = [t for t in gguf_index(path)["tensors"]
+                if t["name"].startswith("blk.") and len(t["shape"]) >= 2]
+    return bool(matrices) and all(len(t["shape"]) == 2 and t["type"] == GGMLQuantizationType.Q4_1
+                                  for t in matrices)
