@@ -54,7 +54,8 @@ def test_int4_quantizes_any_float_weight_within_a_sixteenth_of_each_group_range(
     dense = Int4Linear(weight, None, torch.float32).dense()
     groups = weight.reshape(64, 3, 32)
     step = ((groups.amax(-1) - groups.amin(-1)) / 15)[..., None]
-    rounding = 1e-3 * (step + groups.abs().amax(-1, keepdim=True))  # scale and minimum are float16, as in GGUF
+    # scale and minimum are float16, as in GGUF
+    rounding = 1e-3 * (step + groups.abs().amax(-1, keepdim=True))
     assert ((dense.reshape(64, 3, 32) - groups).abs() <= step / 2 + rounding).all()
 
 
@@ -65,7 +66,8 @@ def test_int8_linear_matches_float_within_quantization_error():
     expected = F.linear(x, weight, bias)
     got = Int8Linear(weight, bias)(x)
     assert (got - expected).norm() / expected.norm() < 0.02
-    assert (Int8Linear(weight.flip(0), bias)(x) - expected).norm() / expected.norm() > 0.5  # a wrong weight shows
+    wrong = Int8Linear(weight.flip(0), bias)(x)
+    assert (wrong - expected).norm() / expected.norm() > 0.5  # a wrong weight shows
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels are not built")
@@ -103,7 +105,8 @@ def test_fp8_linear_matches_float_within_quantization_error(device, tokens):
     x = torch.randn(2, tokens, 64, device=device)
     x[0, 0] *= 50  # an outlier token: with per-token scales it costs the others nothing
     expected = F.linear(x, weight, bias)
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16  # rowwise-scaled FP8 GEMMs output bfloat16 on CUDA
+    # rowwise-scaled FP8 GEMMs output bfloat16 on CUDA
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
     got = Fp8Linear(weight, bias)(x.to(dtype)).float()
     assert got.shape == expected.shape
     for row in range(1, 5):

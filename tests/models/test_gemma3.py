@@ -35,8 +35,8 @@ def llm():  # float32 weights; the long prompt in chunks
 @pytest.mark.parametrize("prompt", ["The capital of France is", "def fibonacci(n):", STORY + "The fox"])
 def test_greedy_tokens_and_logprobs_match_transformers(llm, hf_gemma, prompt):
     ids = llm.tokenizer(prompt).input_ids
-    completion = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, logprobs=5, ignore_eos=True),
-                              use_tqdm=False)[0].outputs[0]
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=5, ignore_eos=True)
+    completion = llm.generate([ids], params, use_tqdm=False)[0].outputs[0]
     with torch.no_grad():
         logprobs = hf_gemma(torch.tensor([ids + completion.token_ids])).logits[0].log_softmax(-1)
     for step, (token, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
@@ -49,8 +49,10 @@ def test_greedy_tokens_and_logprobs_match_transformers(llm, hf_gemma, prompt):
 
 
 def test_chat_turns_use_gemmas_format_and_end_of_turn_ends_them(llm):
-    ids = llm.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
-    assert llm.tokenizer.decode(ids) == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    ids = llm.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": "Hi"}])
+    assert llm.tokenizer.decode(ids) == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+                                         "<start_of_turn>model\n")
     assert llm.tokenizer.convert_tokens_to_ids("<end_of_turn>") in llm.engine.eos_token_ids
 
 
@@ -64,8 +66,8 @@ def test_tokenizer_reads_its_saved_files_as_transformers_gemma_class_does(llm, s
     reference = AutoTokenizer.from_pretrained(gguf_metadata_directory(source.path))
     assert type(reference).__name__ == "GemmaTokenizer"
     ours = llm.tokenizer
-    texts = ["", " ", "Hello world", "  two spaces,\ttab\n\nnewlines ", "日本語のテキスト 🤖", "A" * 40,
-             "<start_of_turn>user\nhi<end_of_turn>", "<bos><eos><pad> x**2 ```py```"]
+    texts = ["", " ", "Hello world", "  two spaces,\ttab\n\nnewlines ", "日本語のテキスト 🤖",
+             "A" * 40, "<start_of_turn>user\nhi<end_of_turn>", "<bos><eos><pad> x**2 ```py```"]
     for text in texts:
         ids = ours(text).input_ids
         assert ids == reference(text).input_ids, text
@@ -93,6 +95,6 @@ def test_default_runs_in_int8_and_follows_float32_up_to_near_ties(llm):
             if token != expected:
                 assert candidates[0] - candidates[1] < 0.25, (prompt, step)
                 break
-            assert ours.logprobs[step][token].logprob == pytest.approx(reference.logprobs[step][token].logprob,
-                                                                        abs=0.1)
+            expected = reference.logprobs[step][token].logprob
+            assert ours.logprobs[step][token].logprob == pytest.approx(expected, abs=0.1)
     default.close()

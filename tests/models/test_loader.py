@@ -141,7 +141,8 @@ def test_gguf_metadata_is_parsed_once_into_files_that_read_back_the_same(smollm2
         assert {p.name for p in directory.iterdir()} >= {"config.json", "tokenizer.json", "gguf_index.json"}
         reader = gguf.GGUFReader(smollm2_source.path)  # the references below share one parse of the file
         monkeypatch.setattr(gguf, "GGUFReader", lambda *args, **kwargs: reader)
-        assert gguf_reader.gguf_index(smollm2_source.path) == gguf_reader._read_gguf_index(smollm2_source.path)
+        path = smollm2_source.path
+        assert gguf_reader.gguf_index(path) == gguf_reader._read_gguf_index(path)
         reference = AutoConfig.from_pretrained(smollm2_source.directory, gguf_file=smollm2_source.gguf_file)
         ours = loader.load_config(smollm2_source)
         assert {k: v for k, v in ours.to_dict().items() if k != "_name_or_path"} == \
