@@ -57,6 +57,7 @@ _GGUF_NAMES_BY_ARCHITECTURE = {"gemma3_text": {
 
 _FOUR_BIT_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"})
 _FIVE_TO_EIGHT_BIT_GGUF_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"})
+_Q4_TYPES = frozenset({"Q4_0", "Q4_1"})  # blocks of 32 weights that pack_q41's rows hold exactly
 _GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
@@ -153,7 +154,7 @@ def save_gguf_metadata(gguf_path: str, directory: str) -> None:
 def gguf_tensors(path: Path, config: PretrainedConfig, q80_rows: frozenset[str] = frozenset(),
                  q41_layers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors, dequantized to float32, but for `q80_rows` given as Q8_0 and, with
-    `q41_layers`, the decoder layers' Q4_1 matrices, which come as pack_q41's rows."""
+    `q41_layers`, the decoder layers' Q4_0 and Q4_1 matrices, which come as pack_q41's rows."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -169,8 +170,8 @@ def gguf_tensors(path: Path, config: PretrainedConfig, q80_rows: frozenset[str] 
         if name in q80_rows and kind == GGMLQuantizationType.Q8_0:
             yield name, q80_from_gguf(raw, tensor["shape"][0])
             continue
-        if q41_layers and kind == GGMLQuantizationType.Q4_1 and name.startswith("model.layers."):
-            array = q41_from_gguf(raw, tensor["shape"][0])
+        if q41_layers and kind.name in _Q4_TYPES and name.startswith("model.layers."):
+            array = q41_from_gguf(raw, tensor["shape"][0], kind)
         else:
             array = dequantize_q8_0(raw) if kind == GGMLQuantizationType.Q8_0 else dequantize(raw, kind)
             array = array.reshape(tensor["shape"]).astype(np.float32, copy=False)
@@ -201,12 +202,21 @@ def q80_from_gguf(raw: np.ndarray, out_features: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def q41_from_gguf(raw: np.ndarray, out_features: int) -> np.ndarray:
-    """A GGUF Q4_1 tensor's blocks (float16 scale and minimum, then 16 bytes of codes: code j in
-    the low nibble of byte j, code j + 16 in its high one) as pack_q41's rows [out, in * 5 / 8]:
-    each channel's codes, then its scales, then its minimums."""
-    blocks = np.asarray(raw).reshape(out_features, -1, 20)
-    codes, scales, minimums = blocks[:, :, 4:], blocks[:, :, :2], blocks[:, :, 2:4]
+def q41_from_gguf(raw: np.ndarray, out_features: int, kind: int) -> np.ndarray:
+    """A GGUF Q4_1 or Q4_0 tensor's blocks as pack_q41's rows [out, in * 5 / 8]: each channel's
+    codes, then its scales, then its minimums. A Q4_1 block holds a float16 scale and minimum, then
+    16 bytes of codes (code j in the low nibble of byte j, code j + 16 in its high one); a Q4_0
+    block a float16 scale d and the same codes, meaning d (q - 8): its minimum is -8 d, which
+    float16 holds exactly, and scale x code + minimum gives each weight exactly as d (q - 8) does."""
+    from gguf import GGMLQuantizationType
+
+    if kind == GGMLQuantizationType.Q4_1:
+        blocks = np.asarray(raw).reshape(out_features, -1, 20)
+        codes, scales, minimums = blocks[:, :, 4:], blocks[:, :, :2], blocks[:, :, 2:4]
+    else:
+        blocks = np.asarray(raw).reshape(out_features, -1, 18)
+        codes, scales = blocks[:, :, 2:], blocks[:, :, :2]
+        minimums = (np.ascontiguousarray(scales).view(np.float16) * np.float16(-8)).view(np.uint8)
     return np.concatenate([part.reshape(out_features, -1) for part in (codes, scales, minimums)], axis=1)
 
 
@@ -243,11 +253,12 @@ def _undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def blocks_are_q41(path: Path) -> bool:
-    """Whether every matrix of the file's blocks is a 2-D Q4_1 tensor (llama.cpp's Q4_1 files)."""
+def blocks_are_q4(path: Path) -> bool:
+    """Whether every matrix of the file's blocks is a 2-D Q4_0 or Q4_1 tensor (llama.cpp's Q4_0 and
+    Q4_1 files), each of which pack_q41's rows hold exactly (q41_from_gguf)."""
     from gguf import GGMLQuantizationType
 
     matrices = [t for t in gguf_index(path)["tensors"]
                 if t["name"].startswith("blk.") and len(t["shape"]) >= 2]
-    return bool(matrices) and all(len(t["shape"]) == 2 and t["type"] == GGMLQuantizationType.Q4_1
+    return bool(matrices) and all(len(t["shape"]) == 2 and GGMLQuantizationType(t["type"]).name in _Q4_TYPES
                                   for t in matrices)

@@ -157,15 +157,16 @@ def test_gguf_metadata_is_parsed_once_into_files_that_read_back_the_same(smollm2
         gguf_reader.gguf_index.cache_clear()
 
 
-def _write_gguf(hf_model, path, tokenizer_gguf, q8_0: bool = True) -> None:
+def _write_gguf(hf_model, path, tokenizer_gguf, quant: str | None = "Q8_0") -> None:
     """hf_model (Qwen3, Qwen3-MoE or Mixtral) as llama.cpp's converter writes it: its names, its
-    metadata, the experts stacked per layer, weights in Q8_0 or float32 (norms and the router in
-    float32), Mixtral as a `llama` with experts and its Q/K rows permuted, and the tokenizer of
-    `tokenizer_gguf`."""
+    metadata, the experts stacked per layer, weights in `quant` (a GGML type gguf's numpy quantizer
+    writes) or float32 (norms and the router in float32), Mixtral as a `llama` with experts and its
+    Q/K rows permuted, and the tokenizer of `tokenizer_gguf`."""
     import gguf
     from gguf.quants import quantize
 
     config = hf_model.config
+    kind = None if quant is None else gguf.GGMLQuantizationType[quant]
     moe = config.model_type in ("qwen3_moe", "mixtral")
     arch = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}[config.model_type]
     writer = gguf.GGUFWriter(path, arch)
@@ -217,11 +218,11 @@ def _write_gguf(hf_model, path, tokenizer_gguf, q8_0: bool = True) -> None:
         layer = name.split(".")[2] if ".layers." in name else None
         if stacked is not None:
             for base, part in stacked.items():
-                if q8_0:
-                    q8 = gguf.GGMLQuantizationType.Q8_0
-                    writer.add_tensor(f"blk.{layer}.{base}.weight", quantize(part.copy(), q8), raw_dtype=q8)
+                tensor_name = f"blk.{layer}.{base}.weight"
+                if kind is not None:
+                    writer.add_tensor(tensor_name, quantize(part.copy(), kind), raw_dtype=kind)
                 else:
-                    writer.add_tensor(f"blk.{layer}.{base}.weight", part.copy())
+                    writer.add_tensor(tensor_name, part.copy())
             continue
         if name == "lm_head.weight":
             gguf_name = "output.weight"
@@ -229,9 +230,8 @@ def _write_gguf(hf_model, path, tokenizer_gguf, q8_0: bool = True) -> None:
             module = name.removeprefix("model.").removesuffix(".weight")
             module = module.split(".", 2)[2] if layer is not None else module
             gguf_name = f"{names[module]}.weight" if layer is None else f"blk.{layer}.{names[module]}.weight"
-        if q8_0 and array.ndim == 2 and "ffn_gate_inp" not in gguf_name:
-            writer.add_tensor(gguf_name, quantize(array, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        if kind is not None and array.ndim == 2 and "ffn_gate_inp" not in gguf_name:
+            writer.add_tensor(gguf_name, quantize(array, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
@@ -266,6 +266,39 @@ def test_qwen3_gguf_matches_transformers_on_its_dequantized_weights(arch, smollm
     assert llm.engine.hf_config.model_type == arch
     assert llm.engine.tokenizer.decode(llm.engine.tokenizer("Hello world").input_ids) == "Hello world"
     _check_against_transformers(llm, reference, abs_tol=2e-4)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels could not be built here")
+def test_int4_holds_a_q4_0_ggufs_weights_exactly(smollm2_source, tmp_path, monkeypatch):
+    """A Qwen3 GGUF in Q4_0 (its embedding and head too) loads in int4 with every projection the
+    file's own weights, as the float32 load dequantizes them: Q4_0's d (q - 8) as a scale and a
+    minimum of -8 d. Quantizing those weights again, the way before, changes most of them."""
+    from transformers import AutoModelForCausalLM
+
+    from hyperserve.layers.quantization import Int4Linear
+    from hyperserve.models import loader
+
+    dequantize = torch.ops.hyperserve.dequantize
+    monkeypatch.setenv("HYPERSERVE_GGUF_CACHE", str(tmp_path / "cache"))
+    config = tiny_config("qwen3", vocab_size=49152, hidden_size=128, intermediate_size=256,
+                         max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    _write_gguf(model, tmp_path / "model.gguf", smollm2_source.path, quant="Q4_0")
+    source = resolve_model(str(tmp_path / "model.gguf"))
+    config = load_config(source)
+    assert loader._keeps_q41_blocks(source, config)
+    build = lambda quantization: build_model(config, source, TorchPagedAttention(), 64, torch.float32,
+                                             "cpu", quantization=quantization)
+    exact = build(None)
+    for way in ("direct", "again"):
+        if way == "again":
+            monkeypatch.setattr(loader, "_keeps_q41_blocks", lambda *args: False)
+        int4 = {name: m for name, m in build("int4").named_modules() if isinstance(m, Int4Linear)}
+        assert len(int4) == 4 * config.num_hidden_layers
+        same = [torch.equal(dequantize(m.q41, m.in_features, "q4_1")[: m.out_features],
+                            exact.get_submodule(name).weight) for name, m in int4.items()]
+        assert all(same) if way == "direct" else not any(same)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
@@ -324,7 +357,7 @@ def test_a_mixtral_gguf_is_read_as_mixtral(smollm2_source, tmp_path, monkeypatch
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if "norm" in name else torch.randn_like(p) * 0.15)
-    _write_gguf(model, tmp_path / "mixtral.gguf", smollm2_source.path, q8_0=False)
+    _write_gguf(model, tmp_path / "mixtral.gguf", smollm2_source.path, quant=None)
     llm = LLM(model=str(tmp_path / "mixtral.gguf"), num_kv_blocks=64, block_size=4, max_model_len=128,
               dtype="float32")
     read = llm.engine.hf_config
