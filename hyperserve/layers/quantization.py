@@ -140,14 +140,14 @@ class Int4Linear(DenseForLargeBatches):
     as a dense copy for larger steps."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dense: torch.dtype) -> None:
-        """`weight`: float [out, in], or with the native kernels a Q4_1 checkpoint's blocks already
+        """`weight`: float [out, in], or with the native kernels a Q4_0 or Q4_1 checkpoint's blocks
         as pack_q41's rows (uint8 [out, in * 5 / 8], models/loader.py), kept as they are."""
         super().__init__()
         self.native = kernels.available()
         self.dense_dtype = dense
         packed = weight.dtype == torch.uint8
         if packed and not self.native:
-            raise ValueError("Q4_1 rows need the native kernels")
+            raise ValueError("pack_q41 rows need the native kernels")
         out_features, in_features = weight.shape[0], weight.shape[1] * 8 // 5 if packed else weight.shape[1]
         if in_features % INT4_GROUP_SIZE:
             raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP_SIZE}, got {in_features}")
