@@ -550,7 +550,8 @@ class LLMEngine:
         )
         if not same_vocab:
             raise ValueError(f"draft model {name!r} does not share the target model's tokenizer")
-        return loader.load_model(self.config, name=name, max_position=self.max_model_len, seed_offset=1)
+        return loader.load_model(self.config, max_position=self.max_model_len, seed_offset=1,
+                                 resolved=(source, config))
 
 
 def _check_tensor_parallel(config: EngineConfig, hf_config) -> None:

@@ -240,14 +240,14 @@ def _materialise(module: torch.nn.Module, device: str, recurse: bool = True) -> 
     module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device), recurse=recurse)
 
 
-def load_model(config: EngineConfig, tp: TensorParallel | None = None, name: str | None = None,
-               max_position: int | None = None, seed_offset: int = 0,
-               resolved: tuple[ModelSource, PretrainedConfig] | None = None) -> LlamaForCausalLM:
-    """The model an engine of this config serves (this rank's slice of it, with `tp`), or the
-    model `name` built alike (a draft model: its own random weights with seed_offset). `resolved`:
-    its source and config, where the caller has read them already."""
+def load_model(config: EngineConfig, tp: TensorParallel | None = None, max_position: int | None = None,
+               seed_offset: int = 0, resolved: tuple[ModelSource, PretrainedConfig] | None = None
+               ) -> LlamaForCausalLM:
+    """The model an engine of this config serves (this rank's slice of it, with `tp`), or with
+    `resolved` (a source and its config, already read) another built alike: a draft model, its own
+    random weights drawn with seed_offset."""
     if resolved is None:
-        source = resolve_model(name or config.model.model)
+        source = resolve_model(config.model.model)
         resolved = source, load_config(source)
     source, hf_config = resolved
     return build_model(
