@@ -113,15 +113,17 @@ def hf_smollm2(smollm2_source):
 
 def hf_model_from_gguf(source):
     """transformers' model of a GGUF, its weights dequantized by transformers. The config is the
-    one transformers derived from the same GGUF, as the loader saved it (test_loader checks that
-    they are equal): parsing a GGUF's metadata again costs 10-30 s a time (262k vocabulary entries
-    for Gemma 3)."""
-    from transformers import AutoModelForCausalLM
+    one transformers derived from the same GGUF, as the loader saved it, read by its own class and
+    completed as the loader completes ours: parsing a GGUF's metadata again costs 10-30 s a time
+    (262k vocabulary entries for Gemma 3)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hyperserve.models.loader import load_config
+    from hyperserve.models import gguf_reader, loader
 
+    config = AutoConfig.from_pretrained(gguf_reader.gguf_metadata_directory(source.path))
+    config = loader._complete_gguf_config(config, gguf_reader.gguf_index(source.path))
     return AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file,
-                                                config=load_config(source), dtype=torch.float32).eval()
+                                                config=config, dtype=torch.float32).eval()
 
 
 def tiny_config(arch: str, **overrides):

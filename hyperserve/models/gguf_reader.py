@@ -101,7 +101,8 @@ def _read_gguf_index(path: Path) -> dict:
     }
 
 
-_GGUF_METADATA_VERSION = 2  # of what save_gguf_metadata writes
+CONFIG_ATTRIBUTES = "config_attributes.json"
+_GGUF_METADATA_VERSION = 3  # of what save_gguf_metadata writes
 
 
 @functools.lru_cache(maxsize=4)
@@ -141,7 +142,11 @@ def save_gguf_metadata(gguf_path: str, directory: str) -> None:
     gguf.GGUFReader = lambda *args, **kwargs: reader
     path, target = Path(gguf_path), Path(directory)
     partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-    AutoConfig.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(partial)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    config.save_pretrained(partial)
+    # every attribute its class reads, its aliases (attribute_map) included: see loader._saved_config
+    aliases = {alias: getattr(config, alias) for alias in type(config).attribute_map}
+    (partial / CONFIG_ATTRIBUTES).write_text(json.dumps({**config.to_dict(), **aliases}))
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(partial)
     (partial / "gguf_index.json").write_text(json.dumps(_read_gguf_index(path)))
     try:

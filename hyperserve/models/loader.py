@@ -58,13 +58,28 @@ def _metadata_source(source: ModelSource) -> tuple[Path, str | None]:
 
 def load_config(source: ModelSource) -> PretrainedConfig:
     directory, gguf_file = _metadata_source(source)
-    config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+    if source.gguf_file and gguf_file is None:  # the GGUF's config as gguf_metadata_directory saved it
+        config = _saved_config(directory)
+    else:
+        config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
     if source.gguf_file:
         config = _complete_gguf_config(config, gguf_reader.gguf_index(source.path))
     if config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"architecture {config.model_type!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
         )
+    return config
+
+
+def _saved_config(directory: Path) -> PretrainedConfig:
+    """A GGUF's saved config as plain attributes of transformers' base class, which is all our
+    models read. Through its own class it took 0.8 s more for SmolLM2: LlamaConfig's module
+    imports transformers' weight-loading stack (torch.distributed.tensor, sympy), which serving
+    never uses. tests/models/test_loader.py checks each attribute against the class's reading."""
+    attributes = json.loads((directory / gguf_reader.CONFIG_ATTRIBUTES).read_text())
+    config = PretrainedConfig(**attributes)  # which converts dtype and drops generation settings,
+    for name in attributes.keys() - vars(config).keys():  # use_cache among them; model_type's is ""
+        setattr(config, name, attributes[name])
     return config
 
 

@@ -79,6 +79,19 @@ def test_tokenizer_reads_its_saved_files_as_transformers_gemma_class_does(llm, s
     assert ours.get_vocab() == reference.get_vocab()
 
 
+def test_config_reads_its_saved_attributes_as_gemmas_config_class_does(llm, source):
+    """The engine reads the GGUF's saved config as plain attributes (loader._saved_config)."""
+    from transformers import AutoConfig
+
+    from hyperserve.models import gguf_reader, loader
+    from tests.models.test_loader import _check_config_reads_as
+
+    reference = AutoConfig.from_pretrained(gguf_reader.gguf_metadata_directory(source.path))
+    assert type(reference).__name__ == "Gemma3TextConfig"
+    reference = loader._complete_gguf_config(reference, gguf_reader.gguf_index(source.path))
+    _check_config_reads_as(llm.engine.hf_config, reference)
+
+
 def test_default_runs_in_int8_and_follows_float32_up_to_near_ties(llm):
     """The GGUF is mostly 5- to 8-bit (Q5_0, Q6_K, Q8_0), so the default is int8 (Q8_0 through the
     native kernels) where the kernels are built. Its greedy tokens are float32's until a step where
