@@ -89,7 +89,7 @@ WORKLOADS = {"(a) input-grounded": (GROUNDED, "fresh"), "(b) open chat": (CHAT, 
 
 
 def forget_answers(llm) -> None:
-    history = getattr(llm.engine.proposer, "history", None)
+    history = getattr(llm.engine.speculator.proposer, "history", None)
     if history is not None:
         history.clear()
 
@@ -124,7 +124,7 @@ def run(methods: list[str], workloads: dict[str, tuple[list[str], str]], max_tok
                     total[4] += spec.num_drafts - steps
                     total[5] += spec.by_source.get("history", [0, 0])[1] - from_history
     # what the engine timed at start: one more token in a step, relative to a one-token step
-    results = {method: {"verify_cost": engines[method].engine.verify_cost} for method in methods}
+    results = {method: {"verify_cost": engines[method].engine.speculator.verify_cost} for method in methods}
     for (method, workload), (tokens, seconds, drafted, accepted, steps, from_history) in totals.items():
         results[method][workload] = {
             "output_tokens": tokens,

@@ -36,10 +36,10 @@ from hyperserve.engine.kv_transfer import KVTransfer
 from hyperserve.engine.lora_manager import LoRAManager
 from hyperserve.engine.memory import kv_groups, num_kv_blocks, return_freed_heap
 from hyperserve.engine.model_runner import ModelRunner, StepResult
-from hyperserve.engine.request import Acceptance, Request, RequestStatus
+from hyperserve.engine.request import Request, RequestStatus
 from hyperserve.engine.sampler import SamplerOutput
 from hyperserve.engine.scheduler import Scheduler, SchedulerOutput
-from hyperserve.engine.speculative import build_proposer, num_tokens_to_propose
+from hyperserve.engine.speculative import Speculator, build_proposer
 from hyperserve.engine.structured_output import GrammarCompiler
 from hyperserve.layers.lora import LoRARequest
 from hyperserve.models import loader
@@ -49,7 +49,6 @@ from hyperserve.outputs import CompletionOutput, Logprob, RequestMetrics, Reques
 from hyperserve.sampling_params import SamplingParams
 
 MAX_FAILED_STEPS = 3  # steps failing in a row after which the engine is taken to be broken
-MAX_FORCED_DRAFTS = 16  # a grammar's forced tokens drafted per step (a verify step of 17 rows at most)
 
 logger = logging.getLogger("hyperserve.engine")
 
@@ -150,12 +149,12 @@ class LLMEngine:
                                    self.lora.prefetch if self.lora is not None else None)
         spec = config.speculative
         draft = self._load_draft(spec.draft_model) if spec.speculative_method == "draft" else None
-        self.verify_cost = spec.speculative_verify_cost
-        if self.verify_cost is None:
-            self.verify_cost = self.runner.verify_row_cost() if spec.speculative_method else 0.0
-        self.proposer = (build_proposer(spec, self.runner, self.kv_cache, draft, self.verify_cost)
-                         if spec.speculative_method else None)
-        self.forced_acceptance = Acceptance()  # forced drafts' verifications, apart from any proposer's
+        verify_cost = spec.speculative_verify_cost
+        if verify_cost is None:
+            verify_cost = self.runner.verify_row_cost() if spec.speculative_method else 0.0
+        proposer = (build_proposer(spec, self.runner, self.kv_cache, draft, verify_cost)
+                    if spec.speculative_method else None)
+        self.speculator = Speculator(spec, proposer, verify_cost, self.kv_cache, self.max_model_len)
         self._groups: dict[str, _Group] = {}
         self.kv_transfer = KVTransfer(self.kv_cache, self.runner, self.workers is not None)
         return_freed_heap()
@@ -200,7 +199,7 @@ class LLMEngine:
         result = self.runner.execute(out, self.kv_cache)
         updated = self.scheduler.update_from_output(out, result.token_ids_by_request())
         self._process_outputs(updated, result, num_before)
-        self._propose()
+        self.speculator.propose(self.scheduler.running)
         groups = dict.fromkeys(_group_id(r) for r in updated)
         return self._emit(g for g in groups if not self._groups[g].final_only or self._groups[g].finished)
 
@@ -392,74 +391,7 @@ class LLMEngine:
                     break
             if request.is_finished:
                 request.metrics.finished_time = now
-                if self.proposer is not None:
-                    self.proposer.finished(request)
-
-    def _propose(self) -> None:
-        """Speculative decoding: draft tokens for decoding requests, verified by the next step.
-        A constrained request whose grammar forces its next tokens drafts those (`_draft_forced`);
-        the others get the proposer's drafts, except while the batch is large: then decode is
-        compute-bound and verifying drafts costs about as much as decoding them."""
-        spec = self.config.speculative
-        proposing = self.proposer is not None and len(self.scheduler.running) <= spec.speculative_max_batch
-        if not (proposing or spec.speculative_forced_tokens):
-            return
-        decoding = []
-        for request in self.scheduler.running:
-            if request.num_computed_tokens != request.num_tokens - 1:
-                continue  # still prefilling
-            if spec.speculative_forced_tokens and request.grammar is not None and self._draft_forced(request):
-                continue
-            decoding.append(request)
-        if not proposing:
-            return
-        # A draft model writes its drafts' KV, so their slots come first (and what it did not
-        # draft is trimmed); a proposer that sizes its own proposals (a lookup) gets slots after.
-        sized_after = self.proposer.sizes_proposals
-        requests, num_tokens = [], []
-        for request in decoding:
-            k = min(self.config.speculative.num_speculative_tokens, self._room(request))
-            if not sized_after:
-                k = num_tokens_to_propose(request.acceptance, k, self.proposer.draft_cost, self.verify_cost)
-            if k > 0 and (sized_after
-                          or self.kv_cache.allocate_slots(request.request_id, request.num_tokens + k)):
-                requests.append(request)
-                num_tokens.append(k)
-            else:
-                request.acceptance.steps_without += 1
-        if not requests:
-            return
-        for request, proposal in zip(requests, self.proposer.propose(requests, num_tokens)):
-            end = request.num_tokens + len(proposal.token_ids)
-            if not sized_after:
-                self.kv_cache.trim(request.request_id, end)
-            elif proposal.token_ids and not self.kv_cache.allocate_slots(request.request_id, end):
-                continue  # the pool is short: no drafts this step
-            request.spec_token_ids, request.spec_probs = proposal.token_ids, proposal.probs
-            request.spec_acceptance = proposal.acceptance or request.acceptance
-            request.spec_source = proposal.source
-            request.acceptance.steps_without = 0
-
-    def _room(self, request: Request) -> int:
-        """Draft tokens the request may still take: its max_tokens and the context, less the token
-        its verification adds."""
-        room = self.max_model_len - request.num_tokens
-        if request.sampling_params.max_tokens is not None:
-            room = min(room, request.sampling_params.max_tokens - request.num_output_tokens - 1)
-        return room
-
-    def _draft_forced(self, request: Request) -> bool:
-        """Draft the tokens the request's grammar forces next, up to MAX_FORCED_DRAFTS; whether it
-        has any (and the KV slots for them). They are the grammar's own tokenization of forced
-        text: the model may spell it otherwise, and verification then keeps its own tokens."""
-        forced = request.grammar.forced_tokens()[: max(0, min(MAX_FORCED_DRAFTS, self._room(request)))]
-        if not forced or not self.kv_cache.allocate_slots(request.request_id,
-                                                          request.num_tokens + len(forced)):
-            return False
-        request.spec_token_ids, request.spec_probs = forced, None
-        request.spec_acceptance = self.forced_acceptance
-        request.spec_source = "grammar"
-        return True
+                self.speculator.finished(request)
 
     def _logprobs(self, out: SamplerOutput, row: int, num: int) -> dict[int, Logprob]:
         """Row `row`'s token and the top `num` of its row, each with its log-probability and rank."""

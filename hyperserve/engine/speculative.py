@@ -1,6 +1,7 @@
 """Speculative decoding: proposers, and how many tokens each request speculates.
 
-At the end of a step every decoding request may get draft tokens (`Request.spec_token_ids`).
+At the end of a step every decoding request may get draft tokens (`Request.spec_token_ids`):
+Speculator decides which requests draft and how many, a proposer drafts them.
 The next step schedules them as extra tokens to compute, so one target forward pass verifies
 every request's drafts beside other requests' prefill chunks and plain decodes; ModelRunner then
 accepts or rejects them (rejection_sampler) and the scheduler rolls back what was rejected.
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from hyperserve.models.llama import LlamaForCausalLM
 
 PROBE_EVERY = 16  # a request that stopped speculating proposes one token this often, to re-measure
+MAX_FORCED_DRAFTS = 16  # a grammar's forced tokens drafted per step (a verify step of 17 rows at most)
 
 
 @dataclass(slots=True)
@@ -299,6 +301,86 @@ class ModelProposer:
         for r, k in zip(requests, num_tokens):
             r.draft_num_computed = r.num_tokens + k - 1  # d_k itself was never fed
         return [Proposal(d, torch.stack(q) if q else None, source=self.source) for d, q in zip(drafts, probs)]
+
+
+class Speculator:
+    """Which decoding requests get drafts at the end of a step, and how many. A constrained request
+    whose grammar forces its next tokens drafts those (`_draft_forced`); the others get the
+    proposer's drafts, except while the batch is large: then decode is compute-bound and verifying
+    drafts costs about as much as decoding them."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None, verify_cost: float,
+                 kv_cache: KVCacheManager, max_model_len: int) -> None:
+        self.config, self.proposer, self.verify_cost = config, proposer, verify_cost
+        self.kv_cache, self.max_model_len = kv_cache, max_model_len
+        self.forced_acceptance = Acceptance()  # forced drafts' verifications, apart from any proposer's
+
+    def finished(self, request: Request) -> None:
+        if self.proposer is not None:
+            self.proposer.finished(request)
+
+    def propose(self, running: list[Request]) -> None:
+        """Set each decoding request's spec_token_ids (and the KV slots they need) for the next step."""
+        spec, proposer = self.config, self.proposer
+        proposing = proposer is not None and len(running) <= spec.speculative_max_batch
+        if not (proposing or spec.speculative_forced_tokens):
+            return
+        decoding = []
+        for request in running:
+            if request.num_computed_tokens != request.num_tokens - 1:
+                continue  # still prefilling
+            if spec.speculative_forced_tokens and request.grammar is not None and self._draft_forced(request):
+                continue
+            decoding.append(request)
+        if not proposing:
+            return
+        # A draft model writes its drafts' KV, so their slots come first (and what it did not
+        # draft is trimmed); a proposer that sizes its own proposals (a lookup) gets slots after.
+        sized_after = proposer.sizes_proposals
+        requests, num_tokens = [], []
+        for request in decoding:
+            k = min(spec.num_speculative_tokens, self._room(request))
+            if not sized_after:
+                k = num_tokens_to_propose(request.acceptance, k, proposer.draft_cost, self.verify_cost)
+            if k > 0 and (sized_after
+                          or self.kv_cache.allocate_slots(request.request_id, request.num_tokens + k)):
+                requests.append(request)
+                num_tokens.append(k)
+            else:
+                request.acceptance.steps_without += 1
+        if not requests:
+            return
+        for request, proposal in zip(requests, proposer.propose(requests, num_tokens)):
+            end = request.num_tokens + len(proposal.token_ids)
+            if not sized_after:
+                self.kv_cache.trim(request.request_id, end)
+            elif proposal.token_ids and not self.kv_cache.allocate_slots(request.request_id, end):
+                continue  # the pool is short: no drafts this step
+            request.spec_token_ids, request.spec_probs = proposal.token_ids, proposal.probs
+            request.spec_acceptance = proposal.acceptance or request.acceptance
+            request.spec_source = proposal.source
+            request.acceptance.steps_without = 0
+
+    def _room(self, request: Request) -> int:
+        """Draft tokens the request may still take: its max_tokens and the context, less the token
+        its verification adds."""
+        room = self.max_model_len - request.num_tokens
+        if request.sampling_params.max_tokens is not None:
+            room = min(room, request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        return room
+
+    def _draft_forced(self, request: Request) -> bool:
+        """Draft the tokens the request's grammar forces next, up to MAX_FORCED_DRAFTS; whether it
+        has any (and the KV slots for them). They are the grammar's own tokenization of forced
+        text: the model may spell it otherwise, and verification then keeps its own tokens."""
+        forced = request.grammar.forced_tokens()[: max(0, min(MAX_FORCED_DRAFTS, self._room(request)))]
+        if not forced or not self.kv_cache.allocate_slots(request.request_id,
+                                                          request.num_tokens + len(forced)):
+            return False
+        request.spec_token_ids, request.spec_probs = forced, None
+        request.spec_acceptance = self.forced_acceptance
+        request.spec_source = "grammar"
+        return True
 
 
 def build_proposer(config: SpeculativeConfig, runner: ModelRunner, kv_cache: KVCacheManager,

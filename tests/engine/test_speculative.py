@@ -25,7 +25,8 @@ def grounded_prompts(smollm2_tokenizer, chat_prompt_ids):
     code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n" * 3
     grounded = [
         [{"role": "user", "content": f"Repeat this code exactly:\n\n{code}"}],
-        [{"role": "user", "content": "Copy this sentence: The quick brown fox jumps over the lazy dog. " * 3}],
+        [{"role": "user",
+          "content": "Copy this sentence: The quick brown fox jumps over the lazy dog. " * 3}],
     ]
     ids = [list(smollm2_tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
                                                       return_dict=False)) for m in grounded]
@@ -107,8 +108,8 @@ def tiny_target(save_hf_model, tmp_path_factory):
 
 
 def _speculative_llm(path: str, speculative: dict, device: str = "cpu") -> LLM:
-    return LLM(model=path, num_kv_blocks=2048, block_size=4, max_model_len=64, max_num_seqs=512, device=device,
-               dtype="float32", max_num_batched_tokens=4096,
+    return LLM(model=path, num_kv_blocks=2048, block_size=4, max_model_len=64, max_num_seqs=512,
+               device=device, dtype="float32", max_num_batched_tokens=4096,
                speculative={"num_tokens": 3, "max_batch": 10**6, "verify_cost": 0.1, **speculative})
 
 
@@ -163,7 +164,8 @@ def test_greedy_output_is_identical_with_a_draft_model(device, tiny_target):
     for out, ref in zip(outputs[:3], expected):
         for got, want in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs):
             assert got.keys() == want.keys()
-            assert [v.logprob for v in got.values()] == pytest.approx([v.logprob for v in want.values()], abs=1e-4)
+            assert [v.logprob for v in got.values()] == \
+                pytest.approx([v.logprob for v in want.values()], abs=1e-4)
     stats = llm.engine.scheduler.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert llm.engine.kv_cache.num_free_blocks == 2048
@@ -205,23 +207,23 @@ def test_a_lookup_takes_kv_slots_only_for_the_drafts_it_proposes(tiny_target):
     _, path, _ = tiny_target
     llm = _speculative_llm(path, {"method": "ngram", "num_tokens": 16})
     engine, asked, checked = llm.engine, [], []
-    allocate, propose = engine.kv_cache.allocate_slots, engine._propose
+    allocate, propose = engine.kv_cache.allocate_slots, engine.speculator.propose
 
     def spy(request_id, num_tokens, prefix=None):
         asked.append(num_tokens)
         return allocate(request_id, num_tokens, prefix)
 
-    def proposing() -> None:  # what _propose asks the pool for, against what it proposed
+    def proposing(running) -> None:  # what Speculator.propose asks the pool for, against what it proposed
         asked.clear()
         engine.kv_cache.allocate_slots = spy
         try:
-            propose()
+            propose(running)
         finally:
             engine.kv_cache.allocate_slots = allocate
         for request in engine.scheduler.running:
             checked.append(all(n <= request.num_tokens + len(request.spec_token_ids) for n in asked))
 
-    engine._propose = proposing
+    engine.speculator.propose = proposing
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]  # repeats: lookups find matches
     engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -247,14 +249,16 @@ def test_ngram_lookup_matches_a_plain_search_on_random_tokens():
         alphabet = rng.choice([[0, 1], [0, 1, 2, 3, 4], [0, 256, 65536, 1], list(range(20))])
         tokens = [rng.choice(alphabet) for _ in range(rng.randint(1, 40))]
         k = rng.randint(1, 5)
-        assert NgramProposer(shortest, longest).lookup(tokens, k)[1] == reference(tokens, k, shortest, longest)
+        found = NgramProposer(shortest, longest).lookup(tokens, k)[1]
+        assert found == reference(tokens, k, shortest, longest)
 
 
 def test_history_drafts_what_followed_the_longest_match_in_earlier_answers():
     history = OutputHistory(capacity=1000, ngram_min=2, ngram_max=4)
     history.add([1, 2, 3], [10, 11, 12, 13])
     history.add([4, 5, 6], [20, 10, 11, 14, 15])
-    assert history.lookup([7, 2, 3, 10, 11], 5) == (4, [12, 13])  # the longer match, not the latest; no separator
+    # the longer match, not the latest; no separator
+    assert history.lookup([7, 2, 3, 10, 11], 5) == (4, [12, 13])
     assert history.lookup([9, 10, 11], 5) == (2, [14, 15])  # equally long: the latest
     assert history.lookup([0, 4, 5, 6], 2) == (3, [20, 10])  # an answer's opening, after its prompt's end
     assert history.lookup([10, 99], 3) == (0, [])
@@ -271,8 +275,10 @@ def test_history_lookup_matches_a_plain_search_as_its_window_slides():
     def reference(history: OutputHistory, tokens: list[int], k: int, scope: str) -> tuple[int, list[int]]:
         window, n_min = history.tokens.tolist(), history.ngram_min
         owner = [s for length, s in zip(history.lengths, history.scopes) for _ in range(length)]
-        ends = [i for i in range(n_min, len(window)) if window[i - n_min : i] == tokens[-n_min:] and owner[i] == scope
-                and OutputHistory.SEPARATOR not in window[i - n_min : i + 1]][-OutputHistory.POSITIONS_PER_KEY:]
+        ends = [i for i in range(n_min, len(window))
+                if window[i - n_min : i] == tokens[-n_min:] and owner[i] == scope
+                and OutputHistory.SEPARATOR not in window[i - n_min : i + 1]]
+        ends = ends[-OutputHistory.POSITIONS_PER_KEY:]
         best, best_at = 0, 0
         for i in reversed(ends):
             n = n_min
@@ -292,7 +298,8 @@ def test_history_lookup_matches_a_plain_search_as_its_window_slides():
         for _ in range(30):
             history.add([rng.choice(alphabet) for _ in range(rng.randint(0, 6))],
                         [rng.choice(alphabet) for _ in range(rng.randint(0, 25))], rng.choice(["", "a", "b"]))
-            assert len(history.tokens) <= history.capacity + history.capacity // 64 or len(history.lengths) == 1
+            bound = history.capacity + history.capacity // 64
+            assert len(history.tokens) <= bound or len(history.lengths) == 1
             assert sum(history.lengths) == len(history.tokens)
             assert min(history.latest.values(), default=history.base) >= history.base  # no key left behind
             tokens = [rng.choice(alphabet) for _ in range(rng.randint(1, 20))]
@@ -353,4 +360,4 @@ def test_drafts_follow_acceptance_and_what_one_more_token_costs_here(tiny_target
     assert num_tokens_to_propose(unsure, 8, 0.0, 0.5) == 1  # but is measured again now and then
     _, path, _ = tiny_target
     llm = _speculative_llm(path, {"method": "ngram", "verify_cost": None})
-    assert 0 <= llm.engine.verify_cost < 10  # timed on this machine at start
+    assert 0 <= llm.engine.speculator.verify_cost < 10  # timed on this machine at start
