@@ -37,6 +37,7 @@ from hyperserve.server.protocol import (
     now,
 )
 from hyperserve.server.settings import ServerSettings
+from hyperserve.server.tool_calls import CallParser, ToolCallStream
 
 KV_PIN_TTL_S = 60.0  # a prefill server's pin lives until its blocks are read; this bounds a stuck one
 
@@ -53,7 +54,7 @@ class Job:
     priority: int
     include_usage: bool
     chat_logprobs: bool = False
-    tool_calls: tools.CallParser | None = None  # chat with tools: how its answers are parsed for calls
+    tool_calls: CallParser | None = None  # chat with tools: how its answers are parsed for calls
     reasoning_parser: str | None = None  # chat: its thinking goes to reasoning_content (reasoning.py)
     lora: LoRARequest | None = None  # the adapter `model` named
     echo: list[str] | None = None  # completions with `echo`: each prompt's text, which its answers start with
@@ -162,7 +163,7 @@ class OpenAIServing:
         return Job("chat", new_id("chatcmpl"), request.model or self.model_name, prompts, params,
                    request.priority, bool(request.stream_options and request.stream_options.include_usage),
                    chat_logprobs=request.logprobs,
-                   tool_calls=(tools.CallParser.offered(offered, request.calls_only, self.tool_format)
+                   tool_calls=(CallParser.offered(offered, request.calls_only, self.tool_format)
                                if offered else None),
                    reasoning_parser=self.settings.reasoning_parser, lora=lora,
                    prompt_logprobs=request.prompt_logprobs is not None, cache_salt=salt)
@@ -429,7 +430,7 @@ class OpenAIServing:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         text_offsets: dict[int, int] = {}  # completions' logprobs: where the next token's text starts
-        tool_streams: dict[int, tools.ToolCallStream] = {}
+        tool_streams: dict[int, ToolCallStream] = {}
         reasoning_streams: dict[int, reasoning.ReasoningStream] = {}
         created = now()
         obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
