@@ -53,7 +53,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 max_loras: int | None = None, lora_ready: Callable[[LoRARequest], bool] | None = None) -> None:
+                 max_loras: int | None = None,
+                 lora_ready: Callable[[LoRARequest], bool] | None = None) -> None:
         """lora_ready: whether an adapter is in memory, starting to load it if not (a request
         whose adapter is loading waits, while the running ones go on)."""
         self.config = config
@@ -97,7 +98,8 @@ class Scheduler:
         i, short_of_blocks = 0, False
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
+            num_to_compute = request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
+            num_new = min(num_to_compute, budget)
             prefilling = not _is_decoding(request)
             if prefilling:
                 if prefill_budget <= 0:
@@ -129,7 +131,8 @@ class Scheduler:
         adapters = {r.lora_request.lora_name for r in self.running if r.lora_request is not None}
         adapter_waiting = False
         for request in list(self.waiting):
-            if short_of_blocks or min(budget, prefill_budget) <= 0 or len(self.running) >= self.config.max_num_seqs:
+            full = len(self.running) >= self.config.max_num_seqs
+            if short_of_blocks or min(budget, prefill_budget) <= 0 or full:
                 break
             if _waits_for_sibling(request):
                 continue
@@ -140,7 +143,8 @@ class Scheduler:
                         self.lora_ready(request.lora_request)  # the next adapter in line: read it meanwhile
                     adapter_waiting = True
                     continue
-            if adapter is not None and self.lora_ready is not None and not self.lora_ready(request.lora_request):
+            if adapter is not None and self.lora_ready is not None \
+                    and not self.lora_ready(request.lora_request):
                 continue
             prefix = self.kv_cache.cached_prefix(request)
             num_cached = prefix.num_blocks * self.kv_cache.block_size
@@ -183,8 +187,9 @@ class Scheduler:
         then) into num_scheduler_steps steps, when the pool has the slots; fewer near max_model_len."""
         num_steps = self.config.num_scheduler_steps
         for request, num_new in zip(out.requests, out.num_new_tokens):
-            if (num_new != 1 or request.num_computed_tokens != request.num_tokens - 1 or request.spec_token_ids
-                    or request.grammar is not None or request.num_output_tokens < request.sampling_params.min_tokens):
+            if (num_new != 1 or request.num_computed_tokens != request.num_tokens - 1
+                    or request.spec_token_ids or request.grammar is not None
+                    or request.num_output_tokens < request.sampling_params.min_tokens):
                 return
             num_steps = min(num_steps, self.max_model_len - request.num_tokens + 1)
         if num_steps < 2:
@@ -261,7 +266,8 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if request.grammar is not None:
             if not request.grammar.accept(token_id):  # the masks make this a bug, not an input error
-                logger.warning("request %s: its grammar rejected token %d; stopping it", request.request_id, token_id)
+                logger.warning("request %s: its grammar rejected token %d; stopping it",
+                               request.request_id, token_id)
                 return RequestStatus.FINISHED_STOPPED
             if request.grammar.is_finished:  # the output is complete: only EOS could follow
                 return RequestStatus.FINISHED_STOPPED

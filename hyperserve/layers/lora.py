@@ -51,7 +51,8 @@ class LoRAAdapter:
     rank: int
     dtype: torch.dtype
     # (layer, our module) -> per shard (A [r, in], B * scaling [out, r]) or None where not targeted
-    weights: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]] = field(default_factory=dict)
+    weights: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]] = \
+        field(default_factory=dict)
     _native: dict[int, list[torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def native(self, index: int, layer: nn.Module) -> list[torch.Tensor]:
@@ -94,8 +95,8 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int, dtype: t
     config_path, weights_path = directory / "adapter_config.json", directory / "adapter_model.safetensors"
     for path in (config_path, weights_path):
         if not path.is_file():
-            raise ValueError(f"adapter {request.lora_name!r}: {path} is missing (a PEFT adapter directory has "
-                             "adapter_config.json and adapter_model.safetensors)")
+            raise ValueError(f"adapter {request.lora_name!r}: {path} is missing (a PEFT adapter "
+                             "directory has adapter_config.json and adapter_model.safetensors)")
     try:
         config = json.loads(config_path.read_text())
         tensors = load_file(weights_path)
@@ -103,7 +104,8 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int, dtype: t
         raise ValueError(f"adapter {request.lora_name!r}: cannot read it: {error}") from error
     rank, alpha = int(config.get("r", 0)), float(config.get("lora_alpha", config.get("r", 0)))
     if not 1 <= rank <= max_rank:
-        raise ValueError(f"adapter {request.lora_name!r}: rank {rank} is outside 1..{max_rank} (max_lora_rank)")
+        raise ValueError(f"adapter {request.lora_name!r}: rank {rank} is outside 1..{max_rank} "
+                         "(max_lora_rank)")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -130,8 +132,8 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int, dtype: t
         sizes = _shard_sizes(layers[layer], module_name)
         a, b = pair["A"], pair["B"]
         if a.shape != (rank, target.in_features) or b.shape != (sizes[shard], rank):
-            raise ValueError(f"adapter {request.lora_name!r}: layer {layer} {name} has A {tuple(a.shape)} and "
-                             f"B {tuple(b.shape)}; this model needs ({rank}, {target.in_features}) and "
+            raise ValueError(f"adapter {request.lora_name!r}: layer {layer} {name} has A {tuple(a.shape)} "
+                             f"and B {tuple(b.shape)}; this model needs ({rank}, {target.in_features}) and "
                              f"({sizes[shard]}, {rank}): it was trained for another base model")
         shards = adapter.weights.setdefault((layer, module_name), [None] * len(sizes))
         shards[shard] = (a.to(dtype).contiguous(), (b.float() * scaling).to(dtype).contiguous())
@@ -172,7 +174,8 @@ class LoRABatch:
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        self.kernel = "triton" if self.device.type == "cuda" else "torch"  # tests may ask for triton on the CPU
+        # tests may ask for triton on the CPU
+        self.kernel = "triton" if self.device.type == "cuda" else "torch"
         self.adapters: list[LoRAAdapter] = []
         self.rows: torch.Tensor | None = None  # [T] each row's position in `adapters`, -1 for the base model
         self.mask: torch.Tensor | None = None  # [T, n * r] 1 where the row's adapter owns the column
@@ -267,7 +270,8 @@ def wrap_projections(model: nn.Module, batch: LoRABatch) -> None:
         for name in filter(lambda name: _has(layer, name), WRAPPED):  # a mixture of experts has no mlp.*_proj
             parent_name, _, leaf = name.rpartition(".")
             parent = layer.get_submodule(parent_name)
-            setattr(parent, leaf, LoRALinear(getattr(parent, leaf), index, name, _shard_sizes(layer, name), batch))
+            wrapped = LoRALinear(getattr(parent, leaf), index, name, _shard_sizes(layer, name), batch)
+            setattr(parent, leaf, wrapped)
 
 
 def _has(layer: nn.Module, name: str) -> bool:

@@ -83,7 +83,8 @@ class LlamaAttention(nn.Module):
             self.num_heads * self.head_dim, config.hidden_size,
             bias=getattr(config, "attention_bias", False),
         )
-        self.qk_v_sizes = [self.shard_sizes[0] + self.shard_sizes[1], self.shard_sizes[2]]  # q and k rotate together
+        # q and k rotate together
+        self.qk_v_sizes = [self.shard_sizes[0] + self.shard_sizes[1], self.shard_sizes[2]]
         # Qwen3 RMS-normalises each head of q and k before rotating them
         self.q_norm = self.k_norm = None
         if config.model_type in QK_NORM_TYPES:
@@ -98,7 +99,8 @@ class LlamaAttention(nn.Module):
                 and self.rotary is not None):
             from hyperserve.layers.triton_elementwise import rotary_and_cache
 
-            q, k, v = rotary_and_cache(qkv, cos_sin, meta.slot_mapping, kv_cache, self.num_heads, self.num_kv_heads)
+            q, k, v = rotary_and_cache(qkv, cos_sin, meta.slot_mapping, kv_cache, self.num_heads,
+                                       self.num_kv_heads)
             out = self.backend(q, k, v, kv_cache, meta, self.scale, kv_written=True)
         else:
             qk, v = qkv.split(self.qk_v_sizes, dim=-1)
@@ -109,12 +111,14 @@ class LlamaAttention(nn.Module):
             if self.rotary is not None:
                 qk = self.rotary(cos_sin, qk)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
-            out = self.backend(q, k, v.unflatten(-1, (-1, self.head_dim)), kv_cache, meta, self.scale)  # [T, H, D]
+            v = v.unflatten(-1, (-1, self.head_dim))  # [T, Hkv, D]
+            out = self.backend(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
         return self.tp.all_reduce(self.o_proj(out.flatten(1)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TensorParallel, intermediate_size: int | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel,
+                 intermediate_size: int | None = None) -> None:
         """intermediate_size: an expert's, where it differs from the config's dense MLP."""
         super().__init__()
         start, end = tp.width(intermediate_size or config.intermediate_size)
@@ -142,7 +146,8 @@ def sparse_moe(config: PretrainedConfig, tp: TensorParallel) -> SparseMoE:
     if config.model_type == "mixtral":  # top-k weights always renormalised
         num_experts, renormalize, width = config.num_local_experts, True, config.intermediate_size
     else:
-        num_experts, renormalize, width = config.num_experts, config.norm_topk_prob, config.moe_intermediate_size
+        num_experts, renormalize = config.num_experts, config.norm_topk_prob
+        width = config.moe_intermediate_size
     return SparseMoE(config.hidden_size, num_experts, config.num_experts_per_tok, renormalize,
                      lambda: LlamaMLP(config, tp, width))
 
@@ -151,7 +156,8 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, rotary, backend, tp, index: int) -> None:
         super().__init__()
         rope = getattr(config, "no_rope_layers", None)  # SmolLM3: 1 where a layer rotates, 0 where not
-        self.self_attn = LlamaAttention(config, rotary, backend, tp, use_rope=rope is None or bool(rope[index]))
+        self.self_attn = LlamaAttention(config, rotary, backend, tp,
+                                        use_rope=rope is None or bool(rope[index]))
         self.mlp = sparse_moe(config, tp) if is_sparse_layer(config, index) else LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -169,12 +175,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_position: int, tp: TensorParallel):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_position: int,
+                 tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(tp.vocab_shard(config.vocab_size), config.hidden_size)
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_position)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, backend, tp, index) for index in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, self.rotary, backend, tp, index)
+            for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

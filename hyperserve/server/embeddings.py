@@ -73,8 +73,8 @@ class ScoreRequest(BaseModel):
         if len(first) == 1:
             return [(first[0], text) for text in second]
         if len(first) != len(second):
-            raise ValueError(f"text_1 and text_2 must hold as many texts, or text_1 one; got {len(first)} and "
-                             f"{len(second)}")
+            raise ValueError(f"text_1 and text_2 must hold as many texts, or text_1 one; got {len(first)} "
+                             f"and {len(second)}")
         return list(zip(first, second))
 
 
@@ -118,8 +118,8 @@ class EmbeddingServing:
     async def embed(self, request: EmbeddingRequest) -> dict[str, Any]:
         self._check_model(request.model)
         if request.dimensions is not None and request.dimensions != self.embedder.dim:
-            raise APIError(400, f"{self.name} makes {self.embedder.dim}-dimensional embeddings; dimensions must be "
-                                f"{self.embedder.dim} or unset", param="dimensions")
+            raise APIError(400, f"{self.name} makes {self.embedder.dim}-dimensional embeddings; dimensions "
+                                f"must be {self.embedder.dim} or unset", param="dimensions")
         vectors, tokens = await self._vectors(request.texts(), request.truncate, "input")
         data = [{"object": "embedding", "index": i,
                  "embedding": base64.b64encode(vector.astype("<f4").tobytes()).decode()
@@ -135,7 +135,8 @@ class EmbeddingServing:
         vectors, tokens = await self._vectors(firsts + [b for _, b in pairs], request.truncate, "text_1")
         first = {text: vectors[i] for i, text in enumerate(firsts)}
         scores = [float(np.dot(first[a], vectors[len(firsts) + i])) for i, (a, _) in enumerate(pairs)]
-        return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": self.name,
+        return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "model": self.name,
                 "data": [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
@@ -146,7 +147,8 @@ class EmbeddingServing:
         scores = vectors[1:] @ vectors[0]
         order = sorted(range(len(documents)), key=lambda i: -scores[i])[: request.top_n]
         results = [{"index": i, "relevance_score": float(scores[i]),
-                    **({"document": {"text": documents[i]}} if request.return_documents else {})} for i in order]
+                    **({"document": {"text": documents[i]}} if request.return_documents else {})}
+                   for i in order]
         return {"id": f"rerank-{uuid.uuid4().hex}", "model": self.name, "results": results,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
@@ -159,8 +161,8 @@ class EmbeddingServing:
         """Unit-length embeddings of the texts and the tokens they took; 400 for a text over the
         window unless `truncate`, 429 while the encoder's queue is full."""
         if self.pending >= self.max_queue:
-            raise APIError(429, f"the embedding model is overloaded ({self.pending} requests waiting); retry later",
-                           type_="rate_limit_error", headers={"Retry-After": "1"})
+            raise APIError(429, f"the embedding model is overloaded ({self.pending} requests waiting); "
+                           "retry later", type_="rate_limit_error", headers={"Retry-After": "1"})
         started = time.perf_counter()
         self.pending += 1
         try:
@@ -168,9 +170,9 @@ class EmbeddingServing:
             too_long = [i for i, count in enumerate(counts) if count > self.window]
             if too_long and not truncate:
                 i, noun = too_long[0], "input" if param == "input" else "text"
-                raise APIError(400, f"{noun} {i} has {counts[i]} tokens, over {self.name}'s window of {self.window}; "
-                                    "shorten it or set truncate: true to embed its first tokens", param=param,
-                               code="context_length_exceeded")
+                raise APIError(400, f"{noun} {i} has {counts[i]} tokens, over {self.name}'s window of "
+                                    f"{self.window}; shorten it or set truncate: true to embed its first "
+                                    "tokens", param=param, code="context_length_exceeded")
             vectors = await self.embedder.embed_async(texts)
         finally:
             self.pending -= 1

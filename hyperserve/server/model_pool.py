@@ -87,7 +87,8 @@ class ServedModel:
     async def _load(self) -> OpenAIServing:
         started = time.perf_counter()
         self.metrics.new_engine()
-        engine = AsyncEngine(self.entry.load_engine, on_step=self.metrics.observe_step, on_dead=self.on_engine_dead)
+        engine = AsyncEngine(self.entry.load_engine, on_step=self.metrics.observe_step,
+                             on_dead=self.on_engine_dead)
         try:
             await asyncio.wrap_future(engine.ready)
         except Exception as error:
@@ -130,7 +131,8 @@ class ModelPool:
                  memory_budget_bytes: int | None = None) -> None:
         if not entries or len({e.name for e in entries}) != len(entries):
             raise ValueError("give at least one model, each under its own name")
-        self.models = {e.name: ServedModel(e, settings, metrics.for_model(e.name), on_engine_dead) for e in entries}
+        self.models = {e.name: ServedModel(e, settings, metrics.for_model(e.name), on_engine_dead)
+                       for e in entries}
         self.default = entries[0].name  # serves requests that name no model
         self.max_loaded_models = max_loaded_models
         self.idle_unload_s = idle_unload_s
@@ -147,10 +149,11 @@ class ModelPool:
     def model(self, name: str | None) -> ServedModel:
         """The model a request's `model` names: a model, or the base of a LoRA adapter."""
         name = self.default if name is None else name
-        model = self.models.get(name) or next((m for m in self.models.values() if name in m.entry.adapters), None)
+        model = self.models.get(name) or next(
+            (m for m in self.models.values() if name in m.entry.adapters), None)
         if model is None:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {sorted(self.models)}",
-                           param="model", code="model_not_found")
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{sorted(self.models)}", param="model", code="model_not_found")
         return model
 
     async def serving(self, name: str | None) -> OpenAIServing:
@@ -160,8 +163,8 @@ class ModelPool:
         if model.serving is not None:
             return model.serving
         if not model.entry.on_demand:  # pinned: loading at start, or failed there
-            raise unavailable(f"the model {model.name!r} failed to load: {model.load_error}" if model.load_error
-                              else f"the model {model.name!r} is loading")
+            raise unavailable(f"the model {model.name!r} failed to load: {model.load_error}"
+                              if model.load_error else f"the model {model.name!r} is loading")
         async with self._admission:
             if model.serving is None and not model.loading:
                 await self._make_room(model)
@@ -192,15 +195,17 @@ class ModelPool:
         """Unload least recently used idle on-demand models until this one fits."""
         budget = self.memory_budget_bytes
         if budget is not None and model.memory_bytes > budget:
-            raise unavailable(f"cannot load {model.name!r}: it needs {model.memory_bytes / 2**30:.2f} GiB, more than "
-                              f"the whole memory budget ({budget / 2**30:.2f} GiB)", retry_after_s=60)
+            raise unavailable(f"cannot load {model.name!r}: it needs {model.memory_bytes / 2**30:.2f} GiB, "
+                              f"more than the whole memory budget ({budget / 2**30:.2f} GiB)",
+                              retry_after_s=60)
         while (shortage := self._shortage(model)) is not None:
             now = time.monotonic()  # a model handed out this last second has a request on its way
-            idle = sorted((m for m in self.loaded() if m.entry.on_demand and not m.busy and now - m.last_used > 1),
+            idle = sorted((m for m in self.loaded()
+                           if m.entry.on_demand and not m.busy and now - m.last_used > 1),
                           key=lambda m: m.last_used)
             if not idle:
-                raise unavailable(f"cannot load {model.name!r}: {shortage}, and none of the loaded models can be "
-                                  "unloaded now (pinned or busy)", retry_after_s=5)
+                raise unavailable(f"cannot load {model.name!r}: {shortage}, and none of the loaded models "
+                                  "can be unloaded now (pinned or busy)", retry_after_s=5)
             await idle[0].unload()
 
     async def start(self) -> None:

@@ -90,7 +90,8 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=1 << 20)
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # keep the prompt's last this many tokens
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=SamplingParams.MAX_LOGPROBS)  # per prompt token
+    # per prompt token
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=SamplingParams.MAX_LOGPROBS)
     # structured output: OpenAI's response_format, or one of vLLM's guided_* constraints
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -121,7 +122,10 @@ class _SamplingRequest(BaseModel):
         response_format = self.response_format
         if response_format is not None and response_format.type != "text":
             schema = response_format.json_schema.schema_ if response_format.json_schema else None
-            constraints["json" if schema is not None else "json_object"] = schema if schema is not None else True
+            if schema is not None:
+                constraints["json"] = schema
+            else:
+                constraints["json_object"] = True
         if not constraints:
             return None
         if len(constraints) > 1:
@@ -166,7 +170,8 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
         if self.suffix:
-            raise ValueError("suffix is not supported: this server completes prompts, it does not insert text")
+            raise ValueError("suffix is not supported: this server completes prompts, it does not insert "
+                             "text")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -253,8 +258,8 @@ class NamedToolChoice(BaseModel):
 # apply_chat_template's own parameters and what the server passes it: not template variables
 TEMPLATE_ARGUMENTS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -303,7 +308,8 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("tools must have distinct function names")
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not in tools")
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not in "
+                             "tools")
         if choice == "required" and not names:
             raise ValueError("tool_choice 'required' needs tools")
         return self
@@ -316,7 +322,8 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def calls_only(self) -> bool:
         """Whether the answer must be tool calls and nothing else ("required", or a named function)."""
-        return self.calls_tools and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+        choice = self.tool_choice
+        return self.calls_tools and (choice == "required" or isinstance(choice, NamedToolChoice))
 
 
 class _PromptOrMessages(BaseModel):
