@@ -247,19 +247,21 @@ def interleave_q80(rows: torch.Tensor) -> torch.Tensor:
     """pack_q80's rows [out, in + in / 16] -> blocks of 16 channels [ceil(out / 16), groups, 544], the
     last padded with zero channels: for each group, the 16 channels' codes 2 at a time (byte 32 p +
     2 c + i is code 2 p + i of channel c), then their 16 scales. The native kernels multiply 16
-    channels at once in this layout, reading one stream of bytes per block (kernels/cpu_ops.cpp)."""
+    channels at once in this layout, reading one stream of bytes per block (kernels/cpu_ops.cpp).
+    Moved as 16-bit elements (a code pair, a scale): Gemma 3's 262k-row embedding took 0.20-0.24 s
+    byte by byte, 0.10 s so."""
     out_features, row_bytes = rows.shape
     groups = row_bytes // 34
     out = torch.empty(-(-out_features // 16), groups, 16 * 34, dtype=torch.uint8)
+    code_pairs, scales = out[..., : 16 * 32].view(torch.int16), out[..., 16 * 32:].view(torch.int16)
     for start in range(0, out_features, PACK_ROWS):  # PACK_ROWS at a time, as pack_q80
         chunk = rows[start:start + PACK_ROWS]
         chunk = F.pad(chunk, (0, 0, 0, -len(chunk) % 16))
         blocks, first = len(chunk) // 16, start // 16
-        # [b, g, p, c, i]
-        codes = chunk[:, : 32 * groups].reshape(blocks, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
-        scales = chunk[:, 32 * groups:].reshape(blocks, 16, groups, 2).permute(0, 2, 1, 3)
-        out[first:first + blocks, :, : 16 * 32] = codes.reshape(blocks, groups, -1)
-        out[first:first + blocks, :, 16 * 32:] = scales.reshape(blocks, groups, -1)
+        pairs = chunk[:, : 32 * groups].view(torch.int16).reshape(blocks, 16, groups, 16)  # [b, c, g, p]
+        code_pairs[first:first + blocks].view(blocks, groups, 16, 16).copy_(pairs.permute(0, 2, 3, 1))
+        chunk_scales = chunk[:, 32 * groups:].view(torch.int16).reshape(blocks, 16, groups)  # [b, c, g]
+        scales[first:first + blocks] = chunk_scales.permute(0, 2, 1)
     return out
 
 
