@@ -336,17 +336,23 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def memory_bytes(self) -> int:
-        """What this engine holds at most: every tensor of its model once (packed and memory-mapped
-        ones included) and its KV pool at full size (on the CPU it is touched only as it fills)."""
+        """What this engine holds at most: its weights and its KV pool at full size (on the CPU the
+        pool is touched only as it fills)."""
+        return self.weight_bytes() + self.kv_pool_bytes()
+
+    def weight_bytes(self) -> int:
+        """Every tensor of the model once (packed and memory-mapped ones included)."""
         model = self.runner.model
         tensors = [*model.parameters(), *model.buffers(),
                    *(v for module in model.modules() for v in vars(module).values()
                      if isinstance(v, torch.Tensor))]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in tensors if t.device.type != "meta"}
-        kv = sum(t.nbytes for cache in self.runner.kv_caches
-                 for t in (cache.key, cache.value, cache.key_scale, cache.value_scale) if t is not None)
-        return sum(storages.values()) + kv
+        return sum(storages.values())
+
+    def kv_pool_bytes(self) -> int:
+        return sum(t.nbytes for cache in self.runner.kv_caches
+                   for t in (cache.key, cache.value, cache.key_scale, cache.value_scale) if t is not None)
 
     @property
     def num_running(self) -> int:

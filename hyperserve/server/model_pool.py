@@ -106,9 +106,12 @@ class ServedModel:
         self.load_error = None
         self.async_engine, self.serving = engine, serving
         self.last_used = time.monotonic()
-        self.measured_bytes = engine.engine.memory_bytes()
-        logger.info("model %s ready (loaded in %.1f s, %.2f GiB of weights and KV pool)", self.name,
-                    time.perf_counter() - started, self.measured_bytes / 2**30)
+        weights, kv_pool = engine.engine.weight_bytes(), engine.engine.kv_pool_bytes()
+        self.measured_bytes = weights + kv_pool
+        # a CPU's KV pool takes memory only as it fills; a GPU's is allocated whole
+        taken = ", taken as it fills" if engine.engine.config.model.device == "cpu" else ""
+        logger.info("model %s ready (loaded in %.1f s; weights %.2f GiB, KV pool up to %.2f GiB%s)",
+                    self.name, time.perf_counter() - started, weights / 2**30, kv_pool / 2**30, taken)
         return self.serving
 
     async def unload(self) -> None:
