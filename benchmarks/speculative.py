@@ -45,9 +45,10 @@ CODE = '''def parse_config(path):
         config[key.strip()] = value.strip()
     return config
 '''
-TEXT = ("The Amazon rainforest covers much of the Amazon basin of South America. The basin covers seven million "
-        "square kilometres, of which five and a half million are covered by the rainforest. The region includes "
-        "territory belonging to nine nations. The majority of the forest is contained within Brazil, with 60% of "
+TEXT = ("The Amazon rainforest covers much of the Amazon basin of South America. The basin covers seven "
+        "million square kilometres, of which five and a half million are covered by the rainforest. The "
+        "region includes territory belonging to nine nations. The majority of the forest is contained "
+        "within Brazil, with 60% of "
         "the rainforest, followed by Peru with 13%, and Colombia with 10%.")
 
 PEOPLE = ["Maria Lopez is 34 and lives in Madrid.", "John Smith, 51, moved to Toronto last year.",
@@ -76,7 +77,8 @@ def engine(method: str, num_tokens: int | None):
     speculative = None
     if method != "none":
         name, _, layers = method.partition(":")
-        speculative = {"method": name.removesuffix("-own"), **({"num_tokens": num_tokens} if num_tokens else {}),
+        speculative = {"method": name.removesuffix("-own"),
+                       **({"num_tokens": num_tokens} if num_tokens else {}),
                        **({"num_layers": int(layers)} if layers else {}),
                        **({"history_tokens": 0} if name == "ngram-own" else {})}  # own text only
     llm = LLM(max_model_len=2048, kv_cache_memory_gb=0.5, speculative=speculative)
@@ -94,8 +96,8 @@ def forget_answers(llm) -> None:
         history.clear()
 
 
-def run(methods: list[str], workloads: dict[str, tuple[list[str], str]], max_tokens: int, num_tokens: int | None,
-        rounds: int, ignore_eos: bool) -> dict:
+def run(methods: list[str], workloads: dict[str, tuple[list[str], str]], max_tokens: int,
+        num_tokens: int | None, rounds: int, ignore_eos: bool) -> dict:
     from hyperserve import SamplingParams
 
     engines = {method: engine(method, num_tokens) for method in methods}
@@ -140,7 +142,8 @@ def run(methods: list[str], workloads: dict[str, tuple[list[str], str]], max_tok
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-tokens", type=int, default=None,
                         help="draft tokens per step at most (default: the method's, 16 for ngram, 4 else)")
@@ -163,9 +166,10 @@ def main() -> None:
         return "-" if value is None else format(value, spec)
 
     print("verify cost (one more token in a step / a one-token step), timed at start: "
-          + ", ".join(f"{method} {r['verify_cost']:.2f}" for method, r in results.items() if method != "none"))
-    print(f"{'workload':<24}{'method':<10}{'decode tok/s':>14}{'speedup':>9}{'accept rate':>13}{'mean len':>10}"
-          f"{'from earlier answers':>22}")
+          + ", ".join(f"{method} {r['verify_cost']:.2f}" for method, r in results.items()
+                      if method != "none"))
+    print(f"{'workload':<24}{'method':<10}{'decode tok/s':>14}{'speedup':>9}{'accept rate':>13}"
+          f"{'mean len':>10}{'from earlier answers':>22}")
     for workload in workloads:
         base = results["none"][workload]["decode_tps"] if "none" in results else None
         for method, by_workload in results.items():

@@ -76,7 +76,8 @@ def no_api_key_in_any_log(tmp_path_factory):
     yield
     logging.getLogger().removeHandler(records)
     hyperserve_logger.setLevel(level)
-    files = [f for f in tmp_path_factory.getbasetemp().rglob("*") if f.suffix in (".log", ".jsonl") and f.is_file()]
+    files = [f for f in tmp_path_factory.getbasetemp().rglob("*")
+             if f.suffix in (".log", ".jsonl") and f.is_file()]
     lines = [(f.name, line) for f in files for line in f.read_text(errors="replace").splitlines()]
     leaks = [(where, line) for where, line in [("in-process", line) for line in records.lines] + lines
              if TEST_API_KEYS.search(line)]
@@ -155,15 +156,17 @@ def tiny_config(arch: str, **overrides):
     if arch == "mixtral":  # 4 experts, 2 a token
         common.update(num_local_experts=4, num_experts_per_tok=2, head_dim=16)
     if arch == "granite":  # multipliers far from 1 (Granite 3's are 12, 0.22, 1/64 and 8)
-        common.update(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=3.0)
+        common.update(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1,
+                      logits_scaling=3.0)
     if arch == "smollm3":  # its second layer does not rotate (SmolLM3's every fourth)
         common.update(no_rope_layers=[1, 0], pad_token_id=None, bos_token_id=1, eos_token_id=2)
     if arch == "qwen3_moe":  # the same; a Qwen3-MoE layer may stay dense
-        common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, head_dim=16)
+        common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                      head_dim=16)
     common.update(overrides)
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "gemma3": Gemma3TextConfig,
-               "qwen3": Qwen3Config, "mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig, "granite": GraniteConfig,
-               "smollm3": SmolLM3Config}
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
+               "gemma3": Gemma3TextConfig, "qwen3": Qwen3Config, "mixtral": MixtralConfig,
+               "qwen3_moe": Qwen3MoeConfig, "granite": GraniteConfig, "smollm3": SmolLM3Config}
     return classes[arch](**common)
 
 
@@ -176,7 +179,8 @@ def assert_same_outputs(got, expected, logprobs_of: int | None = None, tolerance
         assert have.outputs[0].finish_reason == want.outputs[0].finish_reason
     if logprobs_of is None:
         return
-    for have, want in zip(got[logprobs_of].outputs[0].logprobs, expected[logprobs_of].outputs[0].logprobs, strict=True):
+    for have, want in zip(got[logprobs_of].outputs[0].logprobs, expected[logprobs_of].outputs[0].logprobs,
+                          strict=True):
         assert have.keys() == want.keys()
         for token_id in want:
             assert have[token_id].logprob == pytest.approx(want[token_id].logprob, abs=tolerance)
