@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import transformers
 from tqdm import tqdm
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+from transformers import PretrainedConfig
 
 logger = logging.getLogger("hyperserve.gguf")
 
@@ -143,6 +143,7 @@ def save_gguf_metadata(gguf_path: str, directory: str) -> None:
     same mapping as a plain array, which slices in C: Gemma 3's parse took 17.2 s, now 9.5 s
     (SmolLM2's 4.4 s, now 2.7 s), the same files written."""
     import gguf
+    from transformers import AutoConfig, AutoTokenizer
 
     memmap = np.memmap
     with mock.patch.object(np, "memmap", lambda *args, **kwargs: memmap(*args, **kwargs).view(np.ndarray)):

@@ -19,10 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 from transformers import (
-    AutoConfig,
-    AutoTokenizer,
     GenerationConfig,
-    MixtralConfig,
     PretrainedConfig,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
@@ -61,6 +58,10 @@ def load_config(source: ModelSource) -> PretrainedConfig:
     if source.gguf_file and gguf_file is None:  # the GGUF's config as gguf_metadata_directory saved it
         config = _saved_config(directory)
     else:
+        # imported here, as AutoTokenizer and MixtralConfig are: the first of them imports
+        # transformers' model registry (0.26-0.30 s), which a GGUF's start does not use
+        from transformers import AutoConfig
+
         config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
     if source.gguf_file:
         config = _complete_gguf_config(config, gguf_reader.gguf_index(source.path))
@@ -97,6 +98,8 @@ def _complete_gguf_config(config: PretrainedConfig, index: dict) -> PretrainedCo
         config.moe_intermediate_size = experts[-1]  # [E, hidden, width]
     if experts is not None and config.model_type == "llama":
         fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+        from transformers import MixtralConfig
+
         config = MixtralConfig(**{**fields, "num_local_experts": experts[0], "intermediate_size": experts[-1],
                                   "num_experts_per_tok": index.get("experts_per_token") or 2})
     config.tie_word_embeddings = "output.weight" not in shapes
@@ -117,6 +120,8 @@ def load_tokenizer(source: ModelSource, chat_template: str | None = None) -> Pre
     if source.gguf_file and gguf_file is None:  # the GGUF's tokenizer as gguf_metadata_directory saved it
         tokenizer = _saved_tokenizer(directory)
     else:
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
     if chat_template is not None:
         tokenizer.chat_template = chat_template

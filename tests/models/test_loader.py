@@ -13,7 +13,7 @@ import torch
 from hyperserve import LLM, SamplingParams, kernels
 from hyperserve.layers.attention import TorchPagedAttention
 from hyperserve.layers.quantization import pack_q80
-from hyperserve.models.gguf_reader import dequantize_q8_0, q80_from_gguf
+from hyperserve.models.gguf_reader import dequantize_q8_0, gguf_metadata_directory, q80_from_gguf
 from hyperserve.models.loader import build_model, load_config
 from hyperserve.models.registry import resolve_model
 from tests.conftest import FLOAT32, tiny_config
@@ -409,6 +409,24 @@ def test_building_a_model_imports_no_compiler(save_hf_model):
     result = subprocess.run([sys.executable, "-c", _BUILD_WITHOUT_DYNAMO, str(path)], capture_output=True,
                             text=True, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.stdout.split() == ["False", "False", "True"]
+
+
+_GGUF_START = """
+import sys
+from hyperserve import LLM
+llm = LLM("smollm2-135m")
+print("transformers.models.auto.configuration_auto" in sys.modules, "sympy" in sys.modules)
+"""
+
+
+def test_a_ggufs_start_imports_neither_transformers_model_registry_nor_its_loading_stack(smollm2_source):
+    """A GGUF's saved config and tokenizer read without transformers' model registry (0.26-0.30 s)
+    or LlamaConfig's module, which imports transformers' weight loading and sympy (0.6-0.8 s).
+    In a fresh process, as other tests import both."""
+    gguf_metadata_directory(smollm2_source.path)  # parsed once already, as at a start
+    result = subprocess.run([sys.executable, "-c", _GGUF_START], capture_output=True, text=True, check=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.stdout.split() == ["False", "False"]
 
 
 def test_q8_0_tensors_read_as_ggufs_own_dequantize_reads_them():
