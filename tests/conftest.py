@@ -113,18 +113,32 @@ def hf_smollm2(smollm2_source):
 
 
 def hf_model_from_gguf(source):
-    """transformers' model of a GGUF, its weights dequantized by transformers. The config is the
-    one transformers derived from the same GGUF, as the loader saved it, read by its own class and
-    completed as the loader completes ours: parsing a GGUF's metadata again costs 10-30 s a time
-    (262k vocabulary entries for Gemma 3)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """transformers' model of a GGUF, its weights dequantized by transformers, its config
+    gguf_config_by_class's."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file,
+                                                config=gguf_config_by_class(source.path),
+                                                dtype=torch.float32).eval()
+
+
+def gguf_config_by_class(path):
+    """A GGUF's config as transformers' own config class reads it, completed from the tensor table
+    as the loader completes ours: the one transformers derived from the GGUF, as the loader saved
+    it (parsing a GGUF's metadata again costs 10-30 s a time for Gemma 3's 262k vocabulary)."""
+    from transformers import AutoConfig
 
     from hyperserve.models import gguf_reader, loader
 
-    config = AutoConfig.from_pretrained(gguf_reader.gguf_metadata_directory(source.path))
-    config = loader._complete_gguf_config(config, gguf_reader.gguf_index(source.path))
-    return AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file,
-                                                config=config, dtype=torch.float32).eval()
+    config = AutoConfig.from_pretrained(gguf_reader.gguf_metadata_directory(path))
+    return loader._complete_gguf_config(config, gguf_reader.gguf_index(path))
+
+
+def assert_config_reads_as(ours, reference) -> None:
+    """Every attribute of transformers' config class, aliases included, reads the same on ours."""
+    names = [name for name in [*reference.to_dict(), *type(reference).attribute_map]
+             if name not in ("_name_or_path", "transformers_version")]  # where it was read, and by what
+    assert {name: getattr(ours, name) for name in names} == {name: getattr(reference, name) for name in names}
 
 
 def tiny_config(arch: str, **overrides):

@@ -164,7 +164,6 @@ def save_gguf_metadata(gguf_path: str, directory: str) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-
 def gguf_tensors(path: Path, config: PretrainedConfig, q80_rows: frozenset[str] = frozenset(),
                  q41_layers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors, dequantized to float32, but for `q80_rows` given as Q8_0 and, with

@@ -45,7 +45,6 @@ logger = logging.getLogger("hyperserve.loader")
 _BUILD_LOCK = threading.Lock()  # see _without_init
 
 
-
 def _metadata_source(source: ModelSource) -> tuple[Path, str | None]:
     """Where config and tokenizer are read from: a GGUF's saved metadata, else the model's files."""
     if source.gguf_file and (directory := gguf_reader.gguf_metadata_directory(source.path)) is not None:
@@ -78,8 +77,10 @@ def _saved_config(directory: Path) -> PretrainedConfig:
     imports transformers' weight-loading stack (torch.distributed.tensor, sympy), which serving
     never uses. tests/models/test_loader.py checks each attribute against the class's reading."""
     attributes = json.loads((directory / gguf_reader.CONFIG_ATTRIBUTES).read_text())
-    config = PretrainedConfig(**attributes)  # which converts dtype and drops generation settings,
-    for name in attributes.keys() - vars(config).keys():  # use_cache among them; model_type's is ""
+    # the constructor converts dtype, and drops generation settings (use_cache among them): those
+    # are set as given
+    config = PretrainedConfig(**attributes)
+    for name in attributes.keys() - vars(config).keys():
         setattr(config, name, attributes[name])
     return config
 
@@ -147,7 +148,6 @@ def _saved_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
     if (template := directory / "chat_template.jinja").exists():
         tokenizer.chat_template = template.read_text()
     return tokenizer
-
 
 
 def load_eos_token_ids(source: ModelSource | None, config: PretrainedConfig,

@@ -10,7 +10,7 @@ import torch
 
 from hyperserve import LLM, SamplingParams
 from hyperserve.models.registry import resolve_model
-from tests.conftest import hf_model_from_gguf
+from tests.conftest import assert_config_reads_as, gguf_config_by_class, hf_model_from_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -81,15 +81,9 @@ def test_tokenizer_reads_its_saved_files_as_transformers_gemma_class_does(llm, s
 
 def test_config_reads_its_saved_attributes_as_gemmas_config_class_does(llm, source):
     """The engine reads the GGUF's saved config as plain attributes (loader._saved_config)."""
-    from transformers import AutoConfig
-
-    from hyperserve.models import gguf_reader, loader
-    from tests.models.test_loader import _check_config_reads_as
-
-    reference = AutoConfig.from_pretrained(gguf_reader.gguf_metadata_directory(source.path))
+    reference = gguf_config_by_class(source.path)
     assert type(reference).__name__ == "Gemma3TextConfig"
-    reference = loader._complete_gguf_config(reference, gguf_reader.gguf_index(source.path))
-    _check_config_reads_as(llm.engine.hf_config, reference)
+    assert_config_reads_as(llm.engine.hf_config, reference)
 
 
 def test_default_runs_in_int8_and_follows_float32_up_to_near_ties(llm):

@@ -16,7 +16,7 @@ from hyperserve.layers.quantization import pack_q80
 from hyperserve.models.gguf_reader import dequantize_q8_0, gguf_metadata_directory, q80_from_gguf
 from hyperserve.models.loader import build_model, load_config
 from hyperserve.models.registry import resolve_model
-from tests.conftest import FLOAT32, tiny_config
+from tests.conftest import FLOAT32, assert_config_reads_as, gguf_config_by_class, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -144,7 +144,7 @@ def test_gguf_metadata_is_parsed_once_into_files_that_read_back_the_same(smollm2
         path = smollm2_source.path
         assert gguf_reader.gguf_index(path) == gguf_reader._read_gguf_index(path)
         reference = AutoConfig.from_pretrained(smollm2_source.directory, gguf_file=smollm2_source.gguf_file)
-        _check_config_reads_as(loader.load_config(smollm2_source), reference)
+        assert_config_reads_as(loader.load_config(smollm2_source), reference)
         tokenizer = loader.load_tokenizer(smollm2_source)
         original = AutoTokenizer.from_pretrained(smollm2_source.directory, gguf_file=smollm2_source.gguf_file)
         chat = [{"role": "user", "content": "Ünïcode, code ```x = 1``` and <|im_end|>?"}]
@@ -153,13 +153,6 @@ def test_gguf_metadata_is_parsed_once_into_files_that_read_back_the_same(smollm2
     finally:
         gguf_reader.gguf_metadata_directory.cache_clear()
         gguf_reader.gguf_index.cache_clear()
-
-
-def _check_config_reads_as(ours, reference) -> None:
-    """Every attribute of transformers' config class, aliases included, reads the same on ours."""
-    names = [name for name in [*reference.to_dict(), *type(reference).attribute_map]
-             if name not in ("_name_or_path", "transformers_version")]  # where it was read, and by what
-    assert {name: getattr(ours, name) for name in names} == {name: getattr(reference, name) for name in names}
 
 
 def _write_gguf(hf_model, path, tokenizer_gguf, quant: str | None = "Q8_0") -> None:
@@ -251,9 +244,8 @@ def test_qwen3_gguf_matches_transformers_on_its_dequantized_weights(arch, smollm
     """A Qwen3 and a Qwen3-MoE GGUF as llama.cpp writes them (Q8_0, stacked experts, QK norms, an
     untied head): our model from the GGUF against transformers' own GGUF loading of the same file,
     and our reading of its saved config against the config's own class."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from hyperserve.models import gguf_reader, loader
     from tests.models.test_llama import _check_against_transformers
 
     monkeypatch.setenv("HYPERSERVE_GGUF_CACHE", str(tmp_path / "cache"))
@@ -271,9 +263,7 @@ def test_qwen3_gguf_matches_transformers_on_its_dequantized_weights(arch, smollm
     llm = LLM(model=str(tmp_path / "model.gguf"), num_kv_blocks=64, block_size=4, max_model_len=128,
               dtype="float32", quantization=None)
     assert llm.engine.hf_config.model_type == arch
-    by_class = AutoConfig.from_pretrained(tmp_path, gguf_file="model.gguf")  # the config's own class
-    index = gguf_reader.gguf_index(tmp_path / "model.gguf")
-    _check_config_reads_as(llm.engine.hf_config, loader._complete_gguf_config(by_class, index))
+    assert_config_reads_as(llm.engine.hf_config, gguf_config_by_class(tmp_path / "model.gguf"))
     assert llm.engine.tokenizer.decode(llm.engine.tokenizer("Hello world").input_ids) == "Hello world"
     _check_against_transformers(llm, reference, abs_tol=2e-4)
 
