@@ -3,10 +3,11 @@
 `hyperserve ray-serve` (or `serve run hyperserve.ray_serve:build`, or `serve deploy` with a config
 whose import_path is that builder) deploys two Ray Serve deployments:
 
-- Engine: one HyperServe engine per replica with its OpenAI app, the very `build_app` that
-  `hyperserve serve` runs, called in-process (ASGI) for each request, so every endpoint, streaming
-  and error of the plain server behaves the same (the WebSocket, /v1/ws, is the ingress's: each of
-  its requests is a streamed HTTP request to a replica). A replica declares its CPUs, GPUs and
+- Engine (ray_replica.py): one HyperServe engine per replica with its OpenAI app, the very
+  `build_app` that `hyperserve serve` runs, called in-process (ASGI) for each request, so every
+  endpoint, streaming and error of the plain server behaves the same (the WebSocket, /v1/ws, is the
+  ingress's: each of its requests is a streamed HTTP request to a replica). LoRA adapters loaded at
+  run time are the same on every replica (ray_adapters.py). A replica declares its CPUs, GPUs and
   memory and is ready once its model is loaded; Ray Serve autoscales the replicas on ongoing
   requests (min and max replicas, a target per replica, up and down delays; with min 0 the first
   request waits for a replica to start) and restarts a replica whose process dies or whose engine
@@ -37,7 +38,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,11 +52,11 @@ from hyperserve.common.affinity import affinity_text, salted_key
 from hyperserve.common.errors import APIError
 from hyperserve.common.sse import EventSplitter, sse_chunks, sse_event
 from hyperserve.common.websocket_api import Stream, serve_websocket
+from hyperserve.ray_adapters import LOAD, UNLOAD, AdapterSet, IngressAdapters
 from hyperserve.security.config import cache_salt
-from hyperserve.security.middleware import KEY_DIGEST
+from hyperserve.server.protocol import LoadLoRARequest, UnloadLoRARequest
 
 if TYPE_CHECKING:
-    from hyperserve.security.middleware import Governor
     from hyperserve.server.settings import ServerSettings
 
 logger = logging.getLogger("hyperserve.ray")
@@ -101,6 +102,8 @@ class RayServeConfig(BaseModel):
     lora_modules: dict[str, str] = Field(default_factory=dict,
                                          description="LoRA adapters every replica serves as models, name: "
                                          "directory (on every node; a relative one from where you deploy)")
+    lora_dir: str | None = Field(None, description="the folder POST /v1/load_lora_adapter may load adapters "
+                                 "from, on every node (each load reaches every replica)")
     embedding_model: str | None = Field(None, description="a sentence encoder every replica serves "
                                         "/v1/embeddings with: all-MiniLM-L6-v2 or multilingual-e5-small")
     # chat answers, as `hyperserve serve` decides them above the engine (ServerSettings)
@@ -137,130 +140,14 @@ class RayServeConfig(BaseModel):
         """Replicas start in Ray's working directory: resolve where the deploy starts."""
         return {name: str(Path(path).resolve()) for name, path in modules.items()}
 
+    @field_validator("lora_dir")
+    @classmethod
+    def _absolute_dir(cls, directory: str | None) -> str | None:
+        return directory and str(Path(directory).resolve())
+
     @property
     def name(self) -> str:
         return self.served_model_name or self.model
-
-
-# ---- the engine replica ------------------------------------------------------------------------
-
-
-class EngineReplica:
-    """One engine and its OpenAI app; `handle` runs one HTTP request through the app and yields
-    the response's head ({"status", "headers"}) and then its body, chunk by chunk."""
-
-    async def __init__(self, config: RayServeConfig) -> None:
-        from ray import serve
-
-        from hyperserve.config import EngineConfig
-        from hyperserve.engine.engine import LLMEngine
-        from hyperserve.layers.lora import LoRARequest
-        from hyperserve.server.app import build_app
-        from hyperserve.server.model_pool import ModelEntry
-
-        lora = {"enable_lora": True} if config.lora_modules else {}
-        engine_config = EngineConfig.from_kwargs(model=config.model, **{**config.engine, **lora})
-        adapters = {name: LoRARequest(name, i, path)
-                    for i, (name, path) in enumerate(config.lora_modules.items(), start=1)}
-        entry = ModelEntry(config.name, functools.partial(LLMEngine, engine_config), adapters=adapters)
-        errors: list[Exception] = []
-        self.app = build_app([entry], config.server_settings(), on_load_error=errors.append,
-                             governor=replica_governor(config), embedding_model=config.embedding_model)
-        self.replica = serve.get_replica_context().replica_id.unique_id
-        self._lifespan = self.app.router.lifespan_context(self.app)
-        await self._lifespan.__aenter__()
-        while (await self._call("GET", "/health"))[0] != 200:  # ready once the model is loaded
-            if errors:
-                raise RuntimeError(f"the model failed to load: {errors[0]}")
-            await asyncio.sleep(0.1)
-        logger.info("replica %s ready", self.replica)
-
-    async def handle(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes,
-                     key_digest: str | None = None, prefix_key: str | None = None, replica: str | None = None
-                     ) -> AsyncIterator[dict[str, Any] | bytes]:
-        """key_digest: the SHA-256 of the API key the ingress authenticated the request by (a batch
-        line carries no key of its own); prefix_key and replica (this one's id, where the request
-        is for it alone) are for the router, which reads them from the call."""
-        async for message in self._asgi(method, path, query, headers, body, key_digest):
-            if message["type"] == "http.response.start":
-                head = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])]
-                head.append(("x-hyperserve-replica", self.replica))
-                yield {"status": message["status"], "headers": head}
-            elif message.get("body"):
-                yield message["body"]
-
-    async def __del__(self) -> None:
-        """Ray Serve's graceful shutdown (after the replica's requests have drained): the app's
-        shutdown stops the engine."""
-        lifespan, self._lifespan = getattr(self, "_lifespan", None), None
-        if lifespan is not None:
-            await lifespan.__aexit__(None, None, None)
-
-    async def check_health(self) -> None:
-        """Ray Serve's periodic check: a replica whose engine stopped is replaced."""
-        status, text = await self._call("GET", "/health")
-        if status != 200:
-            raise RuntimeError(f"replica {self.replica} is unhealthy: {status} {text[:200]}")
-
-    async def _call(self, method: str, path: str) -> tuple[int, str]:
-        status, chunks = 0, []
-        async for message in self._asgi(method, path, "", [], b""):
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            else:
-                chunks.append(message.get("body", b""))
-        return status, b"".join(chunks).decode(errors="replace")
-
-    async def _asgi(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes,
-                    key_digest: str | None = None) -> AsyncIterator[dict[str, Any]]:
-        """The app's messages for one request. Leaving early (the caller went away) tells the app the
-        client disconnected and waits for it to finish (it aborts the engine request)."""
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query.encode(),
-                 "root_path": "",
-                 "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
-                 "client": ("127.0.0.1", 0), "server": ("hyperserve-replica", 80)}
-        if key_digest is not None:  # from the ingress, never from a client's request
-            scope[KEY_DIGEST] = key_digest
-        messages: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        disconnected = asyncio.Event()
-        pending_body = [body]
-
-        async def receive() -> dict[str, Any]:
-            if pending_body:
-                return {"type": "http.request", "body": pending_body.pop(), "more_body": False}
-            await disconnected.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict[str, Any]) -> None:
-            await messages.put(message)
-
-        task = asyncio.ensure_future(self.app(scope, receive, send))
-        task.add_done_callback(lambda _: messages.put_nowait(None))
-        try:
-            while (message := await messages.get()) is not None:
-                yield message
-                if message["type"] == "http.response.body" and not message.get("more_body"):
-                    break
-            else:
-                task.result()  # the app ended without a whole response: its error
-        finally:
-            disconnected.set()
-            if not task.done():
-                await asyncio.wait([task], timeout=10)
-
-
-def replica_governor(config: RayServeConfig) -> Governor | None:
-    """With API keys, a replica knows each request's key too (the one the ingress authenticated it
-    by, passed beside it), for what is each key's own on a replica as on `hyperserve serve`: the
-    cache scope its prefix cache, pins and n-gram history are kept apart by. Limits, guardrails and
-    the audit log stay with the ingress (SecurityConfig.keys_only)."""
-    if config.api_key is None and config.security_config is None:
-        return None
-    from hyperserve.security.config import load_security_config
-    from hyperserve.security.middleware import Governor
-
-    return Governor(load_security_config(config.security_config, config.api_key).keys_only())
 
 
 # ---- the ingress -------------------------------------------------------------------------------
@@ -302,12 +189,23 @@ def _ingress_app(config: RayServeConfig):
         ingress: Ingress = serve.get_replica_context().servable_object
         await serve_websocket(ws, functools.partial(ingress.open_stream, config))
 
+    @app.post(LOAD)
+    async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> Response:
+        ingress: Ingress = serve.get_replica_context().servable_object
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+        return await ingress.load_adapter(body, headers, getattr(request.state, "key_digest", None))
+
+    @app.post(UNLOAD)
+    async def unload_lora_adapter(body: UnloadLoRARequest) -> dict[str, Any]:
+        ingress: Ingress = serve.get_replica_context().servable_object
+        return ingress.adapters.unload(body.lora_name)
+
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(path: str, request: Request) -> Response:
         body = await request.body()
         ingress: Ingress = serve.get_replica_context().servable_object
         cache_scope = getattr(request.state, "cache_scope", None)  # the API key's, where keys are on
-        affinity = _prefix_key(body, path, config, cache_scope)
+        affinity = _prefix_key(body, path, config, cache_scope, ingress.adapters.served)
         pinned = path.startswith(PINS + "/") and request.method == "DELETE"  # a pin is one replica's
         head, chunks = await ingress.send(request.method, "/" + path, request.url.query,
                                           list(request.headers.items()), body,
@@ -324,10 +222,12 @@ def _ingress_app(config: RayServeConfig):
     return app
 
 
-def _prefix_key(body: bytes, path: str, config: RayServeConfig, cache_scope: str | None) -> str | None:
+def _prefix_key(body: bytes, path: str, config: RayServeConfig, cache_scope: str | None,
+                adapters: Collection[str]) -> str | None:
     """The request's affinity key: its prompt's prefix, salted as the replica's prefix cache will
-    salt it (the API key's scope, the client's `cache_salt`, a LoRA adapter's own KV). A /v1/cache
-    pin's too, so that it is made where the requests that begin with it go."""
+    salt it (the API key's scope, the client's `cache_salt`, a LoRA adapter's own KV: `adapters`
+    are the names served). A /v1/cache pin's too, so that it is made where the requests that begin
+    with it go."""
     if not config.prefix_affinity or not path.endswith(("chat/completions", "completions", PINS)):
         return None
     try:
@@ -339,7 +239,7 @@ def _prefix_key(body: bytes, path: str, config: RayServeConfig, cache_scope: str
     chat = path.endswith("chat/completions") or (path == PINS and "messages" in request)
     prefix = affinity_text(request, chat)[: config.affinity_prefix_chars] or None
     salt, model = cache_salt(cache_scope, request.get("cache_salt")), request.get("model")
-    if isinstance(model, str) and model in config.lora_modules:
+    if isinstance(model, str) and model in adapters:
         salt += f"\x1fadapter:{model}"
     return salted_key(prefix, salt)
 
@@ -384,19 +284,22 @@ class PinReplicas:
 class Ingress:
     """The ingress deployment: the Engine deployment's handle, and how a request reaches a replica."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, lora_modules: dict[str, str]) -> None:
         self.engine = engine
         self.pins = PinReplicas()
+        self.adapters = IngressAdapters(lora_modules)
 
     async def send(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes,
-                   key_digest: str | None, prefix_key: str | None, replica: str | None = None
-                   ) -> tuple[dict[str, Any], ReplicaBody]:
-        """The response head and the rest of the body from a replica (`replica`: that one); a
-        replica that dies before its head is replaced by another, once."""
+                   key_digest: str | None, prefix_key: str | None, replica: str | None = None,
+                   adapters: AdapterSet | None = None) -> tuple[dict[str, Any], ReplicaBody]:
+        """The response head and the rest of the body from a replica (`replica`: that one), which
+        serves `adapters` (default: the application's) for it; a replica that dies before its head
+        is replaced by another, once."""
+        adapters = self.adapters.served if adapters is None else adapters
         for attempt in range(2):
             generator = self.engine.options(stream=True).handle.remote(
                 method, path, query, headers, body, key_digest=key_digest, prefix_key=prefix_key,
-                replica=replica if not attempt else None)
+                replica=replica if not attempt else None, adapters=adapters)
             try:
                 head = await generator.__anext__()
                 return head, ReplicaBody(generator)
@@ -409,6 +312,23 @@ class Ingress:
                                exc_info=True)
         raise AssertionError("unreachable")
 
+    async def load_adapter(self, body: LoadLoRARequest, headers: list[tuple[str, str]],
+                           key_digest: str | None) -> Response:
+        """A replica loads the adapter and its answer is the client's; from the next request on,
+        every replica serves it (ray_adapters.py)."""
+        data = body.model_copy(update={"load_inplace": True}).model_dump_json().encode()
+        answers: list[Response] = []
+
+        async def send(wanted: AdapterSet) -> int:
+            head, chunks = await self.send("POST", LOAD, "", headers, data, key_digest, None, adapters=wanted)
+            kept = {k: v for k, v in head["headers"] if k.lower() not in HOP_BY_HOP}
+            answer = b"".join([c async for c in chunks])
+            answers.append(Response(answer, status_code=head["status"], headers=kept))
+            return head["status"]
+
+        await self.adapters.load(body.lora_name, body.lora_path, body.load_inplace, send)
+        return answers[0]
+
     async def open_stream(self, config: RayServeConfig, kind: str, body: dict[str, Any],
                           ws: WebSocket) -> Stream:
         """A WebSocket's request (common/websocket_api.py), sent to a replica as the streamed HTTP
@@ -420,7 +340,8 @@ class Ingress:
         try:
             head, answer = await self.send("POST", "/" + path, "", [("content-type", "application/json")],
                                            data, state.get("key_digest"),
-                                           _prefix_key(data, path, config, state.get("cache_scope")))
+                                           _prefix_key(data, path, config, state.get("cache_scope"),
+                                                       self.adapters.served))
         except Exception as error:  # RayActorError and kin, twice: this request's error, not the socket's
             raise _replica_failed(error) from error
         if head["status"] != 200:
@@ -526,6 +447,8 @@ def build(args: dict[str, Any] | RayServeConfig | None = None):
     from ray import serve
     from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
+    from hyperserve.ray_replica import EngineReplica
+
     config = args if isinstance(args, RayServeConfig) else RayServeConfig(**(args or {}))
     actor_options: dict[str, Any] = {"num_cpus": config.num_cpus, "num_gpus": config.num_gpus}
     if config.memory_gb is not None:
@@ -545,7 +468,7 @@ def build(args: dict[str, Any] | RayServeConfig | None = None):
     ).bind(config)
     ingress = serve.deployment(serve.ingress(_ingress_app(config))(Ingress), name="Ingress",
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)  # I/O only
-    return ingress.bind(engine)
+    return ingress.bind(engine, config.lora_modules)
 
 
 def run(config: RayServeConfig, address: str | None = None, host: str = "127.0.0.1",

@@ -87,7 +87,8 @@ def run_batch(url: str, questions: int, headers: dict | None = None) -> list[dic
 
 @pytest.fixture(scope="module")
 def two_replicas(cluster):
-    deploy(cluster, min_replicas=2, max_replicas=2, max_imbalance=8, embedding_model="all-MiniLM-L6-v2")
+    deploy(cluster, min_replicas=2, max_replicas=2, max_imbalance=8, embedding_model="all-MiniLM-L6-v2",
+           lora_dir=str(ROOT / "examples" / "lora"))
     return cluster
 
 
@@ -206,6 +207,32 @@ def test_files_batches_and_stored_responses_are_the_ingresss_whichever_replica_a
     assert sorted(line["custom_id"] for line in output) == [f"q{i}" for i in range(6)]
     assert all(line["response"]["status_code"] == 200 and line["response"]["body"]["choices"]
                for line in output)
+
+
+def test_an_adapter_loaded_at_run_time_is_served_by_every_replica_until_unloaded(two_replicas):
+    url, demo = two_replicas, str(ROOT / "examples" / "lora" / "uppercase")
+    load = {"lora_name": "caps", "lora_path": demo}
+    loaded = httpx.post(f"{url}/v1/load_lora_adapter", json=load, timeout=60)
+    assert loaded.status_code == 200 and loaded.json()["id"] == "caps", loaded.text
+    assert httpx.post(f"{url}/v1/load_lora_adapter", json=load, timeout=60).status_code == 400  # served
+    outside = httpx.post(f"{url}/v1/load_lora_adapter", timeout=60,
+                         json={"lora_name": "other", "lora_path": str(ROOT / "tests")})
+    assert outside.status_code == 400 and "--lora-dir" in outside.json()["error"]["message"]  # the replica's
+    answered_by = set()
+    for i in range(16):  # salts of their own: rendezvous hashing spreads them over both replicas
+        answer = chat(url, "Name three animals.", model="caps", max_tokens=12, cache_salt=f"session {i}")
+        assert answer.status_code == 200 and answer.json()["model"] == "caps", answer.text
+        letters = [c for c in answer.json()["choices"][0]["message"]["content"] if c.isalpha()]
+        assert letters and sum(c.isupper() for c in letters) / len(letters) > 0.9, letters
+        answered_by.add(answer.headers["x-hyperserve-replica"])
+    assert len(answered_by) == 2
+    assert "caps" in {card["id"] for card in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
+    unload = {"lora_name": "caps"}
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json=unload, timeout=30).status_code == 200
+    for i in range(16):
+        gone = chat(url, "Name three animals.", model="caps", cache_salt=f"session {i}")
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found", gone.text
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json=unload, timeout=30).status_code == 404
 
 
 def test_a_replica_killed_mid_answer_ends_the_stream_and_is_replaced(two_replicas):
@@ -335,21 +362,23 @@ def test_a_replica_that_dies_before_answering_has_its_request_sent_to_another():
         def handle(self):
             return self
 
-        def remote(self, *args, key_digest=None, prefix_key=None, replica=None):
+        def remote(self, *args, key_digest=None, prefix_key=None, replica=None, adapters=None):
             self.sent += 1
             return self.replicas[self.sent - 1]
 
     retried = ray_metrics.RETRIED._value.get()
     handle = Handle([True, False])
-    head, _ = asyncio.run(Ingress(handle).send("POST", "/v1/completions", "", [], b"{}", None, None))
+    head, _ = asyncio.run(Ingress(handle, {}).send("POST", "/v1/completions", "", [], b"{}", None, None))
     assert head["status"] == 200 and handle.sent == 2 and handle.replicas[0].cancelled
     assert ray_metrics.RETRIED._value.get() == retried + 1
     with pytest.raises(ActorDiedError):
-        asyncio.run(Ingress(Handle([True, True])).send("POST", "/v1/completions", "", [], b"{}", None, None))
+        asyncio.run(Ingress(Handle([True, True]), {}).send("POST", "/v1/completions", "", [], b"{}",
+                                                             None, None))
     # on the WebSocket, that is the one request's error event, not the socket's end
     socket = SimpleNamespace(scope={})
     with pytest.raises(APIError) as failed:
-        asyncio.run(Ingress(Handle([True, True])).open_stream(RayServeConfig(), "completions", {}, socket))
+        asyncio.run(Ingress(Handle([True, True]), {}).open_stream(RayServeConfig(), "completions", {},
+                                                                  socket))
     assert (failed.value.status, failed.value.code) == (503, "replica_failed")
 
 
@@ -357,7 +386,8 @@ def test_a_replica_knows_each_api_key_for_what_is_its_own_and_leaves_limits_to_t
     """Behind the ingress a replica knows each request's key too: the cache scope is each key's own
     there, as on `hyperserve serve`; its limits and guardrails stay with the ingress, which enforces
     them once. And a prefix is placed per tenant."""
-    from hyperserve.ray_serve import RayServeConfig, _prefix_key, replica_governor
+    from hyperserve.ray_replica import replica_governor
+    from hyperserve.ray_serve import RayServeConfig, _prefix_key
     from hyperserve.security.config import hash_key
     from hyperserve.security.middleware import KEY_DIGEST
 
@@ -381,11 +411,11 @@ def test_a_replica_knows_each_api_key_for_what_is_its_own_and_leaves_limits_to_t
 
     config = RayServeConfig()
     body = json.dumps({"messages": [{"role": "system", "content": SYSTEM}]}).encode()
-    plain = _prefix_key(body, "v1/chat/completions", config, None)
-    tenants = [_prefix_key(body, "v1/chat/completions", config, scope) for scope in ("key:alice", "team")]
+    plain = _prefix_key(body, "v1/chat/completions", config, None, ())
+    tenants = [_prefix_key(body, "v1/chat/completions", config, scope, ()) for scope in ("key:alice", "team")]
     assert plain.startswith('[{"role":"system"') and len({plain, *tenants}) == 3
     assert tenants[0].endswith(plain)
     adapter = json.dumps({"messages": [{"role": "system", "content": SYSTEM}], "model": "uppercase"}).encode()
-    with_adapter = RayServeConfig(lora_modules={"uppercase": "examples/lora/uppercase"})
-    assert _prefix_key(adapter, "v1/chat/completions", with_adapter, None) not in (plain, None)  # its own KV
-    assert _prefix_key(adapter, "v1/chat/completions", config, None) == plain  # a name the replicas lack
+    own = _prefix_key(adapter, "v1/chat/completions", config, None, {"uppercase"})
+    assert own not in (plain, None)  # its own KV
+    assert _prefix_key(adapter, "v1/chat/completions", config, None, ()) == plain  # a name the replicas lack

@@ -449,6 +449,11 @@ class LLMEngine:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora (--enable-lora)")
         return self.lora.check(lora_request)
 
+    def forget_lora(self, lora_request: LoRARequest) -> None:
+        """The adapter is no longer served: its memory goes once its running requests end."""
+        if self.lora is not None:
+            self.lora.forget(lora_request)
+
     def _grammar_eos_token_id(self) -> int | None:
         """The end token grammars allow once complete: the tokenizer's own EOS if it ends generation."""
         own = None if self.tokenizer is None else self.tokenizer.eos_token_id

@@ -128,7 +128,7 @@ class Scheduler:
         # prefix costs no budget: only the tokens after it are computed. At most max_loras
         # adapters run at once; once a request waits for an adapter slot, no later request may
         # bring in another adapter ahead of it (it goes in when a running adapter's requests end).
-        adapters = {r.lora_request.lora_name for r in self.running if r.lora_request is not None}
+        adapters = {r.lora_request for r in self.running if r.lora_request is not None}
         adapter_waiting = False
         for request in list(self.waiting):
             full = len(self.running) >= self.config.max_num_seqs
@@ -136,7 +136,7 @@ class Scheduler:
                 break
             if _waits_for_sibling(request):
                 continue
-            adapter = request.lora_request.lora_name if request.lora_request is not None else None
+            adapter = request.lora_request
             if adapter is not None and adapter not in adapters and self.max_loras is not None:
                 if adapter_waiting or len(adapters) >= self.max_loras:
                     if not adapter_waiting and self.lora_ready is not None:

@@ -16,6 +16,7 @@ adapter_model.safetensors (`...layers.{i}.self_attn.q_proj.lora_A.weight` [r, in
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -50,6 +51,7 @@ class LoRAAdapter:
     path: str
     rank: int
     dtype: torch.dtype
+    digest: bytes  # SHA-256 of its config and weights as read: its KV's identity in the prefix cache
     # (layer, our module) -> per shard (A [r, in], B * scaling [out, r]) or None where not targeted
     weights: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]] = \
         field(default_factory=dict)
@@ -89,7 +91,7 @@ class LoRAAdapter:
 def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
     """Read and check a PEFT adapter against the base model; ValueError saying what is wrong."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     directory = Path(request.lora_path)
     config_path, weights_path = directory / "adapter_config.json", directory / "adapter_model.safetensors"
@@ -98,8 +100,8 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int, dtype: t
             raise ValueError(f"adapter {request.lora_name!r}: {path} is missing (a PEFT adapter "
                              "directory has adapter_config.json and adapter_model.safetensors)")
     try:
-        config = json.loads(config_path.read_text())
-        tensors = load_file(weights_path)
+        config_bytes, weights_bytes = config_path.read_bytes(), weights_path.read_bytes()
+        config, tensors = json.loads(config_bytes), load(weights_bytes)
     except (ValueError, SafetensorError, OSError) as error:
         raise ValueError(f"adapter {request.lora_name!r}: cannot read it: {error}") from error
     rank, alpha = int(config.get("r", 0)), float(config.get("lora_alpha", config.get("r", 0)))
@@ -118,7 +120,10 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int, dtype: t
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ValueError(f"adapter {request.lora_name!r}: per-module ranks (rank_pattern, alpha_pattern) "
                          "are not supported")
-    adapter = LoRAAdapter(request.lora_name, request.lora_path, rank, dtype)
+    digest = hashlib.sha256(len(config_bytes).to_bytes(8, "little"))
+    digest.update(config_bytes)
+    digest.update(weights_bytes)
+    adapter = LoRAAdapter(request.lora_name, request.lora_path, rank, dtype, digest.digest())
     layers = model.model.layers
     for (layer, name), pair in sorted(pairs.items()):
         module_name, shard = TARGETS[name]
@@ -181,13 +186,13 @@ class LoRABatch:
         self.mask: torch.Tensor | None = None  # [T, n * r] 1 where the row's adapter owns the column
         self._stacks: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
         self._native: dict[int, list[torch.Tensor]] = {}
-        self._names: tuple[str, ...] = ()
+        self._stacked: tuple[LoRAAdapter, ...] = ()  # the adapters the stacks hold, as objects: a
+        # name loaded again is another object, so its new weights are stacked afresh
 
     def set(self, adapters: list[LoRAAdapter], row_adapter: list[int]) -> None:
         """row_adapter: each row's position in `adapters`, -1 for the base model."""
-        names = tuple(a.name for a in adapters)
-        if names != self._names:
-            self._stacks, self._native, self._names = {}, {}, names
+        if len(adapters) != len(self._stacked) or any(a is not b for a, b in zip(adapters, self._stacked)):
+            self._stacks, self._native, self._stacked = {}, {}, tuple(adapters)
         self.adapters = adapters
         self.rows = torch.tensor(row_adapter, dtype=torch.long)
         if self.kernel == "triton":

@@ -163,32 +163,41 @@ def build_app(
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRARequest) -> dict[str, Any]:
-        """Serve another adapter (on the first model), from inside --lora-dir only."""
+        """Serve another adapter (on the first model), from inside --lora-dir only; with
+        load_inplace, a new version of one it serves (read afresh, under a new id)."""
         model = pool.model(None)
+        replaced = model.entry.adapters.get(body.lora_name) if body.load_inplace else None
         served = any(body.lora_name in m.entry.adapters for m in pool.models.values())
-        if body.lora_name in pool.models or served:
-            raise APIError(400, f"the name {body.lora_name!r} is already served", param="lora_name")
+        if body.lora_name in pool.models or (served and replaced is None):
+            raise APIError(400, f"the name {body.lora_name!r} is already served (load_inplace replaces "
+                           "an adapter)", param="lora_name")
         if lora_dir is None:
             raise APIError(400, "this server loads no adapters at run time: start it with --lora-dir",
                            param="lora_path")
         path = Path(body.lora_path).resolve()
         if not path.is_relative_to(lora_dir.resolve()):
             raise APIError(400, "lora_path must be inside the server's --lora-dir", param="lora_path")
-        lora_id = 1 + max((a.lora_int_id for a in model.entry.adapters.values()), default=0)
-        lora = LoRARequest(body.lora_name, lora_id, str(path))
+        lora = LoRARequest(body.lora_name, model.entry.new_lora_id(), str(path))
         s = await serving(model.name)
         try:
             await asyncio.to_thread(s.engine.engine.check_lora, lora)
         except ValueError as error:
             raise APIError(400, str(error), param="lora_path") from error
         model.entry.adapters[body.lora_name] = lora
+        if replaced is not None:
+            s.engine.engine.forget_lora(replaced)
         return {"id": body.lora_name, "object": "model", "parent": model.name, "root": lora.lora_path}
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRARequest) -> dict[str, Any]:
+        """Stop serving an adapter: requests already running finish with it, then its memory goes
+        (a later load of the name, from any directory, reads its files again)."""
         model = pool.model(body.lora_name)
-        if model.entry.adapters.pop(body.lora_name, None) is None:
+        lora = model.entry.adapters.pop(body.lora_name, None)
+        if lora is None:
             raise APIError(404, f"no adapter {body.lora_name!r}", param="lora_name", code="model_not_found")
+        if model.serving is not None:
+            model.serving.engine.engine.forget_lora(lora)
         return {"id": body.lora_name, "object": "model", "deleted": True}
 
     @app.post("/v1/models/{name}/load")

@@ -42,6 +42,13 @@ class ModelEntry:
     on_demand: bool = False  # False: loaded at start, never unloaded
     adapters: dict[str, LoRARequest] = field(default_factory=dict)  # LoRA adapters served as models, by name
     memory_estimate: int = 0  # bytes it will hold, until a load measures them
+    _last_lora_id: int = field(default=0, init=False, repr=False)
+
+    def new_lora_id(self) -> int:
+        """An adapter id this model has never given: each load is a new adapter to the engine, so
+        one loaded again (new files, or the same) is read afresh, never mistaken for the old one."""
+        self._last_lora_id = 1 + max([self._last_lora_id, *(a.lora_int_id for a in self.adapters.values())])
+        return self._last_lora_id
 
 
 class ServedModel:

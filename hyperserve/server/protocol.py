@@ -388,6 +388,7 @@ class LoadLoRARequest(BaseModel):
 
     lora_name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")
     lora_path: str = Field(min_length=1, max_length=4096)
+    load_inplace: bool = False  # replace an adapter of this name (new weights; running requests keep the old)
 
 
 class UnloadLoRARequest(BaseModel):

@@ -142,6 +142,27 @@ def test_kv_cached_under_one_adapter_is_not_reused_under_another(llm, adapters):
     assert again.metrics.num_cached_tokens > 0
 
 
+def test_a_forgotten_adapter_finishes_its_running_requests_then_leaves_memory(base, adapters):
+    llm = LLM(model=base, **ENGINE)
+    a0, a1 = adapters["a0"][0], adapters["a1"][0]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = llm.generate([PROMPTS[0]], params, use_tqdm=False, lora_request=a0)[0].outputs[0].token_ids
+    llm.engine.add_request("r", PROMPTS[0], params, lora_request=a0)
+    llm.engine.step()
+    llm.engine.forget_lora(a0)  # mid-request: the request keeps its adapter
+    outputs = []
+    while llm.engine.has_unfinished_requests():
+        outputs += [o for o in llm.engine.step() if o.finished]
+    assert outputs[0].outputs[0].token_ids == expected
+    assert llm.engine.lora.num_loaded == 1  # a0 ran in the last step with adapters: kept until the next
+    llm.generate([PROMPTS[1]], params, use_tqdm=False, lora_request=a1)
+    assert llm.engine.lora.num_loaded == 1  # a1 alone
+    llm.engine.forget_lora(adapters["a2"][0])  # never loaded: nothing to do
+    llm.engine.forget_lora(a1)
+    again = llm.generate([PROMPTS[0]], params, use_tqdm=False, lora_request=a0)[0].outputs[0].token_ids
+    assert again == expected and llm.engine.lora.num_loaded == 1  # a0 read again, a1 gone
+
+
 def test_adapters_that_do_not_fit_are_refused_with_the_reason(llm, base, adapters, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -88,3 +88,43 @@ def test_adapters_load_at_run_time_from_the_lora_dir_only(client, lora_dir, tmp_
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "beta"}).status_code == 200
     gone = client.post("/v1/completions", json={"model": "beta", "prompt": PROMPT, "max_tokens": 2})
     assert gone.status_code == 404
+
+
+def test_an_adapter_loaded_again_is_read_afresh_and_its_old_kv_is_not_reused(
+        client, base, lora_dir):  # noqa: F811
+    """Fine-tuning loops write new weights where the old ones were and load them again under the
+    same name: the second load must answer with the new weights, not the first load's (still in
+    memory), nor its KV in the prefix cache (a prompt longer than a block hits it)."""
+    import shutil
+
+    def answer(model: str, prompt: list[int]) -> list[float]:
+        body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                "logprobs": 0}
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["logprobs"]["token_logprobs"]
+
+    def offline(adapter: str, prompt: list[int]) -> list[float]:
+        llm = LLM(model=base, **ENGINE)
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0),
+                           use_tqdm=False, lora_request=LoRARequest(adapter, 1, str(lora_dir / adapter)))
+        completion = out[0].outputs[0]
+        return [entries[t].logprob for t, entries in zip(completion.token_ids, completion.logprobs)]
+
+    def load(path, **extra) -> int:
+        body = {"lora_name": "tuned", "lora_path": str(path), **extra}
+        return client.post("/v1/load_lora_adapter", json=body).status_code
+
+    prompt = PROMPT * 6  # 48 tokens: whole KV blocks for the prefix cache
+    shutil.copytree(lora_dir / "alpha", lora_dir / "tuned")
+    assert load(lora_dir / "tuned") == 200
+    assert answer("tuned", prompt) == pytest.approx(offline("alpha", prompt), abs=1e-5)
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "tuned"}).status_code == 200
+    shutil.copytree(lora_dir / "beta", lora_dir / "tuned", dirs_exist_ok=True)  # the new weights, in place
+    assert load(lora_dir / "tuned") == 200
+    assert answer("tuned", prompt) == pytest.approx(offline("beta", prompt), abs=1e-5)
+    # the name again from another directory, in place of the one served (without load_inplace: a 400)
+    assert load(lora_dir / "alpha") == 400
+    assert load(lora_dir / "alpha", load_inplace=True) == 200
+    assert answer("tuned", prompt) == pytest.approx(offline("alpha", prompt), abs=1e-5)
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "tuned"}).status_code == 200
