@@ -34,7 +34,7 @@ logger = logging.getLogger("hyperserve.security")
 # embeddings, scores and rerankings.
 ENCODER_PATHS = ("/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank")
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/cache", *ENCODER_PATHS)
-OPEN_PATHS = ("/health", "/")  # and the web pages under /ui/, which ask for a key themselves
+OPEN_PATHS = ("/health", "/ping", "/version", "/")  # and the web pages under /ui/, which ask for a key
 MODEL_ADMIN_PATH = re.compile(r"/v1/models/([^/]+)/(?:load|unload)")
 # A Batch API line's scope holds its batch creator's key as this (the key's SHA-256): set in process by
 # common/batch_api.py, which authenticated the creator, and never from a client's request

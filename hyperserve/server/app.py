@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from hyperserve import __version__
 from hyperserve.common.anthropic_api import AnthropicAPI
 from hyperserve.common.batch_api import BatchAPI
 from hyperserve.common.body_limit import BodyLimit
@@ -142,6 +143,15 @@ def build_app(
             if model.async_engine.dead is not None:
                 return JSONResponse({"status": f"engine stopped: {model.async_engine.dead}"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """/health under the name vLLM and SageMaker also probe."""
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

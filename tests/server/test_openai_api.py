@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import openai
 import pytest
+
+from hyperserve import __version__
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +30,9 @@ def aclient(server):
 
 def test_health_was_503_while_loading(server):
     assert server.statuses_while_loading[0] == 503 and server.statuses_while_loading[-1] == 200
+    assert httpx.get(f"{server.url}/ping").json() == {"status": "ok"}  # vLLM's and SageMaker's probe
+    assert httpx.post(f"{server.url}/ping").status_code == 200
+    assert httpx.get(f"{server.url}/version").json() == {"version": __version__}
 
 
 def test_models_lists_the_served_models(client):
