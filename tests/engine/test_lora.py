@@ -105,14 +105,17 @@ def test_speculative_decoding_verifies_each_request_under_its_adapter(llm, base,
     loras = [None, adapters["a0"][0], adapters["a3"][0]]
     prompts = [list(range(10, 30)) * 2] * 3  # repetitive: the n-gram proposer finds drafts
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=loras)]
-    speculative = LLM(model=base, **ENGINE, speculative={"method": "ngram", "num_tokens": 3, "verify_cost": 0.1})
+    plain = [o.outputs[0].token_ids
+             for o in llm.generate(prompts, params, use_tqdm=False, lora_request=loras)]
+    speculative = LLM(model=base, **ENGINE,
+                      speculative={"method": "ngram", "num_tokens": 3, "verify_cost": 0.1})
     outputs = speculative.generate(prompts, params, use_tqdm=False, lora_request=loras)
     assert [o.outputs[0].token_ids for o in outputs] == plain
     assert speculative.engine.scheduler.spec_stats.num_draft_tokens > 0
 
 
-def test_evicted_adapters_are_read_again_on_the_loader_thread_while_others_decode(llm, base, adapters, monkeypatch):
+def test_evicted_adapters_are_read_again_on_the_loader_thread_while_others_decode(
+        llm, base, adapters, monkeypatch):
     import threading
 
     from hyperserve.engine import lora_manager
@@ -123,13 +126,15 @@ def test_evicted_adapters_are_read_again_on_the_loader_thread_while_others_decod
     loras = [adapters[f"a{i % 4}"][0] for i in range(8)]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=loras)]
+    expected = [o.outputs[0].token_ids
+                for o in llm.generate(prompts, params, use_tqdm=False, lora_request=loras)]
     small = LLM(model=base, **ENGINE, max_loras=1, max_cpu_loras=2, max_num_seqs=2)  # 2 in memory, 4 needed
     loaders.clear()
     outputs = small.generate(prompts, params, use_tqdm=False, lora_request=loras)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert loaders.count("MainThread") == 8  # each request's check at submission
-    assert any(name.startswith("lora-loader") for name in loaders)  # evicted ones, read again in the background
+    # evicted ones, read again in the background
+    assert any(name.startswith("lora-loader") for name in loaders)
 
 
 def test_kv_cached_under_one_adapter_is_not_reused_under_another(llm, adapters):
@@ -167,7 +172,8 @@ def test_adapters_that_do_not_fit_are_refused_with_the_reason(llm, base, adapter
     from transformers import AutoModelForCausalLM
 
     wide = tmp_path / "wide"
-    AutoModelForCausalLM.from_config(tiny_config("llama", hidden_size=96), dtype=torch.float32).save_pretrained(wide)
+    narrow = AutoModelForCausalLM.from_config(tiny_config("llama", hidden_size=96), dtype=torch.float32)
+    narrow.save_pretrained(wide)
     wrong_base = tmp_path / "wrong"
     make_adapter(str(wide), wrong_base, seed=1)
     corrupt = tmp_path / "corrupt"
@@ -201,8 +207,9 @@ def test_the_demo_adapter_answers_in_capitals_on_smollm2():
     llm = LLM("smollm2-135m", enable_lora=True)
     prompt = llm.apply_chat_template([{"role": "user", "content": "Name three animals."}])
     params = SamplingParams(temperature=0, max_tokens=20)
-    base_text, adapter_text = (llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0].outputs[0].text
-                               for lora in (None, LoRARequest("uppercase", 1, str(demo))))
+    base_text, adapter_text = (
+        llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0].outputs[0].text
+        for lora in (None, LoRARequest("uppercase", 1, str(demo))))
     answer = "\n".join(adapter_text.strip().split("\n")[:3])  # the three animals
     letters = [c for c in answer if c.isalpha()]
     assert letters and sum(c.isupper() for c in letters) / len(letters) > 0.9, adapter_text
@@ -215,7 +222,8 @@ def test_adapters_on_a_mixture_of_experts_match_peft_and_expert_mlps_are_refused
     from safetensors.torch import load_file, save_file
 
     _, base = save_hf_model(tiny_config("qwen3_moe"))
-    merged = make_adapter(str(base), tmp_path / "adapter", seed=3, targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+    merged = make_adapter(str(base), tmp_path / "adapter", seed=3,
+                          targets=["q_proj", "k_proj", "v_proj", "o_proj"])
     make_adapter(str(base), tmp_path / "experts", seed=4)  # PEFT targets the experts' stacked weights
     llm = LLM(model=str(base), **ENGINE)
     request = LoRARequest("moe", 1, str(tmp_path / "adapter"))
@@ -224,9 +232,10 @@ def test_adapters_on_a_mixture_of_experts_match_peft_and_expert_mlps_are_refused
         completion = output.outputs[0]
         reference = _logprobs(merged, prompt + completion.token_ids)
         for step, (token, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
-            assert token == int(reference[len(prompt) - 1 + step].argmax()), f"step {step}"
+            expected = reference[len(prompt) - 1 + step]
+            assert token == int(expected.argmax()), f"step {step}"
             for token_id, entry in entries.items():
-                assert entry.logprob == pytest.approx(float(reference[len(prompt) - 1 + step][token_id]), abs=2e-4)
+                assert entry.logprob == pytest.approx(float(expected[token_id]), abs=2e-4)
     routed = tmp_path / "routed"
     routed.mkdir()
     (routed / "adapter_config.json").write_text((tmp_path / "adapter" / "adapter_config.json").read_text())

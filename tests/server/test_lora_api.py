@@ -48,7 +48,8 @@ def _offline(base: str, lora: LoRARequest | None) -> list[float]:  # noqa: F811
 
 
 def _answer(client: TestClient, model: str) -> list[float]:
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["model"] == model
@@ -80,9 +81,11 @@ def test_adapters_load_at_run_time_from_the_lora_dir_only(client, lora_dir, tmp_
     outside.mkdir()
     refused = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(outside)})
     assert refused.status_code == 400 and "--lora-dir" in refused.json()["error"]["message"]
-    escape = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(lora_dir / ".." / "x")})
+    escape = client.post("/v1/load_lora_adapter",
+                         json={"lora_name": "x", "lora_path": str(lora_dir / ".." / "x")})
     assert escape.status_code == 400
-    loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "beta", "lora_path": str(lora_dir / "beta")})
+    loaded = client.post("/v1/load_lora_adapter",
+                         json={"lora_name": "beta", "lora_path": str(lora_dir / "beta")})
     assert loaded.status_code == 200, loaded.text
     assert _answer(client, "beta") != pytest.approx(_answer(client, "alpha"), abs=1e-3)
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "beta"}).status_code == 200
