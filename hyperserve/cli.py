@@ -209,6 +209,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if unknown or len(set(names)) != len(names):
         sys.exit("error: --on-demand names models given with --model, each once; "
                  f"not {sorted(unknown) or names}")
+    if args.lora_on_demand and args.lora_dir is None:
+        sys.exit("error: --lora-on-demand loads adapters from --lora-dir: give it too")
     adapters = _lora_modules(args.lora_modules)
     with_lora = bool(adapters) or args.lora_dir is not None
     configs = {name: EngineConfig.from_kwargs(**{**engine_kwargs_from_args(args), "model": name,
@@ -253,6 +255,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                     on_engine_dead=lambda error: stop(f"the engine stopped: {type(error).__name__}: {error}"),
                     max_loaded_models=args.max_loaded_models, idle_unload_s=args.idle_unload_s,
                     lora_dir=Path(args.lora_dir) if args.lora_dir else None,
+                    lora_on_demand=args.lora_on_demand,
                     memory_budget_bytes=int(args.memory_budget_gb * 2**30) if args.memory_budget_gb else None,
                     embedding_model=args.embedding_model)
     if cached:
@@ -424,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="LoRA adapters (PEFT folders) on the first model, each served as model NAME")
     models.add_argument("--lora-dir", default=None,
                         help="the folder POST /v1/load_lora_adapter may load adapters from")
+    models.add_argument("--lora-on-demand", action="store_true",
+                        help="a request whose model is a folder of --lora-dir holding an adapter loads it "
+                             "(vLLM's filesystem LoRA resolver)")
     _security_args(serve)
     add_engine_args(serve, repeatable=("model",))
     serve.set_defaults(func=cmd_serve)

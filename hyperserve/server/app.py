@@ -33,9 +33,9 @@ from hyperserve.common.sse import DONE, sse_event
 from hyperserve.common.web_ui import install_web_ui
 from hyperserve.common.websocket_api import OpenStream, Stream, serve_websocket
 from hyperserve.engine.engine import LLMEngine
-from hyperserve.layers.lora import LoRARequest
 from hyperserve.security.middleware import Governor, add_security
 from hyperserve.server.embeddings import EmbeddingRequest, EmbeddingServing, RerankRequest, ScoreRequest
+from hyperserve.server.lora_adapters import RuntimeAdapters
 from hyperserve.server.metrics import ServerMetrics
 from hyperserve.server.model_pool import ModelEntry, ModelPool, ServedModel
 from hyperserve.server.openai_api import Job, OpenAIServing
@@ -73,11 +73,13 @@ def build_app(
     max_loaded_models: int | None = None,
     idle_unload_s: float | None = 300.0,
     lora_dir: Path | None = None,
+    lora_on_demand: bool = False,
     memory_budget_bytes: int | None = None,
     embedding_model: str | None = None,
 ) -> FastAPI:
     """`models`: one engine factory (served as settings.model_name), or several named models.
-    `lora_dir`: the directory /v1/load_lora_adapter may load adapters from (None: none).
+    `lora_dir`: the directory /v1/load_lora_adapter may load adapters from (None: none);
+    `lora_on_demand`: a request naming one of its folders loads that adapter (lora_adapters.py).
     `memory_budget_bytes`: what the loaded models' weights and KV pools may hold together.
     `embedding_model`: an encoder (common/embedder.py's MODELS) that serves /v1/embeddings."""
     state = _State()
@@ -125,11 +127,13 @@ def build_app(
     async def serving(model: str | None) -> OpenAIServing:
         if state.shutting_down:
             raise unavailable("the server is shutting down")
+        await adapters.resolve(model)
         s = await pool.serving(model)
         if s.engine.dead is not None:
             raise unavailable(f"the engine stopped and the server is restarting: {s.engine.dead}", 10)
         return s
 
+    adapters = RuntimeAdapters(pool, lora_dir, lora_on_demand, serving)
     install_error_handlers(app)
 
     @app.get("/health")
@@ -173,42 +177,11 @@ def build_app(
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRARequest) -> dict[str, Any]:
-        """Serve another adapter (on the first model), from inside --lora-dir only; with
-        load_inplace, a new version of one it serves (read afresh, under a new id)."""
-        model = pool.model(None)
-        replaced = model.entry.adapters.get(body.lora_name) if body.load_inplace else None
-        served = any(body.lora_name in m.entry.adapters for m in pool.models.values())
-        if body.lora_name in pool.models or (served and replaced is None):
-            raise APIError(400, f"the name {body.lora_name!r} is already served (load_inplace replaces "
-                           "an adapter)", param="lora_name")
-        if lora_dir is None:
-            raise APIError(400, "this server loads no adapters at run time: start it with --lora-dir",
-                           param="lora_path")
-        path = Path(body.lora_path).resolve()
-        if not path.is_relative_to(lora_dir.resolve()):
-            raise APIError(400, "lora_path must be inside the server's --lora-dir", param="lora_path")
-        lora = LoRARequest(body.lora_name, model.entry.new_lora_id(), str(path))
-        s = await serving(model.name)
-        try:
-            await asyncio.to_thread(s.engine.engine.check_lora, lora)
-        except ValueError as error:
-            raise APIError(400, str(error), param="lora_path") from error
-        model.entry.adapters[body.lora_name] = lora
-        if replaced is not None:
-            s.engine.engine.forget_lora(replaced)
-        return {"id": body.lora_name, "object": "model", "parent": model.name, "root": lora.lora_path}
+        return await adapters.load(body.lora_name, body.lora_path, body.load_inplace)
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRARequest) -> dict[str, Any]:
-        """Stop serving an adapter: requests already running finish with it, then its memory goes
-        (a later load of the name, from any directory, reads its files again)."""
-        model = pool.model(body.lora_name)
-        lora = model.entry.adapters.pop(body.lora_name, None)
-        if lora is None:
-            raise APIError(404, f"no adapter {body.lora_name!r}", param="lora_name", code="model_not_found")
-        if model.serving is not None:
-            model.serving.engine.engine.forget_lora(lora)
-        return {"id": body.lora_name, "object": "model", "deleted": True}
+        return adapters.unload(body.lora_name)
 
     @app.post("/v1/models/{name}/load")
     async def load_model(name: str) -> dict[str, Any]:

@@ -131,3 +131,31 @@ def test_an_adapter_loaded_again_is_read_afresh_and_its_old_kv_is_not_reused(
     assert load(lora_dir / "alpha", load_inplace=True) == 200
     assert answer("tuned", prompt) == pytest.approx(offline("alpha", prompt), abs=1e-5)
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "tuned"}).status_code == 200
+
+
+def test_on_demand_a_request_naming_a_folder_of_the_lora_dir_loads_its_adapter_once(
+        base, lora_dir, monkeypatch):  # noqa: F811
+    """vLLM's filesystem resolver: `model` names a folder of --lora-dir that holds an adapter."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    check = LLMEngine.check_lora
+    # a slow load, so that the requests arrive while it runs
+    monkeypatch.setattr(LLMEngine, "check_lora", lambda *args: time.sleep(0.3) or check(*args))
+    entry = ModelEntry("tiny", lambda: LLMEngine.from_kwargs(model=base, **ENGINE))
+    app = build_app([entry], ServerSettings(model_name="tiny"), lora_dir=lora_dir, lora_on_demand=True)
+    client = serve_in_process(app)
+    try:
+        with ThreadPoolExecutor(4) as pool:  # at once: one load, every request answered by it
+            answers = list(pool.map(lambda _: _answer(client, "alpha"), range(4)))
+        expected = _offline(base, LoRARequest("alpha", 1, str(lora_dir / "alpha")))
+        assert all(a == pytest.approx(expected, abs=1e-5) for a in answers)
+        assert 'hyperserve:lora_adapter_loads_total{model_name="tiny"} 1.0' in client.get("/metrics").text
+        assert "alpha" in {card["id"] for card in client.get("/v1/models").json()["data"]}
+        broken = client.post("/v1/completions", json={"model": "broken", "prompt": PROMPT, "max_tokens": 2})
+        assert broken.status_code == 400 and "adapter_model.safetensors" in broken.json()["error"]["message"]
+        for name in ("absent", "../alpha", "."):  # no such folder, or not a folder's name: no adapter
+            missing = client.post("/v1/completions", json={"model": name, "prompt": PROMPT, "max_tokens": 2})
+            assert missing.status_code == 404, name
+    finally:
+        client.__exit__(None, None, None)
