@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,8 +45,13 @@ class Stub:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> Stub:
+        """Started and answering; one that does not answer in time is killed before the error."""
         self.process = subprocess.Popen([sys.executable, STUB, "--port", str(self.port), "--name", self.name])
-        wait_http(f"{self.url}/health", self.process)
+        try:
+            wait_http(f"{self.url}/health", self.process)
+        except BaseException:
+            self.kill()
+            raise
         return self
 
     def kill(self) -> None:
@@ -79,7 +86,8 @@ class Gateway:
 
     def chat(self, content: str, model: str = "m", system: str | None = None, api_key: str | None = None,
              **params) -> httpx.Response:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": content})
         body = {"model": model, "messages": messages, "temperature": 0, **params}
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         return httpx.post(f"{self.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
@@ -109,10 +117,22 @@ def start_gateway(config: dict, tmp_path: Path, name: str = "gateway", args: tup
     return gateway
 
 
+@contextlib.contextmanager
+def running_stubs(*names: str) -> Iterator[list[Stub]]:
+    """Stub backends of these names, each killed on exit however the block ends: one that fails to
+    start kills those before it, and a stub a test put in the list in place of another (started
+    again on its port) is killed too."""
+    started: list[Stub] = []
+    try:
+        for name in names:
+            started.append(Stub(name, free_port()).start())
+        yield started
+    finally:
+        for stub in started:
+            stub.kill()
+
+
 @pytest.fixture
 def stubs():
-    started = [Stub(name, free_port()).start() for name in ("a", "b")]
-    yield started
-    for stub in started:
-        if stub.process.poll() is None:
-            stub.kill()
+    with running_stubs("a", "b") as started:
+        yield started

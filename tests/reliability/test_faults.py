@@ -9,21 +9,17 @@ import signal
 import httpx
 import pytest
 
-from tests.gateway.conftest import Stub, start_gateway
-from tests.server.conftest import free_port
+from tests.gateway.conftest import running_stubs, start_gateway
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
 def slow_stubs():
-    started = [Stub(name, free_port()).start() for name in ("a", "b")]
-    for stub in started:
-        stub.control(token_delay_s=0.2)
-    yield started
-    for stub in started:
-        if stub.process.poll() is None:
-            stub.kill()
+    with running_stubs("a", "b") as started:
+        for stub in started:
+            stub.control(token_delay_s=0.2)
+        yield started
 
 
 def test_a_backend_killed_mid_stream_gives_a_clear_error_and_the_gateway_goes_on(slow_stubs, tmp_path):

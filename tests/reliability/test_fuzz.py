@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.conftest import Stub, start_gateway
-from tests.server.conftest import free_port, start_server, stop_server
+from tests.gateway.conftest import running_stubs, start_gateway
+from tests.server.conftest import start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -21,9 +21,9 @@ def fuzz(url: str, max_examples: int, phases: str = "fuzzing", seed: int = 1) ->
     """Run schemathesis against `url`; (cases generated, its output). Fails on any 5xx or timeout."""
     binary = str(Path(sys.executable).with_name("schemathesis"))  # installed beside python by `make test`
     with tempfile.TemporaryDirectory() as cache:  # schemathesis keeps a cache in its working directory
-        run = subprocess.run([binary, "run", f"{url}/openapi.json", "--checks", "not_a_server_error", "--phases",
-                              phases, "-n", str(max_examples), "--request-timeout", "30", "--seed", str(seed)],
-                             capture_output=True, text=True, timeout=600, cwd=cache)
+        command = [binary, "run", f"{url}/openapi.json", "--checks", "not_a_server_error", "--phases", phases,
+                   "-n", str(max_examples), "--request-timeout", "30", "--seed", str(seed)]
+        run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=cache)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     generated = re.search(r"(\d+) generated", run.stdout)
     return int(generated.group(1)) if generated else 0, run.stdout
@@ -31,7 +31,8 @@ def fuzz(url: str, max_examples: int, phases: str = "fuzzing", seed: int = 1) ->
 
 def test_fuzzed_server_requests_never_get_a_5xx():
     server = start_server("--max-model-len", "64", "--kv-cache-memory-gb", "0.25", "--max-num-seqs", "4",
-                          "--default-max-tokens", "8", "--embedding-model", "all-MiniLM-L6-v2", log_name="fuzz")
+                          "--default-max-tokens", "8", "--embedding-model", "all-MiniLM-L6-v2",
+                          log_name="fuzz")
     try:
         cases, _ = fuzz(server.url, max_examples=25)
         assert cases >= 100
@@ -41,12 +42,9 @@ def test_fuzzed_server_requests_never_get_a_5xx():
 
 
 def test_fuzzed_gateway_requests_never_get_a_5xx(tmp_path):
-    stub = Stub("a", free_port()).start()
-    config = {"backends": [{"name": "a", "url": stub.url}], "routes": [{"model": "m", "backends": ["a"]}],
-              "cache": {"enabled": False}}
-    try:
+    with running_stubs("a") as (stub,):
+        config = {"backends": [{"name": "a", "url": stub.url}], "routes": [{"model": "m", "backends": ["a"]}],
+                  "cache": {"enabled": False}}
         with start_gateway(config, tmp_path) as gateway:
             cases, _ = fuzz(gateway.url, max_examples=10)
             assert cases >= 20
-    finally:
-        stub.kill()

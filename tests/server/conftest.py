@@ -53,20 +53,24 @@ def start_server(*flags: str, log_name: str = "server") -> Server:
     url = f"http://127.0.0.1:{port}"
     statuses = []
     deadline = time.time() + 120
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}; see {log.name}")
-        try:
-            status = httpx.get(f"{url}/health", timeout=2).status_code
-        except httpx.HTTPError:
+    try:
+        while time.time() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode}; see {log.name}")
+            try:
+                status = httpx.get(f"{url}/health", timeout=2).status_code
+            except httpx.HTTPError:
+                time.sleep(0.2)
+                continue
+            statuses.append(status)
+            if status == 200:
+                return Server(process, url, statuses)
             time.sleep(0.2)
-            continue
-        statuses.append(status)
-        if status == 200:
-            return Server(process, url, statuses)
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("server did not become healthy")
+        raise RuntimeError("server did not become healthy")
+    except BaseException:  # not healthy in time, or the test run interrupted: no server left behind
+        process.kill()
+        process.wait()
+        raise
 
 
 def serve_in_process(app, timeout: float = 60):

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import start_server
+from tests.server.conftest import start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -24,12 +24,15 @@ def test_sigterm_lets_running_requests_finish():
 
     thread = threading.Thread(target=request)
     thread.start()
-    time.sleep(1.0)  # the request is running
-    server.process.send_signal(signal.SIGTERM)
-    thread.join(timeout=120)
-    assert result["response"].status_code == 200
-    assert result["response"].json()["usage"]["completion_tokens"] == 60
-    assert server.process.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal on exit
+    try:
+        time.sleep(1.0)  # the request is running
+        server.process.send_signal(signal.SIGTERM)
+        thread.join(timeout=120)
+        assert result["response"].status_code == 200
+        assert result["response"].json()["usage"]["completion_tokens"] == 60
+        assert server.process.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal on exit
+    finally:
+        stop_server(server)  # gone already, unless an assertion failed first
 
 
 def test_a_model_that_cannot_load_stops_the_server_with_an_error():

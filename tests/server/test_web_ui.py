@@ -109,12 +109,9 @@ def test_the_dashboard_charts_move_under_load(server, page):
     for worker in workers:
         worker.start()
     try:
-        page.wait_for_function(
-            "document.querySelector(\"section.chart[aria-label='Throughput (tokens/s)']\").dataset.points > 2",
-            timeout=60_000)
-        page.wait_for_function(
-            "document.querySelector(\"section.chart[aria-label='Time to first token (ms)']\").dataset.points > 0",
-            timeout=30_000)
+        chart = "document.querySelector(\"section.chart[aria-label='{}']\").dataset.points"
+        page.wait_for_function(chart.format("Throughput (tokens/s)") + " > 2", timeout=60_000)
+        page.wait_for_function(chart.format("Time to first token (ms)") + " > 0", timeout=30_000)
     finally:
         for worker in workers:
             worker.join()
@@ -161,8 +158,8 @@ def test_the_batches_page_runs_a_file_and_downloads_its_results(server, page, tm
 
 
 def test_with_keys_on_the_pages_ask_for_one_and_stream_with_it(browser):
-    keyed = start_server("--kv-cache-memory-gb", "0.25", "--api-key", "browser-secret", log_name="ui-keys")
     context = browser.new_context()
+    keyed = start_server("--kv-cache-memory-gb", "0.25", "--api-key", "browser-secret", log_name="ui-keys")
     try:
         page = context.new_page()
         page.goto(f"{keyed.url}/ui/")
