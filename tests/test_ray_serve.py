@@ -34,11 +34,13 @@ def cluster():
     from ray import serve
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    try:  # Ray's processes stop however the module ends
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+        serve.shutdown()
+    finally:
+        ray.shutdown()
 
 
 def deploy(url: str, **options) -> None:
