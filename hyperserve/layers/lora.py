@@ -88,6 +88,15 @@ class LoRAAdapter:
                 + sum(t.nbytes for tensors in self._native.values() for t in tensors))
 
 
+def is_file(path: Path) -> bool:
+    """Path.is_file, False for a path the system cannot even look up (a name too long, say): a
+    client's path is never a server error."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
     """Read and check a PEFT adapter against the base model; ValueError saying what is wrong."""
     from safetensors import SafetensorError
@@ -96,7 +105,7 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int, dtype: t
     directory = Path(request.lora_path)
     config_path, weights_path = directory / "adapter_config.json", directory / "adapter_model.safetensors"
     for path in (config_path, weights_path):
-        if not path.is_file():
+        if not is_file(path):
             raise ValueError(f"adapter {request.lora_name!r}: {path} is missing (a PEFT adapter "
                              "directory has adapter_config.json and adapter_model.safetensors)")
     try:

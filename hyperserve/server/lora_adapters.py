@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hyperserve.common.errors import APIError
-from hyperserve.layers.lora import LoRARequest
+from hyperserve.layers.lora import LoRARequest, is_file
 from hyperserve.server.model_pool import ModelPool
 from hyperserve.server.openai_api import OpenAIServing
 
@@ -49,7 +49,10 @@ class RuntimeAdapters:
         if self.lora_dir is None:
             raise APIError(400, "this server loads no adapters at run time: start it with --lora-dir",
                            param="lora_path")
-        directory = Path(path).resolve()
+        try:
+            directory = Path(path).resolve()
+        except (OSError, ValueError) as error:  # a NUL byte, a loop of links
+            raise APIError(400, f"lora_path is not a usable path: {error}", param="lora_path") from error
         if not directory.is_relative_to(self.lora_dir):
             raise APIError(400, "lora_path must be inside the server's --lora-dir", param="lora_path")
         lora = LoRARequest(name, model.entry.new_lora_id(), str(directory))
@@ -81,7 +84,7 @@ class RuntimeAdapters:
         if not self.on_demand or model is None or self._served(model) or not FOLDER_NAME.fullmatch(model):
             return
         directory = self.lora_dir / model
-        if not (directory / "adapter_config.json").is_file():
+        if not is_file(directory / "adapter_config.json"):
             return
         async with self._loads:
             if not self._served(model):  # not loaded by a request that waited before this one

@@ -84,6 +84,9 @@ def test_adapters_load_at_run_time_from_the_lora_dir_only(client, lora_dir, tmp_
     escape = client.post("/v1/load_lora_adapter",
                          json={"lora_name": "x", "lora_path": str(lora_dir / ".." / "x")})
     assert escape.status_code == 400
+    for path in (lora_dir / ("x" * 4000), f"{lora_dir}/a\x00b"):  # a name too long to look up, a NUL byte
+        strange = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(path)})
+        assert strange.status_code == 400, strange.text
     loaded = client.post("/v1/load_lora_adapter",
                          json={"lora_name": "beta", "lora_path": str(lora_dir / "beta")})
     assert loaded.status_code == 200, loaded.text
@@ -154,7 +157,7 @@ def test_on_demand_a_request_naming_a_folder_of_the_lora_dir_loads_its_adapter_o
         assert "alpha" in {card["id"] for card in client.get("/v1/models").json()["data"]}
         broken = client.post("/v1/completions", json={"model": "broken", "prompt": PROMPT, "max_tokens": 2})
         assert broken.status_code == 400 and "adapter_model.safetensors" in broken.json()["error"]["message"]
-        for name in ("absent", "../alpha", "."):  # no such folder, or not a folder's name: no adapter
+        for name in ("absent", "../alpha", ".", "x" * 256):  # no such folder, or no folder's name
             missing = client.post("/v1/completions", json={"model": name, "prompt": PROMPT, "max_tokens": 2})
             assert missing.status_code == 404, name
     finally:
