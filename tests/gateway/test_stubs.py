@@ -26,8 +26,8 @@ def test_a_stub_that_fails_to_start_stops_those_started_before_it(monkeypatch):
 
 
 def test_every_stub_is_stopped_when_the_block_fails():
-    with pytest.raises(ZeroDivisionError), running_stubs("a", "b") as stubs:
-        1 / 0
+    with pytest.raises(RuntimeError, match="the test failed"), running_stubs("a", "b") as stubs:
+        raise RuntimeError("the test failed")
     assert all(stub.process.poll() is not None for stub in stubs)
 
 
