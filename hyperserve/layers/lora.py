@@ -45,7 +45,7 @@ class LoRARequest:
     lora_path: str
 
 
-@dataclass
+@dataclass(eq=False)  # compared as objects: a name loaded again is another adapter
 class LoRAAdapter:
     name: str
     path: str
@@ -195,12 +195,11 @@ class LoRABatch:
         self.mask: torch.Tensor | None = None  # [T, n * r] 1 where the row's adapter owns the column
         self._stacks: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
         self._native: dict[int, list[torch.Tensor]] = {}
-        self._stacked: tuple[LoRAAdapter, ...] = ()  # the adapters the stacks hold, as objects: a
-        # name loaded again is another object, so its new weights are stacked afresh
+        self._stacked: tuple[LoRAAdapter, ...] = ()  # the adapters the stacks hold
 
     def set(self, adapters: list[LoRAAdapter], row_adapter: list[int]) -> None:
         """row_adapter: each row's position in `adapters`, -1 for the base model."""
-        if len(adapters) != len(self._stacked) or any(a is not b for a, b in zip(adapters, self._stacked)):
+        if tuple(adapters) != self._stacked:
             self._stacks, self._native, self._stacked = {}, {}, tuple(adapters)
         self.adapters = adapters
         self.rows = torch.tensor(row_adapter, dtype=torch.long)

@@ -42,8 +42,7 @@ class RuntimeAdapters:
     async def _load(self, name: str, path: str, inplace: bool) -> dict[str, Any]:
         model = self.pool.model(None)
         replaced = model.entry.adapters.get(name) if inplace else None
-        served = any(name in m.entry.adapters for m in self.pool.models.values())
-        if name in self.pool.models or (served and replaced is None):
+        if self.pool.find(name) is not None and replaced is None:
             raise APIError(400, f"the name {name!r} is already served (load_inplace replaces an adapter)",
                            param="lora_name")
         if self.lora_dir is None:
@@ -81,14 +80,13 @@ class RuntimeAdapters:
         """With on-demand loading, load the adapter a request names if it is not served yet and
         --lora-dir has a folder of that name with an adapter_config.json (otherwise the request
         goes on to its 404)."""
-        if not self.on_demand or model is None or self._served(model) or not FOLDER_NAME.fullmatch(model):
+        if not self.on_demand or model is None or not FOLDER_NAME.fullmatch(model):
+            return
+        if self.pool.find(model) is not None:
             return
         directory = self.lora_dir / model
         if not is_file(directory / "adapter_config.json"):
             return
         async with self._loads:
-            if not self._served(model):  # not loaded by a request that waited before this one
+            if self.pool.find(model) is None:  # not loaded by a request that waited before this one
                 await self._load(model, str(directory), inplace=False)
-
-    def _served(self, name: str) -> bool:
-        return name in self.pool.models or any(name in m.entry.adapters for m in self.pool.models.values())

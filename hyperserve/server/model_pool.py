@@ -156,11 +156,15 @@ class ModelPool:
     def loaded(self) -> list[ServedModel]:
         return [m for m in self.models.values() if m.serving is not None]
 
+    def find(self, name: str) -> ServedModel | None:
+        """The model `name` is, or the base of the LoRA adapter it is; None if neither."""
+        return self.models.get(name) or next(
+            (m for m in self.models.values() if name in m.entry.adapters), None)
+
     def model(self, name: str | None) -> ServedModel:
         """The model a request's `model` names: a model, or the base of a LoRA adapter."""
         name = self.default if name is None else name
-        model = self.models.get(name) or next(
-            (m for m in self.models.values() if name in m.entry.adapters), None)
+        model = self.find(name)
         if model is None:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                            f"{sorted(self.models)}", param="model", code="model_not_found")
