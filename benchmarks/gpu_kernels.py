@@ -16,8 +16,17 @@ offline run's hundreds, sweeping the tokens read per iteration, the warps, and t
 SM that set the split count, for each --kv-cache-dtype (int8/fp8 caches carry a float32 scale per
 token and head); GB/s counts the K/V bytes (codes and scales) read once.
 
+--prefill times one layer's prefill attention for a step's spans (an offline step of 32 new
+512-token prompts, chunks after context, one long prompt): the portable backend's path (one SDPA
+call per span, context gathered and masked), the CUDA backend's as the engine runs it (new prompts
+from FLASH_PREFILL_TOKENS through SDPA, the rest in one launch of layers/triton_attention.py's
+kernel), and that kernel for every span, its row and key tiles, warps and stages swept (PREFILL_SWEEP,
+or the values given). Each output is checked against the portable path's; TFLOP/s counts the causal
+products done.
+
     python benchmarks/gpu_kernels.py [--shapes qkv o ...] [--tiles-json OUT] [--json OUT]
     python benchmarks/gpu_kernels.py --attention [--kv-cache-dtype auto fp8] [--num-warps 4 8] [--json OUT]
+    python benchmarks/gpu_kernels.py --prefill [--kv-cache-dtype auto fp8] [--json OUT]
 """
 
 from __future__ import annotations
@@ -62,7 +71,7 @@ def measure(name: str, n: int, k: int, row_counts: list[int]) -> list[dict]:
     weight = torch.randn(n, k, device="cuda") * 0.02
     bf16_bytes = n * k * 2
     copies = max(2, math.ceil(ROTATE_BYTES / bf16_bytes))
-    bf16 = [weight.to(torch.bfloat16) if i == 0 else weight.to(torch.bfloat16).roll(i, 0) for i in range(copies)]
+    bf16 = [weight.to(torch.bfloat16).roll(i, 0) for i in range(copies)]
     fp8 = [Fp8Linear(w, None) for w in bf16[: max(2, math.ceil(ROTATE_BYTES / (n * k)))]]
     del weight
     for m in row_counts:
@@ -71,12 +80,14 @@ def measure(name: str, n: int, k: int, row_counts: list[int]) -> list[dict]:
         results = {
             "cublas bf16": (timed(lambda i, x=x: F.linear(x, bf16[i]), len(bf16)), bf16_bytes),
             "triton bf16": (timed(lambda i, x=x: gemv(x, bf16[i]), len(bf16)), bf16_bytes),
-            "triton fp8": (timed(lambda i, x=x: gemv(x, fp8[i]._weight_t.t(), fp8[i]._scale[0]), len(fp8)), n * k),
+            "triton fp8": (timed(lambda i, x=x: gemv(x, fp8[i]._weight_t.t(), fp8[i]._scale[0]), len(fp8)),
+                           n * k),
         }
         if m == 16:  # the scaled GEMM runs from 17 rows
             results["scaled_mm fp8 (17 rows)"] = (timed(lambda i, x17=x17: fp8[i](x17), len(fp8)), n * k)
         for path, (us, nbytes) in results.items():
-            rows.append({"shape": name, "n": n, "k": k, "rows": m, "path": path, "us": us, "gbs": nbytes / us / 1e3})
+            rows.append({"shape": name, "n": n, "k": k, "rows": m, "path": path, "us": us,
+                         "gbs": nbytes / us / 1e3})
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     for dtype_name, weights, nbytes in (("bf16", bf16, bf16_bytes), ("fp8", fp8, n * k)):
         best = None
@@ -85,15 +96,17 @@ def measure(name: str, n: int, k: int, row_counts: list[int]) -> list[dict]:
             if dtype_name == "bf16":
                 fn = lambda i, c=config, w=weights: gemv(x, w[i], tiles=GemvTiles(**c))
             else:
-                fn = lambda i, c=config, w=weights: gemv(x, w[i]._weight_t.t(), w[i]._scale[0], tiles=GemvTiles(**c))
+                fn = lambda i, c=config, w=weights: gemv(x, w[i]._weight_t.t(), w[i]._scale[0],
+                                                         tiles=GemvTiles(**c))
             try:
                 us = timed(fn, len(weights))
             except (triton.runtime.errors.OutOfResources, triton.CompilationError):
                 continue
             if best is None or us < best[0]:
                 best = (us, config)
-        rows.append({"shape": name, "n": n, "k": k, "rows": 1, "path": f"triton {dtype_name} best", "us": best[0],
-                     "gbs": nbytes / best[0] / 1e3, "config": best[1], "itemsize": 2 if dtype_name == "bf16" else 1})
+        rows.append({"shape": name, "n": n, "k": k, "rows": 1, "path": f"triton {dtype_name} best",
+                     "us": best[0], "gbs": nbytes / best[0] / 1e3, "config": best[1],
+                     "itemsize": 2 if dtype_name == "bf16" else 1})
     return rows
 
 
@@ -108,37 +121,143 @@ def measure_attention(batch: int, context: int, kv_cache_dtype: str) -> list[dic
     heads, kv_heads, dim, block = 32, 8, 128, 16
     blocks_per_seq = context // block
     num_blocks = batch * blocks_per_seq
-    cache = KVCache.allocate(num_blocks, block, kv_heads, dim, torch.bfloat16, kv_cache_dtype, torch.device("cuda"))
+    cache = KVCache.allocate(num_blocks, block, kv_heads, dim, torch.bfloat16, kv_cache_dtype,
+                             torch.device("cuda"))
     slots = torch.arange(num_blocks * block, device="cuda")
-    for start in range(0, len(slots), 65536):  # written in slices: the float32 quantization's temporaries stay small
+    # written in slices: the float32 quantization's temporaries stay small
+    for start in range(0, len(slots), 65536):
         part = slots[start : start + 65536]
         cache.write(part, *torch.randn(2, len(part), kv_heads, dim, device="cuda", dtype=torch.bfloat16))
     tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).int()
     lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
-    nbytes = sum(t.numel() * t.element_size() for t in (cache.key, cache.value, cache.key_scale, cache.value_scale)
+    nbytes = sum(t.numel() * t.element_size()
+                 for t in (cache.key, cache.value, cache.key_scale, cache.value_scale)
                  if t is not None)
     rows = []
     for values in itertools.product(*ATTENTION_SWEEP.values()):
         config = dict(zip(ATTENTION_SWEEP, values))
-        splits = triton_attention.num_splits_for(batch, kv_heads, blocks_per_seq, q.device, config["programs_per_sm"])
+        splits = triton_attention.num_splits_for(batch, kv_heads, blocks_per_seq, q.device,
+                                                 config["programs_per_sm"])
         fn = lambda c=config, splits=splits: triton_attention.paged_decode_attention(
             q, cache.key, cache.value, tables, lens, block, dim**-0.5, key_scale=cache.key_scale,
-            value_scale=cache.value_scale, num_splits=splits, tile_tokens=c["tile_tokens"], num_warps=c["num_warps"])
+            value_scale=cache.value_scale, num_splits=splits, tile_tokens=c["tile_tokens"],
+            num_warps=c["num_warps"])
         us = 1e3 * triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
         rows.append({"kv": kv_cache_dtype, "batch": batch, "context": context, **config, "us": us,
                      "gbs": nbytes / us / 1e3})
     return rows
 
 
+# (new tokens, cached context tokens) of each span in one step
+PREFILL_CASES = {"32 x 512 new": [(512, 0)] * 32, "8 x 512 after 1,536": [(512, 1536)] * 8,
+                 "1 x 8,192 new": [(8192, 0)], "mixed": [(2048, 0), (1000, 3000), (37, 500), (512, 0)] * 2}
+PREFILL_SWEEP = {"block_m": (64, 128), "block_n": (64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
+
+
+def measure_prefill(case: str, spans: list[tuple[int, int]], kv_cache_dtype: str) -> list[dict]:
+    from hyperserve.layers.attention import (
+        FLASH_PREFILL_TOKENS,
+        AttentionMetadata,
+        KVCache,
+        PrefillBatch,
+        PrefillSpan,
+        TorchPagedAttention,
+        TritonPagedAttention,
+        allowed_keys,
+    )
+    from hyperserve.layers.triton_attention import PrefillTiles, paged_prefill_attention
+
+    heads, kv_heads, dim, block, device = 32, 8, 128, 16, torch.device("cuda")
+    tables = []
+    for new, context in spans:
+        start = sum(len(t) for t in tables)
+        tables.append(list(range(start, start + math.ceil((new + context) / block))))
+    num_blocks = sum(len(t) for t in tables)
+    order = torch.randperm(num_blocks).tolist()  # blocks scattered over the pool
+    tables = [[order[b] for b in t] for t in tables]
+    cache = KVCache.allocate(num_blocks, block, kv_heads, dim, torch.bfloat16, kv_cache_dtype, device)
+    slots = torch.arange(num_blocks * block, device=device)
+    cache.write(slots, *torch.randn(2, len(slots), kv_heads, dim, device=device, dtype=torch.bfloat16))
+    num_rows = sum(new for new, _ in spans)
+    q, k, v = (torch.randn(num_rows, n, dim, device=device, dtype=torch.bfloat16)
+               for n in (heads, kv_heads, kv_heads))
+    starts = [sum(new for new, _ in spans[:i]) for i in range(len(spans))]
+    new_slots = [table[p // block] * block + p % block for (new, context), table in zip(spans, tables)
+                 for p in range(context, context + new)]
+    cache.write(torch.tensor(new_slots, device=device), k, v)  # as the layer writes them before attending
+
+    def as_spans(which: list[int]) -> list[PrefillSpan]:
+        """The portable backend's spans: context gathered and masked where there is some."""
+        out = []
+        for i in which:
+            (new, context), row = spans[i], starts[i]
+            mask = allowed_keys(torch.arange(context, context + new), torch.arange(context + new), None)
+            out.append(PrefillSpan(row, row + new, None, None) if context == 0 else
+                       PrefillSpan(row, row + new, torch.tensor(tables[i], device=device), mask.to(device)))
+        return out
+
+    def as_batch(which: list[int]) -> PrefillBatch | None:
+        if not which:
+            return None
+        width = max(len(tables[i]) for i in which)
+        padded = torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in which], dtype=torch.int32,
+                              device=device)
+        columns = torch.tensor([[starts[i] for i in which], [spans[i][0] for i in which],
+                                [spans[i][1] for i in which]], dtype=torch.int32, device=device)
+        return PrefillBatch(padded, columns[0], columns[1], columns[2], max(spans[i][0] for i in which))
+
+    everything = list(range(len(spans)))
+    flash = [i for i in everything if spans[i][1] == 0 and spans[i][0] >= FLASH_PREFILL_TOKENS]
+    engine_meta = AttentionMetadata(slots[:0], [], as_spans(flash), None,
+                                    as_batch([i for i in everything if i not in flash]))
+    portable_meta = AttentionMetadata(slots[:0], [], as_spans(everything))
+    batch = as_batch(everything)
+    scale = dim**-0.5
+    flops = sum(4 * dim * heads * (new * context + new * (new + 1) / 2) for new, context in spans)
+    expected = TorchPagedAttention()(q, k, v, cache, portable_meta, scale, kv_written=True)
+    base = {"case": case, "kv": kv_cache_dtype, "spans": len(spans), "rows": num_rows}
+    out = torch.empty_like(q)
+    paths = {"portable (SDPA per span)": (TorchPagedAttention(), portable_meta),
+             f"engine (SDPA from {FLASH_PREFILL_TOKENS:,} new)": (TritonPagedAttention(), engine_meta)}
+    rows = []
+    for name, (backend, meta) in paths.items():
+        fn = lambda b=backend, m=meta: b(q, k, v, cache, m, scale, kv_written=True)  # noqa: E731
+        error = (fn().float() - expected.float()).abs().max().item()
+        us = 1e3 * triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
+        rows.append({**base, "path": name, "us": us, "tflops": flops / us / 1e6, "error": error})
+    for values in itertools.product(*PREFILL_SWEEP.values()):
+        config = dict(zip(PREFILL_SWEEP, values))
+        fn = lambda c=config: paged_prefill_attention(  # noqa: E731
+            q, cache.key, cache.value, batch.block_tables, batch.query_starts, batch.query_lens,
+            batch.context_starts, batch.max_query_len, block, scale, out, key_scale=cache.key_scale,
+            value_scale=cache.value_scale, tiles=PrefillTiles(**c))
+        try:
+            fn()
+        except (triton.runtime.errors.OutOfResources, triton.CompilationError):
+            continue
+        error = (out.float() - expected.float()).abs().max().item()
+        us = 1e3 * triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
+        rows.append({**base, "path": "triton, one launch", "config": config, "us": us,
+                     "tflops": flops / us / 1e6, "error": error})
+    return rows
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attention", action="store_true", help="time the paged decode attention instead")
-    parser.add_argument("--kv-cache-dtype", nargs="*", default=["auto"], help="with --attention: auto, int8, fp8")
+    parser.add_argument("--prefill", action="store_true", help="time the prefill attention paths instead")
+    parser.add_argument("--kv-cache-dtype", nargs="*", default=["auto"],
+                        help="with --attention or --prefill: auto, int8, fp8")
     for name, values in ATTENTION_SWEEP.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, nargs="*", default=list(values),
                             help="with --attention: the values swept")
-    parser.add_argument("--shapes", nargs="*", default=[name for name, _, _ in SHAPES], help="projections to time")
+    for name, values in PREFILL_SWEEP.items():
+        parser.add_argument(f"--prefill-{name.replace('_', '-')}", type=int, nargs="*", default=list(values),
+                            help="with --prefill: the values swept")
+    parser.add_argument("--shapes", nargs="*", default=[name for name, _, _ in SHAPES],
+                        help="projections to time")
     parser.add_argument("--rows", type=int, nargs="*", default=[1, 16], help="rows to compare the paths at")
     parser.add_argument("--tiles-json", default=None, help="write each shape's best tiles here")
     parser.add_argument("--json", default=None)
@@ -154,6 +273,16 @@ def main() -> None:
         for r in rows:
             print(f"{r['kv']:>5}{r['batch']:>6}{r['context']:>8}{r['tile_tokens']:>6}{r['num_warps']:>6}"
                   f"{r['programs_per_sm']:>8}{r['us']:>9.1f}{r['gbs']:>7.0f}")
+    elif args.prefill:  # rows printed as each case is measured: a part cut short by its timeout keeps them
+        PREFILL_SWEEP.update({name: getattr(args, f"prefill_{name}") for name in PREFILL_SWEEP})
+        print(f"{'case':<22}{'kv':>5}  {'path':<26}{'us':>9}{'TFLOP/s':>9}{'max err':>9}  config", flush=True)
+        for kv_cache_dtype, (case, spans) in itertools.product(args.kv_cache_dtype, PREFILL_CASES.items()):
+            measured = measure_prefill(case, spans, kv_cache_dtype)
+            torch.cuda.empty_cache()
+            for r in measured:
+                print(f"{r['case']:<22}{r['kv']:>5}  {r['path']:<26}{r['us']:>9.1f}{r['tflops']:>9.1f}"
+                      f"{r['error']:>9.4f}  {r.get('config', '')}", flush=True)
+            rows += measured
     else:
         for name, n, k in SHAPES:
             if name in args.shapes:

@@ -13,6 +13,8 @@
 #            per Llama-3-8B projection, each shape's winner written to OUTDIR/gemv-tiles.json;
 #   attention benchmarks/gpu_kernels.py --attention: the paged decode attention with bfloat16 and
 #            fp8 caches, from one long sequence to an offline run's 512 (ATTENTION_ARGS narrows the sweep);
+#   prefill  benchmarks/gpu_kernels.py --prefill: one layer's prefill attention for a step's spans, the
+#            portable backend's SDPA per span against the Triton kernel's one launch, its tiles swept;
 #   single   benchmarks/gpu.py single-stream decode on the Llama-3-8B shape (random weights),
 #            bfloat16 and fp8, 8 steps per schedule: the GEMV's tiles as shipped, then the sweep's
 #            (with fp8, the top GPU kernels);
@@ -66,6 +68,11 @@ fi
 if part attention; then
     timeout 120 $PY benchmarks/gpu_kernels.py --attention --kv-cache-dtype auto fp8 ${ATTENTION_ARGS:-} \
         --json "$OUTDIR/gpu-attention.json" 2>&1 | tee "$OUTDIR/gpu-attention.log" | tail -n 80
+    rc=$(( rc || PIPESTATUS[0] ))
+fi
+if part prefill; then
+    timeout 150 $PY benchmarks/gpu_kernels.py --prefill --kv-cache-dtype auto fp8 \
+        --json "$OUTDIR/gpu-prefill.json" 2>&1 | tee "$OUTDIR/gpu-prefill.log" | tail -n 80
     rc=$(( rc || PIPESTATUS[0] ))
 fi
 SINGLE="--num-requests 0 --hf-requests 0 --num-scheduler-steps 8 --decode-tokens 512"

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -38,9 +38,12 @@ from hyperserve.engine.sampling_batch import SamplingBatchBuilder
 from hyperserve.engine.scheduler import SchedulerOutput
 from hyperserve.engine.structured_output import GrammarCompiler
 from hyperserve.layers.attention import (
+    FLASH_PREFILL_TOKENS,
+    AttentionBackend,
     AttentionMetadata,
     DecodeGroup,
     KVCache,
+    PrefillBatch,
     PrefillSpan,
     allowed_keys,
     padded_block_tables,
@@ -391,7 +394,7 @@ class ModelRunner:
                 and self.fused_decode.takes(sum(len(c.token_ids) for c in chunks))):
             return self._fused_forward(chunks, with_lora)
         compiled = decode_only and self._compiled_decode is not None
-        batch = self._prepare(chunks, model.sliding_window, model.attention_backend.ragged_decode,
+        batch = self._prepare(chunks, model.sliding_window, model.attention_backend,
                               min_blocks=2 if compiled else 1,
                               full_attention=model.interleaves_full_attention)
         if compiled:
@@ -449,11 +452,12 @@ class ModelRunner:
                                        self.lora.batch if with_lora else None, window_rows)
         return self.fused_decode.logits(hidden if len(logit_rows) == len(tables) else hidden[logit_rows])
 
-    def _prepare(self, chunks: list[SeqChunk], sliding_window: int | None, ragged_decode: bool,
+    def _prepare(self, chunks: list[SeqChunk], sliding_window: int | None, backend: AttentionBackend,
                  min_blocks: int = 1, full_attention: bool = False) -> ForwardBatch:
         """Flat inputs and attention metadata. Decodes form one group when the backend takes ragged
         lengths, or when min_blocks > 1 (the compiled decode: one graph for any batch); otherwise
-        groups of similar lengths, each padded to its longest and masked. `full_attention`: also
+        groups of similar lengths, each padded to its longest and masked. Prefill spans come as one
+        PrefillBatch where the backend takes it, else one PrefillSpan each. `full_attention`: also
         the metadata without the window, for the global layers of a model that has both."""
         input_ids: list[int] = []
         positions: list[int] = []
@@ -487,15 +491,17 @@ class ModelRunner:
             lengths = [c.start + 1 for c in decode_chunks]
             if not decode_rows:
                 decodes = []
-            elif ragged_decode or min_blocks > 1:
+            elif backend.ragged_decode or min_blocks > 1:
                 rows = None if len(decode_rows) == row else decode_rows
                 decodes = [self._decode_group(rows, tables, lengths, window, min_blocks,
-                                              with_mask=not ragged_decode)]
+                                              with_mask=not backend.ragged_decode)]
             else:
                 decodes = self._decode_groups(decode_rows, tables, lengths, window)
+            as_span = [not backend.paged_prefill or self._flash_prefill(c, window) for _, c in prefills]
             spans = [self._prefill_span(first, c.start, c.start + len(c.token_ids), table(c), window)
-                     for first, c in prefills]
-            return AttentionMetadata(slots, decodes, spans, window)
+                     for (first, c), alone in zip(prefills, as_span) if alone]
+            paged = [prefill for prefill, alone in zip(prefills, as_span) if not alone]
+            return AttentionMetadata(slots, decodes, spans, window, self._prefill_batch(paged, table))
 
         attn = metadata(sliding_window)
         if full_attention:
@@ -520,6 +526,25 @@ class ModelRunner:
         mask = allowed_keys(torch.arange(start, end), torch.arange(end), sliding_window)
         blocks = None if start == 0 else torch.tensor(table, dtype=torch.long, device=self.device)
         return PrefillSpan(row, row + num_new, blocks, mask.to(self.device))
+
+    @staticmethod
+    def _flash_prefill(chunk: SeqChunk, window: int | None) -> bool:
+        """A new prompt long enough to attend through SDPA on its own K/V, even for a paged_prefill
+        backend (FLASH_PREFILL_TOKENS)."""
+        num_new = len(chunk.token_ids)
+        return chunk.start == 0 and num_new >= FLASH_PREFILL_TOKENS and (window is None or num_new <= window)
+
+    def _prefill_batch(self, prefills: list[tuple[int, SeqChunk]], table: Callable[[SeqChunk], list[int]]
+                       ) -> PrefillBatch | None:
+        if not prefills:
+            return None
+        tables = [table(chunk) for _, chunk in prefills]
+        lens = [len(chunk.token_ids) for _, chunk in prefills]
+        # one copy for the three per-span columns
+        columns = torch.tensor([[row for row, _ in prefills], lens, [chunk.start for _, chunk in prefills]],
+                               dtype=torch.int32).to(self.device)
+        padded = padded_block_tables(tables, max(len(t) for t in tables), torch.int32).to(self.device)
+        return PrefillBatch(padded, columns[0], columns[1], columns[2], max(lens))
 
     def _decode_groups(self, rows: list[int], tables: list[list[int]], lengths: list[int],
                        sliding_window: int | None) -> list[DecodeGroup]:

@@ -22,6 +22,12 @@ import torch.nn.functional as F
 
 from hyperserve.layers import HAS_TRITON, huge_pages
 
+# A new prompt this long attends through SDPA on its own K/V (FlashAttention or cuDNN's) even where
+# the backend takes a PrefillBatch: on an H200, one prompt of 8,192 tokens took 0.95 ms a layer
+# that way against 2.2 ms in the Triton kernel, while 32 prompts of 512 took 2.0 ms against 0.45
+# (benchmarks/gpu_kernels.py --prefill, 2026-11-29)
+FLASH_PREFILL_TOKENS = 2048
+
 # kv_cache_dtype -> (storage dtype, largest stored magnitude): quantized K/V keep one scale per
 # token and head, so an outlier token costs precision only in its own row
 KV_QUANTIZED = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
@@ -87,7 +93,7 @@ class KVCache:
             return k, v
         k_scale = _gather_blocks(self.key_scale, blocks, self.block_size, None, "")
         v_scale = _gather_blocks(self.value_scale, blocks, self.block_size, None, "")
-        return (k.to(dtype) * k_scale.unsqueeze(-1).to(dtype)), (v.to(dtype) * v_scale.unsqueeze(-1).to(dtype))
+        return k.to(dtype) * k_scale.unsqueeze(-1).to(dtype), v.to(dtype) * v_scale.unsqueeze(-1).to(dtype)
 
     def read_blocks(self, blocks: torch.Tensor) -> dict[str, torch.Tensor]:
         """Whole blocks [N] -> each stored tensor's rows of them, [N, block_size, ...] (copies)."""
@@ -114,9 +120,12 @@ def quantized_bound(dtype: torch.dtype) -> float:
 
 
 def _quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, Hkv, D] -> (codes in dtype, scales [T, Hkv] float32), one symmetric scale per row."""
+    """x [T, Hkv, D] -> (codes in dtype, scales [T, Hkv] float32), one symmetric scale per row. The
+    scale is the row's largest magnitude times 1 / bound, not over bound: PyTorch's CUDA kernels
+    divide by a scalar as that product, its CPU kernels divide, and the fused Triton write
+    (triton_elementwise) must give the same bits as this function on either device."""
     bound = quantized_bound(dtype)
-    scale = x.float().abs().amax(-1).clamp(min=1e-8) / bound
+    scale = x.float().abs().amax(-1).clamp(min=1e-8) * (1.0 / bound)
     scaled = x.float() / scale.unsqueeze(-1)
     codes = scaled.round().clamp(-bound, bound).to(dtype) if dtype == torch.int8 else scaled.to(dtype)
     return codes, scale
@@ -129,8 +138,10 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int,
         return by_block.index_select(0, blocks).flatten(0, 1)
     num = blocks.numel()
     buffer = workspace.get(name)
-    if buffer is None or buffer.shape[0] < num or buffer.shape[1:] != by_block.shape[1:] or buffer.dtype != cache.dtype:
-        buffer = torch.empty((max(num, 64),) + tuple(by_block.shape[1:]), dtype=cache.dtype, device=cache.device)
+    if (buffer is None or buffer.shape[0] < num or buffer.shape[1:] != by_block.shape[1:]
+            or buffer.dtype != cache.dtype):
+        buffer = torch.empty((max(num, 64),) + tuple(by_block.shape[1:]), dtype=cache.dtype,
+                             device=cache.device)
         workspace[name] = buffer
     return torch.index_select(by_block, 0, blocks, out=buffer[:num]).flatten(0, 1)
 
@@ -156,6 +167,18 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class PrefillBatch:
+    """Every prefill span of a step together, for a backend that attends them in one call
+    (paged_prefill): the spans' K/V are read from the cache through their block tables."""
+
+    block_tables: torch.Tensor  # [S, max_blocks] int32, one row per span
+    query_starts: torch.Tensor  # [S] int32: each span's first row in the flat batch
+    query_lens: torch.Tensor  # [S] int32: its rows
+    context_starts: torch.Tensor  # [S] int32: the position of its first row (tokens cached before it)
+    max_query_len: int
+
+
+@dataclass(slots=True)
 class DecodeGroup:
     """Sequences with exactly one new token, attended as one batch."""
 
@@ -171,6 +194,7 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
     sliding_window: int | None = None
+    prefill_batch: PrefillBatch | None = None  # the spans instead of `prefills`, for paged_prefill backends
     # the same step without the window, for the full-attention layers of a model that interleaves
     # both (Gemma 3); None: every layer uses this metadata
     full_attention: AttentionMetadata | None = None
@@ -180,6 +204,9 @@ class AttentionBackend(Protocol):
     # True: decodes of any context lengths attend in one call without a mask (DecodeGroup.mask
     # stays None); False: the runner groups decodes by length and builds padded masks
     ragged_decode: bool
+    # True: the step's prefill spans come as one PrefillBatch, except new prompts (nothing cached
+    # before them) of FLASH_PREFILL_TOKENS or more; False: every span as a PrefillSpan, masks built
+    paged_prefill: bool
 
     def __call__(
         self,
@@ -214,6 +241,7 @@ class TorchPagedAttention:
     """
 
     ragged_decode = False
+    paged_prefill = False
 
     def __init__(self) -> None:
         self._workspace: dict[str, torch.Tensor] = {}
@@ -258,11 +286,23 @@ class TorchPagedAttention:
 
 
 class TritonPagedAttention(TorchPagedAttention):
-    """CUDA backend: decodes through the Triton paged kernel, reading K/V through the block tables
-    in place (no gather, no padding, ragged lengths in one launch); prefill chunks as in the
-    portable backend."""
+    """CUDA backend: the Triton paged kernels read K/V through the block tables in place (no gather,
+    no padding, no mask): the step's decodes in one launch, its prefill spans in another."""
 
     ragged_decode = True
+    paged_prefill = True
+
+    def __call__(self, q, k, v, kv_cache, meta, scale, kv_written=False):
+        out = super().__call__(q, k, v, kv_cache, meta, scale, kv_written)  # writes the new K/V first
+        batch = meta.prefill_batch
+        if batch is None:
+            return out
+        from hyperserve.layers.triton_attention import paged_prefill_attention
+
+        return paged_prefill_attention(q, kv_cache.key, kv_cache.value, batch.block_tables,
+                                       batch.query_starts, batch.query_lens, batch.context_starts,
+                                       batch.max_query_len, kv_cache.block_size, scale, out,
+                                       meta.sliding_window, kv_cache.key_scale, kv_cache.value_scale)
 
     def decode(self, q, kv_cache, group, sliding_window, scale):
         from hyperserve.layers.triton_attention import paged_decode_attention
@@ -288,6 +328,7 @@ def attention_backend(device: str, name: str = "auto", block_size: int = 16, hea
     if name == "triton":
         if not usable:
             raise ValueError("attention_backend='triton' needs the triton package, a power-of-two block_size "
-                             f"of at least 16 and head_dim >= 16 (got block_size={block_size}, head_dim={head_dim})")
+                             "of at least 16 and head_dim >= 16 "
+                             f"(got block_size={block_size}, head_dim={head_dim})")
         return TritonPagedAttention()
     return TritonPagedAttention() if device == "cuda" and usable else TorchPagedAttention()

@@ -32,7 +32,8 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_
     ok = offs < N
     x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
     if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32))
+        residual = tl.load(residual_ptr + row * stride_r + offs, mask=ok, other=0.0)
+        x = x.to(tl.float32) + residual.to(tl.float32)
         x = x.to(new_residual_ptr.dtype.element_ty)
         tl.store(new_residual_ptr + row * N + offs, x, mask=ok)
     x = x.to(tl.float32)
@@ -52,7 +53,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         _add_rms_norm_kernel[(rows,)](
             x, residual if residual is not None else x, weight, out, summed, x.stride(0),
             residual.stride(0) if residual is not None else 0, eps,
-            N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None, num_warps=4 if n <= 4096 else 8)
+            N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None,
+            num_warps=4 if n <= 4096 else 8)
     return out, summed
 
 
@@ -87,9 +89,10 @@ def _cache_row(cache_ptr, scale_ptr, row, x, offs, BOUND: tl.constexpr, ROUND: t
         tl.store(cache_ptr + row * x.shape[0] + offs, x)
     else:
         x = x.to(tl.float32)
-        # IEEE divisions, as PyTorch's: Triton's "/" is approximate on CUDA, which moves a code that
+        # the scale as attention._quantize_rows makes it (times 1 / BOUND, in float32); the codes by
+        # IEEE division, as PyTorch's: Triton's "/" is approximate on CUDA, which moves a code that
         # should sit on a half (common with bfloat16 inputs) to the other side of it
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8), BOUND)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8) * (1.0 / BOUND)
         scaled = tl.math.div_rn(x, scale)
         if ROUND:
             rounded = tl.floor(scaled + 0.5)
@@ -101,9 +104,10 @@ def _cache_row(cache_ptr, scale_ptr, row, x, offs, BOUND: tl.constexpr, ROUND: t
 
 
 @triton.jit
-def _rotary_and_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr, key_cache_ptr, value_cache_ptr,
-                             key_scale_ptr, value_scale_ptr, stride_qkv, stride_cos, NUM_HEADS: tl.constexpr,
-                             NUM_KV_HEADS: tl.constexpr, D: tl.constexpr, BOUND: tl.constexpr, ROUND: tl.constexpr):
+def _rotary_and_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr, key_cache_ptr,
+                             value_cache_ptr, key_scale_ptr, value_scale_ptr, stride_qkv, stride_cos,
+                             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr,
+                             BOUND: tl.constexpr, ROUND: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
     offs = tl.arange(0, D)
@@ -121,7 +125,8 @@ def _rotary_and_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr,
         else:
             kv_head = head - NUM_HEADS
             tl.store(k_ptr + (token * NUM_KV_HEADS + kv_head) * D + offs, rotated)
-            _cache_row(key_cache_ptr, key_scale_ptr, slot * NUM_KV_HEADS + kv_head, rotated, offs, BOUND, ROUND)
+            _cache_row(key_cache_ptr, key_scale_ptr, slot * NUM_KV_HEADS + kv_head, rotated, offs, BOUND,
+                       ROUND)
     else:
         kv_head = head - NUM_HEADS - NUM_KV_HEADS
         _cache_row(value_cache_ptr, value_scale_ptr, slot * NUM_KV_HEADS + kv_head, tl.load(row + offs), offs,
@@ -144,7 +149,8 @@ def rotary_and_cache(qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tenso
     if tokens:
         _rotary_and_cache_kernel[(tokens, num_heads + 2 * num_kv_heads)](
             qkv, cos, sin, slots, q, k, kv_cache.key, kv_cache.value,
-            kv_cache.key_scale if kv_cache.quantized else q, kv_cache.value_scale if kv_cache.quantized else q,
+            kv_cache.key_scale if kv_cache.quantized else q,
+            kv_cache.value_scale if kv_cache.quantized else q,
             qkv.stride(0), cos.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=head_dim,
             BOUND=bound, ROUND=kv_cache.key.dtype == torch.int8, num_warps=1)
     v = qkv[:, (num_heads + num_kv_heads) * head_dim :].unflatten(-1, (num_kv_heads, head_dim))

@@ -83,6 +83,33 @@ def test_triton_backend_matches_transformers(name, kv_cache_dtype, device, save_
         _check_against_transformers(llm, hf_model, abs_tol=0.4, same_greedy=False)
 
 
+@needs_triton
+@pytest.mark.parametrize("name", ["llama", "qwen2"])  # no window: a windowed prompt longer than it is paged
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_backend_mixes_flash_and_paged_prefill(name, device, save_hf_model, monkeypatch):
+    """New prompts from FLASH_PREFILL_TOKENS on attend through SDPA, the rest (shorter prompts,
+    chunks after context) through the Triton kernel, in the same steps as each other and decodes."""
+    from hyperserve.engine import model_runner
+    from hyperserve.layers import attention
+
+    monkeypatch.setattr(model_runner, "FLASH_PREFILL_TOKENS", 20)  # the 23-token prompt; the others are paged
+    calls = {"flash": 0, "paged": 0}
+    for path, key in (("TorchPagedAttention.prefill", "flash"), ("TritonPagedAttention.__call__", "paged")):
+        cls, method = path.split(".")
+        original = getattr(getattr(attention, cls), method)
+
+        def counted(self, *args, _original=original, _key=key, **kwargs):
+            calls[_key] += _key == "flash" or kwargs.get("meta", args[4]).prefill_batch is not None
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(getattr(attention, cls), method, counted)
+    hf_model, path = save_hf_model(tiny_config(name, **ARCHS[name]))
+    hf_model.to(device)
+    llm = LLM(model=path, num_kv_blocks=32, block_size=16, max_model_len=128, device=device, dtype="float32",
+              max_num_batched_tokens=30, attention_backend="triton")
+    _check_against_transformers(llm, hf_model, abs_tol=2e-4)
+    assert calls["flash"] > 0 and calls["paged"] > 0
+
+
 @pytest.mark.parametrize("name", ["llama-tied", "mistral"])
 def test_compiled_decode_matches_transformers(name, save_hf_model):
     """The torch.compile'd decode step (every step after the prefill here) against transformers."""
@@ -99,7 +126,8 @@ def test_quantized_kv_cache_stays_close_to_transformers(kv_cache_dtype, abs_tol,
     hf_model, path = save_hf_model(tiny_config("llama"))
     llm = LLM(model=path, num_kv_blocks=64, block_size=4, max_model_len=128, dtype="float32",
               max_num_batched_tokens=7, kv_cache_dtype=kv_cache_dtype)  # chunks read their context back
-    assert llm.engine.runner.kv_caches[0].key.dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_cache_dtype]
+    stored = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_cache_dtype]
+    assert llm.engine.runner.kv_caches[0].key.dtype == stored
     _check_against_transformers(llm, hf_model, abs_tol=abs_tol, same_greedy=False)
 
 
