@@ -55,7 +55,8 @@ bench() {  # bench NAME TIMEOUT ARGS...: one benchmarks/gpu.py run; its progress
     rc=$(( rc || status ))
 }
 if part tests; then
-    timeout "${TESTS_TIMEOUT:-180}" $PY -m pytest -q -rfE -p no:cacheprovider --durations=5 -m gpu \
+    # -v: each test's outcome as it ends, so a run its timeout cuts still says which failed
+    timeout "${TESTS_TIMEOUT:-240}" $PY -m pytest -v -rfE -p no:cacheprovider --durations=5 -m gpu \
         ${TESTS:-tests/models tests/engine tests/layers tests/distributed} 2>&1 | tee "$OUTDIR/gpu-tests.log" | tail -n 25
     rc=$(( rc || PIPESTATUS[0] ))
 fi
