@@ -6,7 +6,9 @@ it hands a replica. A replica brings its own adapters to the set before it answe
 app's own /v1/load_lora_adapter and /v1/unload_lora_adapter. So a load reaches every replica,
 those that autoscaling starts later too, and a replica never answers with an adapter the
 application no longer serves. A load is answered by the replica that made it: its 400 (outside
-`lora_dir`, an unusable adapter) is the client's, and only its 200 changes the set.
+`lora_dir`, an unusable adapter) is the client's, and only its 200 changes the set. With
+`lora_on_demand`, a request whose `model` is a folder of `lora_dir` holding an adapter makes that
+load first (Ingress.resolve), as `hyperserve serve --lora-on-demand` does.
 """
 
 from __future__ import annotations
@@ -36,12 +38,15 @@ class IngressAdapters:
         self._lock = asyncio.Lock()  # one load at a time: each one's 200 is a whole new set
 
     async def load(self, name: str, path: str, inplace: bool,
-                   send: Callable[[AdapterSet], Awaitable[int]]) -> None:
+                   send: Callable[[AdapterSet], Awaitable[int]], if_missing: bool = False) -> None:
         """`send`: the load to a replica, with the set it makes, returning its status; a 200 makes
         that set the application's. The replica is sent the load as in place: it may hold an old
         version of the name that the set no longer has, and the check for a name already served is
-        made here, against the application's set."""
+        made here, against the application's set. `if_missing` (a load on demand): a name already
+        served, by a load that this one waited for, is left as it is."""
         async with self._lock:
+            if name in self.served and if_missing:
+                return
             if name in self.served and not inplace:
                 raise APIError(400, f"the name {name!r} is already served (load_inplace replaces an "
                                "adapter)", param="lora_name")

@@ -50,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from hyperserve import ray_metrics
 from hyperserve.common.affinity import affinity_text, salted_key
 from hyperserve.common.errors import APIError
+from hyperserve.common.lora_folders import adapter_folder
 from hyperserve.common.sse import EventSplitter, sse_chunks, sse_event
 from hyperserve.common.websocket_api import Stream, serve_websocket
 from hyperserve.ray_adapters import LOAD, UNLOAD, AdapterSet, IngressAdapters
@@ -104,6 +105,9 @@ class RayServeConfig(BaseModel):
                                          "directory (on every node; a relative one from where you deploy)")
     lora_dir: str | None = Field(None, description="the folder POST /v1/load_lora_adapter may load adapters "
                                  "from, on every node (each load reaches every replica)")
+    lora_on_demand: bool = Field(False, description="a request whose model is a folder of lora_dir holding "
+                                 "an adapter loads it on every replica first (vLLM's filesystem LoRA "
+                                 "resolver)")
     embedding_model: str | None = Field(None, description="a sentence encoder every replica serves "
                                         "/v1/embeddings with: all-MiniLM-L6-v2 or multilingual-e5-small")
     # chat answers, as `hyperserve serve` decides them above the engine (ServerSettings)
@@ -118,6 +122,8 @@ class RayServeConfig(BaseModel):
     def _consistent(self) -> RayServeConfig:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        if self.lora_on_demand and self.lora_dir is None:
+            raise ValueError("lora_on_demand loads adapters from lora_dir: give it too")
         if self.embedding_model is not None:
             from hyperserve.common.embedder import WINDOWS
 
@@ -204,12 +210,15 @@ def _ingress_app(config: RayServeConfig):
     async def forward(path: str, request: Request) -> Response:
         body = await request.body()
         ingress: Ingress = serve.get_replica_context().servable_object
+        key_digest = getattr(request.state, "key_digest", None)
+        refused = await ingress.resolve(config, body, list(request.headers.items()), key_digest)
+        if refused is not None:
+            return refused
         cache_scope = getattr(request.state, "cache_scope", None)  # the API key's, where keys are on
         affinity = _prefix_key(body, path, config, cache_scope, ingress.adapters.served)
         pinned = path.startswith(PINS + "/") and request.method == "DELETE"  # a pin is one replica's
         head, chunks = await ingress.send(request.method, "/" + path, request.url.query,
-                                          list(request.headers.items()), body,
-                                          getattr(request.state, "key_digest", None), affinity,
+                                          list(request.headers.items()), body, key_digest, affinity,
                                           ingress.pins.replica(path[len(PINS) + 1:]) if pinned else None)
         headers = {k: v for k, v in head["headers"] if k.lower() not in HOP_BY_HOP}
         if path == PINS and request.method == "POST" and head["status"] == 200:
@@ -254,6 +263,14 @@ async def _guarded(chunks: AsyncIterator[bytes], streaming: bool) -> AsyncIterat
         logger.warning("a replica failed mid-answer: %s", error)
         if streaming:
             yield sse_event(_replica_failed(error).body()).encode()
+
+
+def _answer_error(status: int, text: bytes) -> APIError:
+    """A replica's error answer, to raise where the request came by WebSocket."""
+    try:
+        return APIError.from_body(status, json.loads(text))
+    except ValueError:
+        return APIError.from_body(status, text.decode(errors="replace"))
 
 
 def _replica_failed(error: Exception) -> APIError:
@@ -313,9 +330,10 @@ class Ingress:
         raise AssertionError("unreachable")
 
     async def load_adapter(self, body: LoadLoRARequest, headers: list[tuple[str, str]],
-                           key_digest: str | None) -> Response:
+                           key_digest: str | None, if_missing: bool = False) -> Response | None:
         """A replica loads the adapter and its answer is the client's; from the next request on,
-        every replica serves it (ray_adapters.py)."""
+        every replica serves it (ray_adapters.py). None: `if_missing`, and a load this one waited
+        for has made it."""
         data = body.model_copy(update={"load_inplace": True}).model_dump_json().encode()
         answers: list[Response] = []
 
@@ -326,8 +344,29 @@ class Ingress:
             answers.append(Response(answer, status_code=head["status"], headers=kept))
             return head["status"]
 
-        await self.adapters.load(body.lora_name, body.lora_path, body.load_inplace, send)
-        return answers[0]
+        await self.adapters.load(body.lora_name, body.lora_path, body.load_inplace, send, if_missing)
+        return answers[0] if answers else None
+
+    async def resolve(self, config: RayServeConfig, body: bytes, headers: list[tuple[str, str]],
+                      key_digest: str | None) -> Response | None:
+        """With `lora_on_demand`: load the adapter a request's `model` names, if no model or adapter
+        is served by that name and a folder of `lora_dir` holds one; its load's 4xx is the request's
+        answer (None: go on, to the replica's answer or its 404)."""
+        if not config.lora_on_demand or not body.startswith(b"{"):
+            return None
+        try:
+            model = json.loads(body).get("model")
+        except ValueError:
+            return None  # the replica says what is wrong with it
+        if not isinstance(model, str) or model == config.name or model in self.adapters.served:
+            return None
+        folder = adapter_folder(Path(config.lora_dir), model)
+        if folder is None:
+            return None
+        load = LoadLoRARequest(lora_name=model, lora_path=str(folder))
+        answer = await self.load_adapter(load, [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP],
+                                         key_digest, if_missing=True)
+        return answer if answer is not None and answer.status_code != 200 else None
 
     async def open_stream(self, config: RayServeConfig, kind: str, body: dict[str, Any],
                           ws: WebSocket) -> Stream:
@@ -337,20 +376,18 @@ class Ingress:
         path = "v1/chat/completions" if kind == "chat.completions" else "v1/completions"
         data = json.dumps({**body, "stream": True}).encode()
         state = ws.scope.get("state") or {}
+        json_type = [("content-type", "application/json")]
+        refused = await self.resolve(config, data, json_type, state.get("key_digest"))
+        if refused is not None:
+            raise _answer_error(refused.status_code, bytes(refused.body))
         try:
-            head, answer = await self.send("POST", "/" + path, "", [("content-type", "application/json")],
-                                           data, state.get("key_digest"),
+            head, answer = await self.send("POST", "/" + path, "", json_type, data, state.get("key_digest"),
                                            _prefix_key(data, path, config, state.get("cache_scope"),
                                                        self.adapters.served))
         except Exception as error:  # RayActorError and kin, twice: this request's error, not the socket's
             raise _replica_failed(error) from error
         if head["status"] != 200:
-            text = b"".join([chunk async for chunk in answer])
-            try:
-                error = json.loads(text)
-            except ValueError:
-                error = text.decode(errors="replace")
-            raise APIError.from_body(head["status"], error)
+            raise _answer_error(head["status"], b"".join([chunk async for chunk in answer]))
         return Stream(_events(answer), answer.cancel)
 
     async def metrics(self, timeout_s: float = 5.0) -> bytes:

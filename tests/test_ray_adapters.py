@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
 from hyperserve.common.errors import APIError
 from hyperserve.ray_adapters import LOAD, UNLOAD, IngressAdapters, ReplicaAdapters
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class FakeApp:
@@ -86,3 +89,77 @@ def test_the_ingress_set_changes_on_a_replicas_200_only():
     with pytest.raises(APIError, match="no adapter") as gone:
         ingress.unload("caps")
     assert gone.value.status == 404
+
+
+def test_a_load_on_demand_leaves_a_name_already_served_alone():
+    ingress = IngressAdapters({"caps": "/a/caps"})
+    sent = []
+
+    async def send(wanted):
+        sent.append(wanted)
+        return 200
+
+    asyncio.run(ingress.load("caps", "/a/other", False, send, if_missing=True))
+    assert sent == [] and ingress.served == {"caps": ("/a/caps", 0)}
+
+
+class OnDemandIngress:
+    """The ingress's resolve, its loads answered by `status` and counted, without a cluster."""
+
+    def __init__(self, status: int = 200, **config) -> None:
+        from hyperserve.ray_serve import Ingress, RayServeConfig
+
+        config = {"lora_dir": str(ROOT / "examples" / "lora"), "lora_on_demand": True, **config}
+        self.config = RayServeConfig(**config)
+        self.ingress, self.loads = Ingress(None, {}), []
+
+        async def send(method, path, query, headers, body, key_digest, prefix_key, adapters=None):
+            self.loads.append((json.loads(body), dict(adapters)))
+            await asyncio.sleep(0.01)  # the other requests arrive while it loads
+            return {"status": status, "headers": []}, answer(status)
+
+        async def answer(code: int):
+            yield json.dumps({"error": {"message": "no good", "code": None}} if code != 200 else {}).encode()
+
+        self.ingress.send = send
+
+    def resolve(self, *bodies: bytes) -> list:
+        async def all_of():
+            return await asyncio.gather(*(self.ingress.resolve(self.config, body, [], None)
+                                          for body in bodies))
+        return asyncio.run(all_of())
+
+
+def test_concurrent_requests_naming_an_adapter_folder_load_it_once():
+    on_demand = OnDemandIngress()
+    body = json.dumps({"model": "uppercase", "messages": []}).encode()
+    assert on_demand.resolve(body, body, body, body) == [None] * 4
+    assert len(on_demand.loads) == 1
+    load, wanted = on_demand.loads[0]
+    assert load["lora_name"] == "uppercase"
+    assert load["lora_path"] == str(ROOT / "examples" / "lora" / "uppercase")
+    assert load["load_inplace"] and "uppercase" in wanted
+    assert "uppercase" in on_demand.ingress.adapters.served
+
+
+@pytest.mark.parametrize("model", ["../lora/uppercase", "no-such-adapter", "smollm2-135m", ["uppercase"],
+                                   None])
+def test_a_request_naming_no_adapter_folder_loads_nothing(model):
+    on_demand = OnDemandIngress()
+    bodies = [json.dumps({"model": model}).encode(), b"{not json", b"[1]", b""]
+    assert on_demand.resolve(*bodies) == [None] * 4 and on_demand.loads == []
+
+
+def test_an_adapter_that_cannot_load_on_demand_is_the_requests_answer():
+    on_demand = OnDemandIngress(status=400)
+    refused, = on_demand.resolve(json.dumps({"model": "uppercase"}).encode())
+    assert refused.status_code == 400 and b"no good" in refused.body
+    assert "uppercase" not in on_demand.ingress.adapters.served
+
+
+def test_on_demand_loading_needs_a_lora_dir():
+    from hyperserve.ray_serve import RayServeConfig
+
+    with pytest.raises(ValueError, match="lora_dir"):
+        RayServeConfig(lora_on_demand=True)
+    assert not OnDemandIngress(lora_on_demand=False).resolve(json.dumps({"model": "uppercase"}).encode())[0]

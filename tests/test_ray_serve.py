@@ -90,7 +90,7 @@ def run_batch(url: str, questions: int, headers: dict | None = None) -> list[dic
 @pytest.fixture(scope="module")
 def two_replicas(cluster):
     deploy(cluster, min_replicas=2, max_replicas=2, max_imbalance=8, embedding_model="all-MiniLM-L6-v2",
-           lora_dir=str(ROOT / "examples" / "lora"))
+           lora_dir=str(ROOT / "examples" / "lora"), lora_on_demand=True)
     return cluster
 
 
@@ -235,6 +235,29 @@ def test_an_adapter_loaded_at_run_time_is_served_by_every_replica_until_unloaded
         gone = chat(url, "Name three animals.", model="caps", cache_salt=f"session {i}")
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found", gone.text
     assert httpx.post(f"{url}/v1/unload_lora_adapter", json=unload, timeout=30).status_code == 404
+
+
+def test_an_adapter_named_by_a_request_loads_on_demand_for_every_replica(two_replicas):
+    """lora_on_demand: `model` names examples/lora/uppercase; concurrent first requests all get
+    it, from both replicas (Ingress.resolve's one load: tests/test_ray_adapters.py)."""
+    url = two_replicas
+    ask = lambda i: chat(url, "Name three animals.", model="uppercase", max_tokens=12,  # noqa: E731
+                         cache_salt=f"on demand {i}")
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(16)))
+    answered_by = set()
+    for answer in answers:
+        assert answer.status_code == 200 and answer.json()["model"] == "uppercase", answer.text
+        letters = [c for c in answer.json()["choices"][0]["message"]["content"] if c.isalpha()]
+        assert letters and sum(c.isupper() for c in letters) / len(letters) > 0.9, letters
+        answered_by.add(answer.headers["x-hyperserve-replica"])
+    assert len(answered_by) == 2
+    for model in ("../lora/uppercase", "no-such-adapter"):
+        missing = chat(url, "Hi", model=model)
+        assert missing.status_code == 404, missing.text
+        assert missing.json()["error"]["code"] == "model_not_found"
+    unload = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "uppercase"}, timeout=30)
+    assert unload.status_code == 200
 
 
 def test_a_replica_killed_mid_answer_ends_the_stream_and_is_replaced(two_replicas):

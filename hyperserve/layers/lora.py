@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hyperserve.common.lora_folders import is_file
+
 # PEFT's module name -> (our module, shard of it)
 TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
            "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
@@ -86,15 +88,6 @@ class LoRAAdapter:
         """Its weights in memory, the native decode layers' copy included once built."""
         return (sum(t.nbytes for shards in self.weights.values() for ab in shards if ab for t in ab)
                 + sum(t.nbytes for tensors in self._native.values() for t in tensors))
-
-
-def is_file(path: Path) -> bool:
-    """Path.is_file, False for a path the system cannot even look up (a name too long, say): a
-    client's path is never a server error."""
-    try:
-        return path.is_file()
-    except OSError:
-        return False
 
 
 def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:

@@ -11,17 +11,15 @@ requests for a new name load it once.
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from hyperserve.common.errors import APIError
-from hyperserve.layers.lora import LoRARequest, is_file
+from hyperserve.common.lora_folders import adapter_folder
+from hyperserve.layers.lora import LoRARequest
 from hyperserve.server.model_pool import ModelPool
 from hyperserve.server.openai_api import OpenAIServing
-
-FOLDER_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")  # a request's `model` that may name a folder
 
 
 class RuntimeAdapters:
@@ -80,12 +78,10 @@ class RuntimeAdapters:
         """With on-demand loading, load the adapter a request names if it is not served yet and
         --lora-dir has a folder of that name with an adapter_config.json (otherwise the request
         goes on to its 404)."""
-        if not self.on_demand or model is None or not FOLDER_NAME.fullmatch(model):
+        if not self.on_demand or self.pool.find(model) is not None:
             return
-        if self.pool.find(model) is not None:
-            return
-        directory = self.lora_dir / model
-        if not is_file(directory / "adapter_config.json"):
+        directory = adapter_folder(self.lora_dir, model)
+        if directory is None:
             return
         async with self._loads:
             if self.pool.find(model) is None:  # not loaded by a request that waited before this one
