@@ -20,8 +20,9 @@ token and head); GB/s counts the K/V bytes (codes and scales) read once.
 512-token prompts, chunks after context, one long prompt): the portable backend's path (one SDPA
 call per span, context gathered and masked), the CUDA backend's as the engine runs it (new prompts
 from FLASH_PREFILL_TOKENS through SDPA, the rest in one launch of layers/triton_attention.py's
-kernel), and that kernel for every span, its row and key tiles, warps and stages swept (PREFILL_SWEEP,
-or the values given). Each output is checked against the portable path's; TFLOP/s counts the causal
+kernel), PyTorch's varlen FlashAttention over the same block tables where it takes them, and that
+kernel for every span, its row and key tiles, warps and stages swept (PREFILL_SWEEP, or the values
+given). Each output is checked against the portable path's; TFLOP/s counts the causal
 products done.
 
     python benchmarks/gpu_kernels.py [--shapes qkv o ...] [--tiles-json OUT] [--json OUT]
@@ -226,6 +227,15 @@ def measure_prefill(case: str, spans: list[tuple[int, int]], kv_cache_dtype: str
         error = (fn().float() - expected.float()).abs().max().item()
         us = 1e3 * triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
         rows.append({**base, "path": name, "us": us, "tflops": flops / us / 1e6, "error": error})
+    paged_flash = _paged_flash_attention(q, cache, batch, scale)
+    if paged_flash is not None:  # PyTorch's FlashAttention over the same pool and block tables
+        try:
+            error = (paged_flash().float() - expected.float()).abs().max().item()
+            us = 1e3 * triton.testing.do_bench(paged_flash, warmup=5, rep=50, return_mode="median")
+            rows.append({**base, "path": "varlen_attn, block table", "us": us, "tflops": flops / us / 1e6,
+                         "error": error})
+        except RuntimeError as failure:  # a block size or dtype it does not take
+            print(f"varlen_attn with a block table failed: {str(failure)[:200]}", flush=True)
     for values in itertools.product(*PREFILL_SWEEP.values()):
         config = dict(zip(PREFILL_SWEEP, values))
         fn = lambda c=config: paged_prefill_attention(  # noqa: E731
@@ -241,6 +251,27 @@ def measure_prefill(case: str, spans: list[tuple[int, int]], kv_cache_dtype: str
         rows.append({**base, "path": "triton, one launch", "config": config, "us": us,
                      "tflops": flops / us / 1e6, "error": error})
     return rows
+
+
+def _paged_flash_attention(q, cache, batch, scale):
+    """A call of torch.nn.attention.varlen.varlen_attn over the cache's blocks where this PyTorch's
+    takes a block table (2.13 does; CUDA only) and the cache is 16-bit; else None. Spans' rows are
+    adjacent here, so the cumulative query lengths come from their lengths."""
+    import inspect
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    if "block_table" not in inspect.signature(varlen_attn).parameters or cache.quantized:
+        print("varlen_attn takes no block table in this PyTorch (or the cache is quantized)", flush=True)
+        return None
+    pages = lambda t: t.view(-1, cache.block_size, *t.shape[1:])  # noqa: E731
+    cu_seq_q = F.pad(batch.query_lens.cumsum(0), (1, 0)).int()
+    seen = (batch.context_starts + batch.query_lens).int()  # keys each span's last row sees
+    return lambda: varlen_attn(q, pages(cache.key), pages(cache.value), cu_seq_q, None, batch.max_query_len,
+                               int(seen.max()), scale=scale, window_size=(-1, 0), enable_gqa=True,
+                               seqused_k=seen, block_table=batch.block_tables)
 
 
 def main() -> None:
