@@ -352,7 +352,7 @@ class Ingress:
         """With `lora_on_demand`: load the adapter a request's `model` names, if no model or adapter
         is served by that name and a folder of `lora_dir` holds one; its load's 4xx is the request's
         answer (None: go on, to the replica's answer or its 404)."""
-        if not config.lora_on_demand or not body.startswith(b"{"):
+        if not config.lora_on_demand or not body[:64].lstrip().startswith(b"{"):
             return None
         try:
             model = json.loads(body).get("model")

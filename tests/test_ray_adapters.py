@@ -132,7 +132,7 @@ class OnDemandIngress:
 
 def test_concurrent_requests_naming_an_adapter_folder_load_it_once():
     on_demand = OnDemandIngress()
-    body = json.dumps({"model": "uppercase", "messages": []}).encode()
+    body = b"  " + json.dumps({"model": "uppercase", "messages": []}, indent=1).encode()
     assert on_demand.resolve(body, body, body, body) == [None] * 4
     assert len(on_demand.loads) == 1
     load, wanted = on_demand.loads[0]
