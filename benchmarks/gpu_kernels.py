@@ -234,7 +234,7 @@ def measure_prefill(case: str, spans: list[tuple[int, int]], kv_cache_dtype: str
             us = 1e3 * triton.testing.do_bench(paged_flash, warmup=5, rep=50, return_mode="median")
             rows.append({**base, "path": "varlen_attn, block table", "us": us, "tflops": flops / us / 1e6,
                          "error": error})
-        except RuntimeError as failure:  # a block size or dtype it does not take
+        except (RuntimeError, TypeError, ValueError) as failure:  # a block size or dtype it does not take
             print(f"varlen_attn with a block table failed: {str(failure)[:200]}", flush=True)
     for values in itertools.product(*PREFILL_SWEEP.values()):
         config = dict(zip(PREFILL_SWEEP, values))
@@ -269,9 +269,10 @@ def _paged_flash_attention(q, cache, batch, scale):
     pages = lambda t: t.view(-1, cache.block_size, *t.shape[1:])  # noqa: E731
     cu_seq_q = F.pad(batch.query_lens.cumsum(0), (1, 0)).int()
     seen = (batch.context_starts + batch.query_lens).int()  # keys each span's last row sees
+    max_k = int(seen.max())
     return lambda: varlen_attn(q, pages(cache.key), pages(cache.value), cu_seq_q, None, batch.max_query_len,
-                               int(seen.max()), scale=scale, window_size=(-1, 0), enable_gqa=True,
-                               seqused_k=seen, block_table=batch.block_tables)
+                               max_k, scale=scale, window_size=(-1, 0), enable_gqa=True, seqused_k=seen,
+                               block_table=batch.block_tables)
 
 
 def main() -> None:
