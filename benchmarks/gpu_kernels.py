@@ -201,12 +201,8 @@ def measure_prefill(case: str, spans: list[tuple[int, int]], kv_cache_dtype: str
     def as_batch(which: list[int]) -> PrefillBatch | None:
         if not which:
             return None
-        width = max(len(tables[i]) for i in which)
-        padded = torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in which], dtype=torch.int32,
-                              device=device)
-        columns = torch.tensor([[starts[i] for i in which], [spans[i][0] for i in which],
-                                [spans[i][1] for i in which]], dtype=torch.int32, device=device)
-        return PrefillBatch(padded, columns[0], columns[1], columns[2], max(spans[i][0] for i in which))
+        return PrefillBatch.of([starts[i] for i in which], [spans[i][0] for i in which],
+                               [spans[i][1] for i in which], [tables[i] for i in which], device)
 
     everything = list(range(len(spans)))
     flash = [i for i in everything if spans[i][1] == 0 and spans[i][0] >= FLASH_PREFILL_TOKENS]

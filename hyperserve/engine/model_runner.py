@@ -538,13 +538,8 @@ class ModelRunner:
                        ) -> PrefillBatch | None:
         if not prefills:
             return None
-        tables = [table(chunk) for _, chunk in prefills]
-        lens = [len(chunk.token_ids) for _, chunk in prefills]
-        # one copy for the three per-span columns
-        columns = torch.tensor([[row for row, _ in prefills], lens, [chunk.start for _, chunk in prefills]],
-                               dtype=torch.int32).to(self.device)
-        padded = padded_block_tables(tables, max(len(t) for t in tables), torch.int32).to(self.device)
-        return PrefillBatch(padded, columns[0], columns[1], columns[2], max(lens))
+        return PrefillBatch.of([row for row, _ in prefills], [len(c.token_ids) for _, c in prefills],
+                               [c.start for _, c in prefills], [table(c) for _, c in prefills], self.device)
 
     def _decode_groups(self, rows: list[int], tables: list[list[int]], lengths: list[int],
                        sliding_window: int | None) -> list[DecodeGroup]:

@@ -177,6 +177,13 @@ class PrefillBatch:
     context_starts: torch.Tensor  # [S] int32: the position of its first row (tokens cached before it)
     max_query_len: int
 
+    @classmethod
+    def of(cls, query_starts: list[int], query_lens: list[int], context_starts: list[int],
+           tables: list[list[int]], device: torch.device | str) -> PrefillBatch:
+        columns = torch.tensor([query_starts, query_lens, context_starts], dtype=torch.int32).to(device)
+        padded = padded_block_tables(tables, max(len(t) for t in tables), torch.int32).to(device)
+        return cls(padded, columns[0], columns[1], columns[2], max(query_lens))
+
 
 @dataclass(slots=True)
 class DecodeGroup:

@@ -305,9 +305,9 @@ def prefill_tiles(itemsize: int, block_d: int) -> PrefillTiles:
     all-round on an H200 (benchmarks/gpu_kernels.py --prefill) of 16 swept, bf16 and fp8 caches.
     Halved for each doubling of a row's bytes, so the Q tile and the pipelined K/V tiles stay within
     shared memory and the [BLOCK_M, BLOCK_D] accumulator within registers."""
-    tiles = PrefillTiles()
-    for _ in range(max(0, (block_d * itemsize // 256).bit_length() - 1)):
-        tiles = tiles.halved() or tiles
+    tiles, row_bytes = PrefillTiles(), block_d * itemsize
+    while row_bytes > 256 and (smaller := tiles.halved()) is not None:
+        tiles, row_bytes = smaller, row_bytes // 2
     return tiles
 
 
