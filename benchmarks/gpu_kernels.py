@@ -27,7 +27,13 @@ products done.
 
     python benchmarks/gpu_kernels.py [--shapes qkv o ...] [--tiles-json OUT] [--json OUT]
     python benchmarks/gpu_kernels.py --attention [--kv-cache-dtype auto fp8] [--num-warps 4 8] [--json OUT]
+--gemm times the projections at an offline run's decode batches (hundreds of rows, where the
+product is compute-bound): F.linear through cuBLAS as PyTorch picks its kernel, the same through
+cuBLASLt (torch.backends.cuda.preferred_blas_library), and a Triton tensor-core GEMM at a few
+tiles; TFLOP/s counts the products done.
+
     python benchmarks/gpu_kernels.py --prefill [--kv-cache-dtype auto fp8] [--json OUT]
+    python benchmarks/gpu_kernels.py --gemm [--rows 256 448 512] [--json OUT]
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import math
 
 import torch
 import triton
+import triton.language as tl
 import triton.runtime.errors
 import triton.testing
 from torch.nn import functional as F
@@ -108,6 +115,78 @@ def measure(name: str, n: int, k: int, row_counts: list[int]) -> list[dict]:
         rows.append({"shape": name, "n": n, "k": k, "rows": 1, "path": f"triton {dtype_name} best",
                      "us": best[0], "gbs": nbytes / best[0] / 1e3, "config": best[1],
                      "itemsize": 2 if dtype_name == "bf16" else 1})
+    return rows
+
+
+@triton.jit
+def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """out [M, N] = x [M, K] @ w [N, K]^T, row-major, tiles visited in groups of GROUP_M row tiles
+    so that a wave's weight tiles are shared through the L2 cache."""
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    group_rows = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_rows
+    pid_n = (pid % (GROUP_M * tiles_n)) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :], mask=offs_m[:, None] < M, other=0.0)
+        w = tl.load(w_ptr + offs_n[:, None] * K + (k0 + offs_k)[None, :], mask=offs_n[:, None] < N, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def triton_matmul(x: torch.Tensor, w: torch.Tensor, block_m: int, block_n: int, block_k: int,
+                  num_warps: int, num_stages: int) -> torch.Tensor:
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _matmul_kernel[grid](x, w, out, m, n, k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+                         num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+# (block_m, block_n, block_k, num_warps, num_stages)
+MATMUL_TILES = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 256, 64, 4, 4),
+                (128, 128, 64, 4, 4), (128, 64, 64, 4, 4)]
+
+
+def measure_gemm(name: str, n: int, k: int, row_counts: list[int]) -> list[dict]:
+    """F.linear through cuBLAS and cuBLASLt, and the Triton GEMM's best tile, at each row count."""
+    copies = max(2, math.ceil(ROTATE_BYTES / (n * k * 2)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16).mul_(0.02) for _ in range(copies)]
+    rows = []
+    for m in row_counts:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        reference = F.linear(x, weights[0]).float()
+        results = {}
+        for library in ("cublas", "cublaslt"):
+            previous = torch.backends.cuda.preferred_blas_library()
+            torch.backends.cuda.preferred_blas_library(library)
+            results[library] = (timed(lambda i, x=x: F.linear(x, weights[i]), copies), "")
+            torch.backends.cuda.preferred_blas_library(previous)
+        best = None
+        for tiles in MATMUL_TILES:
+            try:
+                error = (triton_matmul(x, weights[0], *tiles).float() - reference).abs().max().item()
+                us = timed(lambda i, x=x, t=tiles: triton_matmul(x, weights[i], *t), copies)
+            except (triton.runtime.errors.OutOfResources, triton.CompilationError):
+                continue
+            if best is None or us < best[0]:
+                best = (us, f"{tiles} max err {error:.3f}")
+        if best is not None:
+            results["triton best"] = best
+        for path, (us, config) in results.items():
+            rows.append({"shape": name, "n": n, "k": k, "rows": m, "path": path, "us": us,
+                         "tflops": 2 * m * n * k / us / 1e6, "config": config})
+            print(f"{name:<9}{m:>5}  {path:<14}{us:>9.1f}{rows[-1]['tflops']:>9.0f}  {config}", flush=True)
     return rows
 
 
@@ -276,6 +355,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attention", action="store_true", help="time the paged decode attention instead")
     parser.add_argument("--prefill", action="store_true", help="time the prefill attention paths instead")
+    parser.add_argument("--gemm", action="store_true", help="time the projections at decode batches instead")
     parser.add_argument("--kv-cache-dtype", nargs="*", default=["auto"],
                         help="with --attention or --prefill: auto, int8, fp8")
     for name, values in ATTENTION_SWEEP.items():
@@ -286,7 +366,8 @@ def main() -> None:
                             help="with --prefill: the values swept")
     parser.add_argument("--shapes", nargs="*", default=[name for name, _, _ in SHAPES],
                         help="projections to time")
-    parser.add_argument("--rows", type=int, nargs="*", default=[1, 16], help="rows to compare the paths at")
+    parser.add_argument("--rows", type=int, nargs="*", default=None,
+                        help="rows to compare the paths at (default 1 16; with --gemm 128 256 384 448 512)")
     parser.add_argument("--tiles-json", default=None, help="write each shape's best tiles here")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -301,6 +382,12 @@ def main() -> None:
         for r in rows:
             print(f"{r['kv']:>5}{r['batch']:>6}{r['context']:>8}{r['tile_tokens']:>6}{r['num_warps']:>6}"
                   f"{r['programs_per_sm']:>8}{r['us']:>9.1f}{r['gbs']:>7.0f}")
+    elif args.gemm:  # rows printed as each is measured
+        print(f"{'shape':<9}{'rows':>5}  {'path':<14}{'us':>9}{'TFLOP/s':>9}  config", flush=True)
+        for name, n, k in SHAPES:
+            if name in args.shapes:
+                rows += measure_gemm(name, n, k, args.rows or [128, 256, 384, 448, 512])
+            torch.cuda.empty_cache()
     elif args.prefill:  # rows printed as each case is measured: a part cut short by its timeout keeps them
         PREFILL_SWEEP.update({name: getattr(args, f"prefill_{name}") for name in PREFILL_SWEEP})
         print(f"{'case':<22}{'kv':>5}  {'path':<26}{'us':>9}{'TFLOP/s':>9}{'max err':>9}  config", flush=True)
@@ -314,7 +401,7 @@ def main() -> None:
     else:
         for name, n, k in SHAPES:
             if name in args.shapes:
-                rows += measure(name, n, k, args.rows)
+                rows += measure(name, n, k, args.rows or [1, 16])
             torch.cuda.empty_cache()
         print(f"{'shape':<9}{'rows':>5}  {'path':<26}{'us':>9}{'GB/s':>8}  config")
         for r in rows:

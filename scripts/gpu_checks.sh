@@ -13,15 +13,18 @@
 #            per Llama-3-8B projection, each shape's winner written to OUTDIR/gemv-tiles.json;
 #   attention benchmarks/gpu_kernels.py --attention: the paged decode attention with bfloat16 and
 #            fp8 caches, from one long sequence to an offline run's 512 (ATTENTION_ARGS narrows the sweep);
+#   gemm     benchmarks/gpu_kernels.py --gemm: the projections at offline decode batches (256-512 rows)
+#            through cuBLAS, cuBLASLt and a Triton GEMM;
 #   prefill  benchmarks/gpu_kernels.py --prefill: one layer's prefill attention for a step's spans, the
 #            portable backend's SDPA per span against the Triton kernel's one launch, its tiles swept;
 #   single   benchmarks/gpu.py single-stream decode on the Llama-3-8B shape (random weights),
-#            bfloat16 and fp8, 8 steps per schedule: the GEMV's tiles as shipped, then the sweep's
-#            (with fp8, the top GPU kernels);
+#            bfloat16, 8 steps per schedule: as shipped, then with the sweep's GEMV tiles where
+#            the sweep ran;
+#   single-fp8  the same with fp8 weights (with the sweep's tiles, the top GPU kernels);
 #   offline  benchmarks/gpu.py offline, 1,000 requests (512 in, 256 out), bfloat16, 8 decode steps
 #            per schedule, wide batches (512 sequences, 16,384 tokens a step), against transformers,
-#            with the top GPU kernels; then the same with an fp8 KV cache (half the K/V bytes), its
-#            kernels too;
+#            with the top GPU kernels;
+#   offline-fp8kv  the same with an fp8 KV cache (half the K/V bytes), its kernels too;
 #   fp8      the same offline run with fp8 weights, 300 requests;
 #   serve    `hyperserve serve` loaded by `hyperserve bench` at concurrency 1, 16 and 64 (not by default).
 # JSON and one log per part go to OUTDIR; the server's log and each level's JSON to SERVING_DIR.
@@ -29,7 +32,7 @@
 set -uo pipefail
 OUTDIR=${1:-bench-results}
 SERVING_DIR=${SERVING_DIR:-$OUTDIR/serving}
-PARTS=${PARTS:-tests sweep single offline fp8}
+PARTS=${PARTS:-tests sweep single single-fp8 offline offline-fp8kv fp8}
 mkdir -p "$OUTDIR" "$SERVING_DIR"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd)
 PY=${PYTHON:-python3}
@@ -71,6 +74,11 @@ if part attention; then
         --json "$OUTDIR/gpu-attention.json" 2>&1 | tee "$OUTDIR/gpu-attention.log" | tail -n 80
     rc=$(( rc || PIPESTATUS[0] ))
 fi
+if part gemm; then
+    timeout 120 $PY benchmarks/gpu_kernels.py --gemm --shapes qkv o gate_up down --rows 256 448 512 \
+        --json "$OUTDIR/gpu-gemm.json" 2>&1 | tee "$OUTDIR/gpu-gemm.log" | tail -n 60
+    rc=$(( rc || PIPESTATUS[0] ))
+fi
 if part prefill; then
     timeout 150 $PY benchmarks/gpu_kernels.py --prefill --kv-cache-dtype auto fp8 \
         --json "$OUTDIR/gpu-prefill.json" 2>&1 | tee "$OUTDIR/gpu-prefill.log" | tail -n 80
@@ -81,13 +89,15 @@ WIDE="--max-num-seqs 512 --max-num-batched-tokens 16384"
 if part single; then
     bench gpu-single 75 $SINGLE
     [ -s "$TILES" ] && bench gpu-single-swept 75 $SINGLE --gemv-tiles "$TILES"
+fi
+if part single-fp8; then
     bench gpu-single-fp8 75 $SINGLE --quantization fp8
     [ -s "$TILES" ] && bench gpu-single-fp8-swept 90 $SINGLE --quantization fp8 --gemv-tiles "$TILES" --kernel-table
 fi
 if part offline; then
     bench gpu 200 --kernel-table --num-scheduler-steps 8 $WIDE ${GPU_BENCH_ARGS:-}
 fi
-if part offline || part offline-fp8kv; then
+if part offline-fp8kv; then
     bench gpu-fp8kv 120 --kv-cache-dtype fp8 --num-scheduler-steps 8 $WIDE --hf-requests 0 --kernel-table
 fi
 if part fp8; then

@@ -11,10 +11,12 @@ DIR=${1:-.whl}
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="$ROOT/.venv/bin/python"
 # Not in an image with PyTorch, transformers and the scientific stack; transformers and its hub
-# client are carried too, at the versions our tests are run with (the hub's 2.x needs httpx2).
+# client are carried too, at the versions our tests are run with (the hub's 2.x needs httpx2;
+# fastapi imports opentelemetry-api).
 PACKAGES="fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions
 gguf google-re2 llguidance usearch numkong uvicorn python-multipart redis jsonschema referencing rpds-py
-jsonschema-specifications transformers tokenizers huggingface-hub httpx2 httpcore2 truststore idna"
+jsonschema-specifications transformers tokenizers huggingface-hub httpx2 httpcore2 truststore idna
+opentelemetry-api"
 PLATFORMS=""
 for tag in manylinux_2_{5,17,24,26,27,28,31,34,35}_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
     PLATFORMS="$PLATFORMS --platform $tag"

@@ -11,6 +11,12 @@ write their K/V into a padding slot no sequence owns. The decode kernel's split 
 on the batch shape, so a graph stays valid as contexts grow. Every graph writes its logits into
 the same output buffer: one of its own per bucket would outlive its capture, and at 512 sequences
 over a 128k vocabulary those buffers held 4.3 GB the KV pool's budget had not counted.
+
+A batch runs in the fastest graph that holds it, which is not always the smallest: the GEMM
+library picks its kernel by shape, and on an H200 cuBLAS took 273 us for Llama-3-8B's gate/up
+projection at 448 rows but 163 us at 512 (benchmarks/gpu_kernels.py --gemm). After capture each
+graph's replay is timed (its rows padding, so attention costs nothing and the products all), and
+a bucket whose step a larger one beats by more than ROUTE_MARGIN hands its batches to that one.
 """
 
 from __future__ import annotations
@@ -27,12 +33,24 @@ from hyperserve.layers.attention import AttentionMetadata, DecodeGroup, padded_b
 logger = logging.getLogger("hyperserve.cuda_graphs")
 
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+ROUTE_MARGIN = 0.03  # a larger bucket takes a batch only if its replay is this much faster
 
 
 def batch_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 16 up to max_batch (and max_batch itself)."""
     small = [b for b in (1, 2, 4, 8) if b < max_batch]
     return small + list(range(16, max_batch, 16)) + [max_batch]
+
+
+def fastest_buckets(replay_seconds: dict[int, float], margin: float = ROUTE_MARGIN) -> dict[int, int]:
+    """Each bucket's batches go to the bucket at or above it with the fastest replay, unless no
+    larger one is more than `margin` faster than the bucket itself."""
+    buckets = sorted(replay_seconds)
+    route = {}
+    for i, bucket in enumerate(buckets):
+        best = min(buckets[i:], key=lambda b: (replay_seconds[b], b))
+        route[bucket] = best if replay_seconds[best] < (1 - margin) * replay_seconds[bucket] else bucket
+    return route
 
 
 class DecodeGraphs:
@@ -56,13 +74,15 @@ class DecodeGraphs:
         self._logits: torch.Tensor | None = None  # [max_batch, V]: every graph's output
         self._tables: list[list[int]] = []  # the last run's block tables
         self.capture_seconds = 0.0
+        self.route = {b: b for b in self.buckets}  # bucket -> the graph its batches replay
 
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
 
-    def capture(self) -> None:
-        """Capture every bucket, largest first so the smaller ones reuse its memory pool."""
+    def capture(self, route: bool = True) -> None:
+        """Capture every bucket, largest first so the smaller ones reuse its memory pool; with
+        `route`, time each graph and send batches to the fastest that holds them."""
         started, pool = time.perf_counter(), None
         for batch in reversed(self.buckets):
             logits = self._run_eager(batch)  # warm-up: Triton compiles, cuBLAS picks its kernels
@@ -76,9 +96,23 @@ class DecodeGraphs:
             pool = graph.pool()
             self._graphs[batch] = graph
         torch.cuda.synchronize()
+        if route:
+            self.route = fastest_buckets({batch: self._replay_seconds(batch) for batch in self.buckets})
         self.capture_seconds = time.perf_counter() - started
-        logger.info("captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s", len(self.buckets),
-                    self.max_batch, self.capture_seconds)
+        moved = {b: to for b, to in self.route.items() if to != b}
+        logger.info("captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s%s", len(self.buckets),
+                    self.max_batch, self.capture_seconds, f"; run in larger graphs: {moved}" if moved else "")
+
+    def _replay_seconds(self, batch: int, replays: int = 3) -> float:
+        """One replay's time of a bucket's graph, its rows all padding (as after capture)."""
+        self._graphs[batch].replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            self._graphs[batch].replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / replays
 
     def run(self, token_ids: list[int] | torch.Tensor, positions: list[int],
             block_tables: list[list[int]] | None) -> torch.Tensor:
@@ -86,7 +120,7 @@ class DecodeGraphs:
         the previous step sampled), its position and block table (None: the previous run's tables,
         as in a multi-step decode's later steps)."""
         batch = len(positions)
-        bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
+        bucket = self.route[self.buckets[bisect.bisect_left(self.buckets, batch)]]
         if block_tables is not None:
             self._tables = block_tables
             width = max(len(t) for t in block_tables)

@@ -155,10 +155,11 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """Capture the decode graphs. Under tensor parallelism every rank captures at once (rank 0
         tells the others first): NCCL takes a captured collective as a property of all its ranks,
-        and each must replay the graph of that same capture."""
+        and each must replay the graph of that same capture, so no rank routes batches to larger
+        graphs by its own timings."""
         if self.workers is not None:
             self.workers.send(CAPTURE_GRAPHS)
-        self.decode_graphs.capture()
+        self.decode_graphs.capture(route=self.model.tp.size == 1)
 
     def _fused_decode(self, config: EngineConfig) -> FusedDecode | None:
         """The native one-call-per-layer decode for int4 and int8 models on the CPU, where it applies."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hyperserve import LLM
-from hyperserve.engine.cuda_graphs import DecodeGraphs, batch_buckets
+from hyperserve.engine.cuda_graphs import DecodeGraphs, batch_buckets, fastest_buckets
 from hyperserve.engine.model_runner import SeqChunk
 from tests.conftest import DEVICES, needs_triton, tiny_config
 
@@ -18,6 +18,15 @@ def test_batch_buckets():
     assert batch_buckets(8) == [1, 2, 4, 8]
     assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+
+
+def test_batches_go_to_a_larger_graph_only_where_it_is_clearly_faster():
+    # H200, Llama-3-8B: cuBLAS's gate/up kernel at 448 rows is slower than at 512
+    replay_ms = {256: 9.0, 432: 15.0, 448: 19.0, 464: 15.9, 480: 16.2, 496: 16.3, 512: 16.0}
+    route = fastest_buckets(replay_ms)
+    assert route == {256: 256, 432: 432, 448: 464, 464: 464, 480: 480, 496: 496, 512: 512}
+    assert fastest_buckets({1: 1.0, 2: 0.99, 4: 1.2}) == {1: 1, 2: 2, 4: 4}  # within the margin: no padding
+    assert fastest_buckets({1: 1.0, 2: 0.5, 4: 0.4}) == {1: 4, 2: 4, 4: 4}
 
 
 @needs_triton
