@@ -22,7 +22,7 @@ call per span, context gathered and masked), the CUDA backend's as the engine ru
 from FLASH_PREFILL_TOKENS through SDPA, the rest in one launch of layers/triton_attention.py's
 kernel), PyTorch's varlen FlashAttention over the same block tables where it takes them, and that
 kernel for every span, its row and key tiles, warps and stages swept (PREFILL_SWEEP, or the values
-given). Each output is checked against the portable path's; TFLOP/s counts the causal
+given); where every span is short, also with one query head per tile instead of a KV group's. Each output is checked against the portable path's; TFLOP/s counts the causal
 products done.
 
     python benchmarks/gpu_kernels.py [--shapes qkv o ...] [--tiles-json OUT] [--json OUT]
@@ -231,7 +231,9 @@ def measure_attention(batch: int, context: int, kv_cache_dtype: str) -> list[dic
 
 # (new tokens, cached context tokens) of each span in one step
 PREFILL_CASES = {"32 x 512 new": [(512, 0)] * 32, "8 x 512 after 1,536": [(512, 1536)] * 8,
-                 "1 x 8,192 new": [(8192, 0)], "mixed": [(2048, 0), (1000, 3000), (37, 500), (512, 0)] * 2}
+                 "1 x 8,192 new": [(8192, 0)], "mixed": [(2048, 0), (1000, 3000), (37, 500), (512, 0)] * 2,
+                 # short spans, where a tile holds a KV group's heads: verify spans, cache hits' last tokens
+                 "64 x 5 after 600": [(5, 600)] * 64, "448 x 1 after 511": [(1, 511)] * 448}
 PREFILL_SWEEP = {"block_m": (64, 128), "block_n": (64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
 
 
@@ -325,6 +327,15 @@ def measure_prefill(case: str, spans: list[tuple[int, int]], kv_cache_dtype: str
         us = 1e3 * triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
         rows.append({**base, "path": "triton, one launch", "config": config, "us": us,
                      "tflops": flops / us / 1e6, "error": error})
+    if batch.max_query_len * heads // kv_heads <= PrefillTiles().block_m:  # the shipped tiles pack heads here
+        fn = lambda: paged_prefill_attention(  # noqa: E731
+            q, cache.key, cache.value, batch.block_tables, batch.query_starts, batch.query_lens,
+            batch.context_starts, batch.max_query_len, block, scale, out, key_scale=cache.key_scale,
+            value_scale=cache.value_scale, pack_heads=False)
+        error = (fn().float() - expected.float()).abs().max().item()
+        us = 1e3 * triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
+        rows.append({**base, "path": "triton, a head a tile", "us": us, "tflops": flops / us / 1e6,
+                     "error": error})
     return rows
 
 

@@ -25,7 +25,11 @@ Prefill attention is bound by arithmetic, not bytes, so it is shaped as FlashAtt
 one program per (BLOCK_M query rows of one span, query head), streaming the span's keys in tiles
 of BLOCK_N with an online softmax. Every span of a step (new prompts, chunks after a cached
 prefix or an earlier chunk) runs in one launch per layer, where the portable backend made one
-SDPA call per span, and a span with context gathered its K/V and built a mask first.
+SDPA call per span, and a span with context gathered its K/V and built a mask first. Where every
+span is short (a prefix-cache hit's last tokens, a speculative verify span, a small chunk), a
+tile's rows are its span's rows times the query heads of one KV group, as the decode kernel's
+are: one program per group reads the keys once, where one per head left most of each tile empty
+and read them once a head.
 """
 
 from __future__ import annotations
@@ -218,33 +222,37 @@ def _prefill_kernel(
     stride_cache_slot, stride_cache_head, stride_scale_slot, stride_table_span,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr, WINDOWED: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACK: tl.constexpr, QUERY_ROWS: tl.constexpr,
 ):
+    # a tile's BLOCK_M rows are QUERY_ROWS query rows times PACK heads of one KV group (PACK is 1,
+    # or the group when every span fits one tile: then K/V are read once for the group's heads)
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # a span's last rows see the most keys: start them first
     span = tl.program_id(1)
-    head = tl.program_id(2)
+    first_head = tl.program_id(2) * PACK
     query_len = tl.load(query_lens_ptr + span)
-    if tile * BLOCK_M >= query_len:  # the grid is sized for the longest span
+    if tile * QUERY_ROWS >= query_len:  # the grid is sized for the longest span
         return
     query_start = tl.load(query_starts_ptr + span)  # the span's first row in the flat batch
     context_start = tl.load(context_starts_ptr + span)  # position of its first new token
-    kv_head = head // GROUP
+    kv_head = first_head // GROUP
 
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_p = tl.arange(0, BLOCK_M)
+    offs_m = tile * QUERY_ROWS + offs_p // PACK  # each tile row's query row within the span
+    heads = first_head + offs_p % PACK  # and its query head
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < query_len
+    m_ok = (offs_p < QUERY_ROWS * PACK) & (offs_m < query_len)
     d_ok = offs_d < HEAD_DIM
     query_pos = context_start + offs_m  # [BLOCK_M]
     rows = query_start + offs_m
-    q = tl.load(q_ptr + rows[:, None] * stride_q_row + head * stride_q_head + offs_d[None, :],
+    q = tl.load(q_ptr + rows[:, None] * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :],
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
 
-    last_pos = context_start + tl.minimum(tile * BLOCK_M + BLOCK_M, query_len) - 1  # the tile's last query
+    last_pos = context_start + tl.minimum(tile * QUERY_ROWS + QUERY_ROWS, query_len) - 1  # its last query
     key_end = last_pos + 1  # causal: no row of the tile sees past its last query
     key_start = 0
     if WINDOWED:  # the tile's first query sees back to its window's start
-        key_start = tl.maximum(context_start + tile * BLOCK_M - sliding_window + 1, 0)
+        key_start = tl.maximum(context_start + tile * QUERY_ROWS - sliding_window + 1, 0)
         key_start = key_start // BLOCK_SIZE * BLOCK_SIZE
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores
@@ -279,7 +287,7 @@ def _prefill_kernel(
         m = m_new
 
     out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_out_row + head * stride_out_head + offs_d[None, :],
+    tl.store(out_ptr + rows[:, None] * stride_out_row + heads[:, None] * stride_out_head + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
@@ -332,6 +340,7 @@ def paged_prefill_attention(
     key_scale: torch.Tensor | None = None,  # [num_slots, Hkv] float32 for quantized caches
     value_scale: torch.Tensor | None = None,
     tiles: PrefillTiles | None = None,  # None: prefill_tiles', or what fitted this GPU
+    pack_heads: bool = True,  # False: one query head per tile even for short spans (to compare)
 ) -> torch.Tensor:
     """Row r of span s (position context_starts[s] + r) attends to the span's positions 0..that one
     (within the window): its cached context and its own earlier rows."""
@@ -342,21 +351,24 @@ def paged_prefill_attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     quantized = key_scale is not None
     dot = dot_dtype(q.dtype, False)  # quantized K/V are scaled in float32, then cast to this
+    group = num_heads // key_cache.shape[1]
     key = (q.device, q.dtype, block_d, key_cache.dtype)
     chosen = tiles or _FITTED.get(key) or prefill_tiles(q.element_size(), block_d)
     while True:
+        pack = group if pack_heads and max_query_len * group <= chosen.block_m else 1  # a group a tile
+        query_rows = chosen.block_m // pack
         try:
-            _prefill_kernel[(triton.cdiv(max_query_len, chosen.block_m), num_spans, num_heads)](
+            _prefill_kernel[(triton.cdiv(max_query_len, query_rows), num_spans, num_heads // pack)](
                 q, key_cache, value_cache, key_scale if quantized else key_cache,
                 value_scale if quantized else value_cache, out, block_tables, query_starts, query_lens,
                 context_starts, scale, sliding_window or 0,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 key_cache.stride(0), key_cache.stride(1),
                 key_scale.stride(0) if quantized else 0, block_tables.stride(0),
-                GROUP=num_heads // key_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d,
+                GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
                 BLOCK_SIZE=block_size, BLOCK_M=chosen.block_m, BLOCK_N=chosen.block_n, QUANTIZED=quantized,
                 WINDOWED=sliding_window is not None, DOT_DTYPE=dot,
-                PRECISION="ieee" if dot == tl.float32 else "tf32",
+                PRECISION="ieee" if dot == tl.float32 else "tf32", PACK=pack, QUERY_ROWS=query_rows,
                 num_warps=chosen.num_warps, num_stages=chosen.num_stages,
             )
         except triton.runtime.errors.OutOfResources:

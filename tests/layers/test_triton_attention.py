@@ -184,6 +184,10 @@ def prefill_reference(q, cache, tables, query_starts, query_lens, context_starts
         ([80, 20], [100, 3], 32, 8, 128, 16, None),  # Llama-3-8B's heads; a key tile split over the context
         ([50, 12], [30, 0], 6, 2, 80, 32, None),  # head_dim not a power of two, wider blocks
         ([70, 25, 4], [45, 0, 90], 4, 2, 32, 16, 24),  # a sliding window shorter than the spans
+        # short spans, a KV group's heads in one 32-row tile: verify spans, a cache hit's last token
+        ([1, 5, 8], [40, 100, 17], 8, 2, 32, 16, None),
+        ([2, 7], [30, 50], 9, 3, 64, 16, None),  # a group of 3: 10 rows of 3 heads, 2 tile rows unused
+        ([3, 6], [45, 90], 4, 2, 32, 16, 24),  # and windowed
     ],
 )
 def test_prefill_matches_reference(device, dtype, query_lens, context_starts, num_heads, num_kv_heads,
@@ -227,6 +231,19 @@ def test_prefill_tiles_do_not_change_the_result(device):
                         tiles=tiles(m, n)) for m, n in ((16, 16), (64, 32), (32, 128))]
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_short_spans_packed_or_not_agree(device):
+    query_lens, context_starts = [1, 6, 3], [50, 9, 0]
+    q, cache, tables, starts = prefill_case(device, query_lens=query_lens, context_starts=context_starts,
+                                            num_heads=8, num_kv_heads=2, head_dim=32, block_size=16,
+                                            dtype=torch.float32)
+    packed, one_head = (run_prefill(q, cache, tables, starts, query_lens, context_starts, 0.2,
+                                    torch.zeros_like(q), tiles=tiles(32, 16), pack_heads=pack)
+                        for pack in (True, False))
+    torch.testing.assert_close(packed, one_head, atol=1e-5, rtol=0)
+    assert packed.abs().sum() > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
