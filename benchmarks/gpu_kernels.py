@@ -22,7 +22,11 @@ call per span, context gathered and masked), the CUDA backend's as the engine ru
 from FLASH_PREFILL_TOKENS through SDPA, the rest in one launch of layers/triton_attention.py's
 kernel), PyTorch's varlen FlashAttention over the same block tables where it takes them, and that
 kernel for every span, its row and key tiles, warps and stages swept (PREFILL_SWEEP, or the values
-given); where every span is short, also with one query head per tile instead of a KV group's. Each output is checked against the portable path's; TFLOP/s counts the causal
+given); where every span is short, also with one query head per tile instead of a KV group's.
+
+--rotary times the fused rotary + K/V write (layers/triton_elementwise.py) at one token, a decode
+batch and a prefill step, with a program per token and head and with one per token; GB/s counts
+the bytes read and written once. Each output is checked against the portable path's; TFLOP/s counts the causal
 products done.
 
     python benchmarks/gpu_kernels.py [--shapes qkv o ...] [--tiles-json OUT] [--json OUT]
@@ -34,6 +38,7 @@ tiles; TFLOP/s counts the products done.
 
     python benchmarks/gpu_kernels.py --prefill [--kv-cache-dtype auto fp8] [--json OUT]
     python benchmarks/gpu_kernels.py --gemm [--rows 256 448 512] [--json OUT]
+    python benchmarks/gpu_kernels.py --rotary [--kv-cache-dtype auto fp8] [--json OUT]
 """
 
 from __future__ import annotations
@@ -187,6 +192,32 @@ def measure_gemm(name: str, n: int, k: int, row_counts: list[int]) -> list[dict]
             rows.append({"shape": name, "n": n, "k": k, "rows": m, "path": path, "us": us,
                          "tflops": 2 * m * n * k / us / 1e6, "config": config})
             print(f"{name:<9}{m:>5}  {path:<14}{us:>9.1f}{rows[-1]['tflops']:>9.0f}  {config}", flush=True)
+    return rows
+
+
+def measure_rotary(tokens: int, kv_cache_dtype: str) -> list[dict]:
+    """rotary_and_cache at Llama-3-8B's heads, a program per token and head against one per token."""
+    from hyperserve.layers import triton_elementwise
+    from hyperserve.layers.attention import KVCache
+
+    heads, kv_heads, dim, device = 32, 8, 128, torch.device("cuda")
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=device, dtype=torch.bfloat16)
+    cos_sin = tuple(torch.randn(tokens, 1, dim, device=device, dtype=torch.bfloat16) for _ in range(2))
+    cache = KVCache.allocate(tokens // 16 + 1, 16, kv_heads, dim, torch.bfloat16, kv_cache_dtype, device)
+    slots = torch.randperm(cache.key.shape[0], device=device)[:tokens]
+    cache_bytes = 2 * tokens * kv_heads * dim * cache.key.element_size()
+    nbytes = qkv.numel() * 2 + tokens * (heads + kv_heads) * dim * 2 + cache_bytes
+    rows, default = [], triton_elementwise.ALL_HEADS_FROM_TOKENS
+    for name, threshold in (("a program a head", 10**9), ("a program a token", 1)):
+        triton_elementwise.ALL_HEADS_FROM_TOKENS = threshold
+        fn = lambda: triton_elementwise.rotary_and_cache(  # noqa: E731
+            qkv, cos_sin, slots, cache, heads, kv_heads)
+        us = 1e3 * triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
+        rows.append({"tokens": tokens, "kv": kv_cache_dtype, "path": name, "us": us, "gbs": nbytes / us / 1e3,
+                     "shipped": (tokens >= default) == (threshold == 1)})
+        print(f"{tokens:>7}{kv_cache_dtype:>6}  {name:<20}{us:>9.1f}{rows[-1]['gbs']:>8.0f}"
+              f"{'  shipped' if rows[-1]['shipped'] else ''}", flush=True)
+    triton_elementwise.ALL_HEADS_FROM_TOKENS = default
     return rows
 
 
@@ -367,6 +398,7 @@ def main() -> None:
     parser.add_argument("--attention", action="store_true", help="time the paged decode attention instead")
     parser.add_argument("--prefill", action="store_true", help="time the prefill attention paths instead")
     parser.add_argument("--gemm", action="store_true", help="time the projections at decode batches instead")
+    parser.add_argument("--rotary", action="store_true", help="time the fused rotary + K/V write instead")
     parser.add_argument("--kv-cache-dtype", nargs="*", default=["auto"],
                         help="with --attention or --prefill: auto, int8, fp8")
     for name, values in ATTENTION_SWEEP.items():
@@ -393,6 +425,10 @@ def main() -> None:
         for r in rows:
             print(f"{r['kv']:>5}{r['batch']:>6}{r['context']:>8}{r['tile_tokens']:>6}{r['num_warps']:>6}"
                   f"{r['programs_per_sm']:>8}{r['us']:>9.1f}{r['gbs']:>7.0f}")
+    elif args.rotary:
+        print(f"{'tokens':>7}{'kv':>6}  {'path':<20}{'us':>9}{'GB/s':>8}", flush=True)
+        for kv_cache_dtype, tokens in itertools.product(args.kv_cache_dtype, (1, 8, 32, 448, 16384)):
+            rows += measure_rotary(tokens, kv_cache_dtype)
     elif args.gemm:  # rows printed as each is measured
         print(f"{'shape':<9}{'rows':>5}  {'path':<14}{'us':>9}{'TFLOP/s':>9}  config", flush=True)
         for name, n, k in SHAPES:

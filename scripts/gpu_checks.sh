@@ -15,6 +15,8 @@
 #            fp8 caches, from one long sequence to an offline run's 512 (ATTENTION_ARGS narrows the sweep);
 #   gemm     benchmarks/gpu_kernels.py --gemm: the projections at offline decode batches (256-512 rows)
 #            through cuBLAS, cuBLASLt and a Triton GEMM;
+#   rotary   benchmarks/gpu_kernels.py --rotary: the fused rotary + K/V write from 1 to 16,384 tokens, a
+#            program per token and head against one per token;
 #   prefill  benchmarks/gpu_kernels.py --prefill: one layer's prefill attention for a step's spans, the
 #            portable backend's SDPA per span against the Triton kernel's one launch, its tiles swept;
 #   single   benchmarks/gpu.py single-stream decode on the Llama-3-8B shape (random weights),
@@ -77,6 +79,11 @@ fi
 if part gemm; then
     timeout 120 $PY benchmarks/gpu_kernels.py --gemm --shapes qkv o gate_up down --rows 256 448 512 \
         --json "$OUTDIR/gpu-gemm.json" 2>&1 | tee "$OUTDIR/gpu-gemm.log" | tail -n 60
+    rc=$(( rc || PIPESTATUS[0] ))
+fi
+if part rotary; then
+    timeout 90 $PY benchmarks/gpu_kernels.py --rotary --kv-cache-dtype auto fp8 \
+        --json "$OUTDIR/gpu-rotary.json" 2>&1 | tee "$OUTDIR/gpu-rotary.log" | tail -n 25
     rc=$(( rc || PIPESTATUS[0] ))
 fi
 if part prefill; then

@@ -9,7 +9,10 @@ At prefill sizes they are passes over tens of MB each, and fusing them saves pas
 - rotary_and_cache: q and k rotated and the new K/V written into the paged cache, straight from
   the QKV projection's output (five PyTorch ops, and at prefill three passes, before); into an
   int8 or fp8 cache as codes and a scale per token and head, as KVCache.write quantizes (that
-  path took five ops more per layer, so an fp8 cache, half the K/V bytes, decoded slower).
+  path took five ops more per layer, so an fp8 cache, half the K/V bytes, decoded slower). One
+  program a token and head, one warp each, took 476 us a layer at a 16,384-token prefill on an
+  H200 and 21 us at 448 decodes, 4-8x their bytes' time; from ALL_HEADS_FROM_TOKENS tokens a
+  program takes all of a token's heads (not yet timed on a GPU: benchmarks/gpu_kernels.py --rotary).
 Rounding follows PyTorch's ops: the sum is rounded to the activations' dtype before it is
 normalised, the norm computes in float32, and the rotation rounds x * cos before adding the rest,
 as RotaryEmbedding's mul and addcmul do.
@@ -81,56 +84,64 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _cache_row(cache_ptr, scale_ptr, row, x, offs, BOUND: tl.constexpr, ROUND: tl.constexpr):
-    """Write one head's row x [D] into the cache: as it is where BOUND is 0; else as codes with one
-    symmetric scale, stored at scale_ptr (attention._quantize_rows: the row's largest magnitude over
-    BOUND), rounded half to even to integers when ROUND (int8), or cast to the cache's float8 type."""
+def _cache_rows(cache_ptr, scale_ptr, rows, x, offs, ok, BOUND: tl.constexpr, ROUND: tl.constexpr):
+    """Write heads' rows x [BLOCK_H, D] into the cache at rows [BLOCK_H] where ok: as they are where
+    BOUND is 0; else as codes with one symmetric scale a row, stored at scale_ptr
+    (attention._quantize_rows: the row's largest magnitude over BOUND), rounded half to even to
+    integers when ROUND (int8), or cast to the cache's float8 type."""
+    at = cache_ptr + rows[:, None] * x.shape[1] + offs[None, :]
     if BOUND == 0:
-        tl.store(cache_ptr + row * x.shape[0] + offs, x)
+        tl.store(at, x, mask=ok[:, None])
     else:
         x = x.to(tl.float32)
         # the scale as attention._quantize_rows makes it (times 1 / BOUND, in float32); the codes by
         # IEEE division, as PyTorch's: Triton's "/" is approximate on CUDA, which moves a code that
         # should sit on a half (common with bfloat16 inputs) to the other side of it
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-8) * (1.0 / BOUND)
-        scaled = tl.math.div_rn(x, scale)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-8) * (1.0 / BOUND)
+        scaled = tl.math.div_rn(x, scale[:, None])
         if ROUND:
             rounded = tl.floor(scaled + 0.5)
             odd = rounded - 2.0 * tl.floor(rounded * 0.5) != 0.0
             rounded = tl.where((rounded - scaled == 0.5) & odd, rounded - 1.0, rounded)
             scaled = tl.minimum(tl.maximum(rounded, -BOUND), BOUND)
-        tl.store(cache_ptr + row * x.shape[0] + offs, scaled.to(cache_ptr.dtype.element_ty))
-        tl.store(scale_ptr + row, scale)
+        tl.store(at, scaled.to(cache_ptr.dtype.element_ty), mask=ok[:, None])
+        tl.store(scale_ptr + rows, scale, mask=ok)
 
 
 @triton.jit
 def _rotary_and_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr, key_cache_ptr,
                              value_cache_ptr, key_scale_ptr, value_scale_ptr, stride_qkv, stride_cos,
                              NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr,
-                             BOUND: tl.constexpr, ROUND: tl.constexpr):
+                             HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BOUND: tl.constexpr,
+                             ROUND: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)  # q heads, then k heads, then v heads
+    heads = tl.program_id(1) * HEADS + tl.arange(0, BLOCK_H)  # q heads, then k heads, then v heads
+    ok = (tl.arange(0, BLOCK_H) < HEADS) & (heads < NUM_HEADS + 2 * NUM_KV_HEADS)
+    is_q = ok & (heads < NUM_HEADS)
+    rotates = ok & (heads < NUM_HEADS + NUM_KV_HEADS)
+    is_k = rotates & ~is_q
+    is_v = ok & ~rotates
     offs = tl.arange(0, D)
-    row = qkv_ptr + token * stride_qkv + head * D
+    row = qkv_ptr + token * stride_qkv + heads[:, None] * D
     slot = tl.load(slots_ptr + token).to(tl.int64)
-    if head < NUM_HEADS + NUM_KV_HEADS:
-        x = tl.load(row + offs)
-        partner = tl.load(row + (offs + D // 2) % D).to(tl.float32)  # rotate_half's source, sign in sin
-        cos = tl.load(cos_ptr + token * stride_cos + offs)
-        sin = tl.load(sin_ptr + token * stride_cos + offs).to(tl.float32)
-        scaled = (x.to(tl.float32) * cos.to(tl.float32)).to(x.dtype).to(tl.float32)
-        rotated = (scaled + partner * sin).to(x.dtype)
-        if head < NUM_HEADS:
-            tl.store(q_ptr + (token * NUM_HEADS + head) * D + offs, rotated)
-        else:
-            kv_head = head - NUM_HEADS
-            tl.store(k_ptr + (token * NUM_KV_HEADS + kv_head) * D + offs, rotated)
-            _cache_row(key_cache_ptr, key_scale_ptr, slot * NUM_KV_HEADS + kv_head, rotated, offs, BOUND,
-                       ROUND)
-    else:
-        kv_head = head - NUM_HEADS - NUM_KV_HEADS
-        _cache_row(value_cache_ptr, value_scale_ptr, slot * NUM_KV_HEADS + kv_head, tl.load(row + offs), offs,
-                   BOUND, ROUND)
+    x = tl.load(row + offs[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_H, D]
+    partner = tl.load(row + ((offs + D // 2) % D)[None, :], mask=rotates[:, None], other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + token * stride_cos + offs)[None, :]  # rotate_half's source, sign in sin
+    sin = tl.load(sin_ptr + token * stride_cos + offs).to(tl.float32)[None, :]
+    scaled = (x.to(tl.float32) * cos.to(tl.float32)).to(x.dtype).to(tl.float32)
+    rotated = (scaled + partner * sin).to(x.dtype)
+    tl.store(q_ptr + (token * NUM_HEADS + heads[:, None]) * D + offs[None, :], rotated, mask=is_q[:, None])
+    k_head = heads - NUM_HEADS
+    tl.store(k_ptr + (token * NUM_KV_HEADS + k_head[:, None]) * D + offs[None, :], rotated,
+             mask=is_k[:, None])
+    _cache_rows(key_cache_ptr, key_scale_ptr, slot * NUM_KV_HEADS + k_head, rotated, offs, is_k, BOUND, ROUND)
+    _cache_rows(value_cache_ptr, value_scale_ptr, slot * NUM_KV_HEADS + k_head - NUM_KV_HEADS, x, offs, is_v,
+                BOUND, ROUND)
+
+
+# From this many tokens a program rotates and writes all of a token's heads; below it, one head
+# each, so that a single token's few kilobytes still spread over many SMs.
+ALL_HEADS_FROM_TOKENS = 32
 
 
 def rotary_and_cache(qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor,
@@ -146,12 +157,15 @@ def rotary_and_cache(qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tenso
     k = torch.empty(tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     cos, sin = (t.reshape(tokens, head_dim) for t in cos_sin)
     bound = quantized_bound(kv_cache.key.dtype) if kv_cache.quantized else 0.0
+    all_heads = num_heads + 2 * num_kv_heads
+    heads = all_heads if tokens >= ALL_HEADS_FROM_TOKENS else 1
     if tokens:
-        _rotary_and_cache_kernel[(tokens, num_heads + 2 * num_kv_heads)](
+        _rotary_and_cache_kernel[(tokens, triton.cdiv(all_heads, heads))](
             qkv, cos, sin, slots, q, k, kv_cache.key, kv_cache.value,
             kv_cache.key_scale if kv_cache.quantized else q,
             kv_cache.value_scale if kv_cache.quantized else q,
             qkv.stride(0), cos.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=head_dim,
-            BOUND=bound, ROUND=kv_cache.key.dtype == torch.int8, num_warps=1)
+            HEADS=heads, BLOCK_H=triton.next_power_of_2(heads), BOUND=bound,
+            ROUND=kv_cache.key.dtype == torch.int8, num_warps=1 if heads == 1 else 8)
     v = qkv[:, (num_heads + num_kv_heads) * head_dim :].unflatten(-1, (num_kv_heads, head_dim))
     return q, k, v

@@ -53,14 +53,20 @@ def test_silu_and_mul_matches_pytorch(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
-def test_rotary_and_cache_matches_rotary_embedding_and_the_cache_write(device, dtype, kv_cache_dtype):
+@pytest.mark.parametrize("all_heads", [False, True])  # a program per token and head, or per token
+def test_rotary_and_cache_matches_rotary_embedding_and_the_cache_write(device, dtype, kv_cache_dtype,
+                                                                       all_heads, monkeypatch):
     if kv_cache_dtype == "fp8" and device == "cpu":
-        pytest.skip("Triton's interpreter casts float32 to float8 wrongly (-125.9 to -64, and ties away from even)")
+        pytest.skip("Triton's interpreter casts float32 to float8 wrongly "
+                    "(-125.9 to -64, and ties away from even)")
     from transformers import LlamaConfig
 
+    from hyperserve.layers import triton_elementwise
     from hyperserve.layers.attention import KVCache
     from hyperserve.layers.rotary import RotaryEmbedding
     from hyperserve.layers.triton_elementwise import rotary_and_cache
+
+    monkeypatch.setattr(triton_elementwise, "ALL_HEADS_FROM_TOKENS", 1 if all_heads else 10**9)
 
     num_heads, num_kv_heads, head_dim, tokens = 6, 2, 32, 9
     config = LlamaConfig(hidden_size=num_heads * head_dim, num_attention_heads=num_heads,
@@ -69,7 +75,8 @@ def test_rotary_and_cache_matches_rotary_embedding_and_the_cache_write(device, d
     rotary.reset_cache()
     rotary.to(device)
     generator = torch.Generator().manual_seed(2)
-    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator).to(device, dtype)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(tokens, width, generator=generator).to(device, dtype)
     positions = torch.tensor([0, 1, 2, 3, 17, 18, 40, 41, 63], device=device)
     slots = torch.tensor([5, 6, 7, 8, 30, 31, 2, 3, 47], device=device)
     cos_sin = rotary.cos_sin_for(positions, dtype)
@@ -96,7 +103,8 @@ def test_rotary_and_cache_matches_rotary_embedding_and_the_cache_write(device, d
     written[slots.cpu()] = True
     for name in ("key", "value", "key_scale", "value_scale"):
         assert getattr(got, name)[~written.to(device)].float().abs().sum() == 0  # nothing else written
-    assert torch.equal(got.value.float(), want.value.float()) and torch.equal(got.value_scale, want.value_scale)
+    assert torch.equal(got.value.float(), want.value.float())
+    assert torch.equal(got.value_scale, want.value_scale)
     k_got, k_want_dequantized = (c.key.float() * c.key_scale.unsqueeze(-1) for c in (got, want))
     assert (k_got - k_want_dequantized).norm() <= 2e-2 * k_want_dequantized.norm()
     assert torch.allclose(got.key_scale, want.key_scale, rtol=2 * tolerance)
