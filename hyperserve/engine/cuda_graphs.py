@@ -15,8 +15,8 @@ over a 128k vocabulary those buffers held 4.3 GB the KV pool's budget had not co
 A batch runs in the fastest graph that holds it, which is not always the smallest: the GEMM
 library picks its kernel by shape, and on an H200 cuBLAS took 273 us for Llama-3-8B's gate/up
 projection at 448 rows but 163 us at 512 (benchmarks/gpu_kernels.py --gemm). After capture each
-graph's replay is timed (its rows padding, so attention costs nothing and the products all), and
-a bucket whose step a larger one beats by more than ROUTE_MARGIN hands its batches to that one.
+graph's replay is timed (every row padding: attention costs nothing, the time is the products'),
+and a bucket that a larger one beats by more than ROUTE_MARGIN hands its batches to that one.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 def fastest_buckets(replay_seconds: dict[int, float], margin: float = ROUTE_MARGIN) -> dict[int, int]:
-    """Each bucket's batches go to the bucket at or above it with the fastest replay, unless no
-    larger one is more than `margin` faster than the bucket itself."""
+    """Where each bucket's batches run: in the fastest bucket at or above it when that one's replay
+    is more than `margin` faster than its own, else in itself."""
     buckets = sorted(replay_seconds)
     route = {}
     for i, bucket in enumerate(buckets):
