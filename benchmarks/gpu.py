@@ -78,8 +78,8 @@ class StepProfile:
     def __init__(self, engine) -> None:
         self.steps: list[dict[str, float]] = []
         self._current: dict[str, float] = defaultdict(float)
-        for owner, name in ((engine.scheduler, "schedule"), (engine.runner, "forward"), (engine.runner, "execute"),
-                            (engine, "step")):
+        for owner, name in ((engine.scheduler, "schedule"), (engine.runner, "forward"),
+                            (engine.runner, "execute"), (engine, "step")):
             self._wrap(owner, name)
 
     def _wrap(self, owner, name: str) -> None:
@@ -94,7 +94,8 @@ class StepProfile:
             if name == "schedule":
                 self._current["batch"] = len(result.requests)
                 self._current["num_steps"] = result.num_steps
-                self._current["decode_only"] = float(result.num_steps > 1 or all(n == 1 for n in result.num_new_tokens))
+                decode_only = result.num_steps > 1 or all(n == 1 for n in result.num_new_tokens)
+                self._current["decode_only"] = float(decode_only)
             if name == "step":
                 if self._current.get("batch"):
                     self.steps.append(dict(self._current))
@@ -114,7 +115,8 @@ class StepProfile:
             count = sum(s["num_steps"] for s in steps)
             mean = lambda key, steps=steps, count=count: 1e3 * sum(s.get(key, 0.0) for s in steps) / count
             out[kind] = {"steps": count, "batch": sum(s["batch"] * s["num_steps"] for s in steps) / count,
-                         "step_ms": mean("step"), "schedule_ms": mean("schedule"), "forward_ms": mean("forward"),
+                         "step_ms": mean("step"), "schedule_ms": mean("schedule"),
+                         "forward_ms": mean("forward"),
                          "runner_rest_ms": mean("execute") - mean("forward"),
                          "engine_rest_ms": mean("step") - mean("execute") - mean("schedule")}
         return out
@@ -146,7 +148,8 @@ def write_word_tokenizer(directory: str, vocab_size: int) -> None:
     vocab.update({f"w{i}": i for i in range(len(vocab), vocab_size)})
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>").save_pretrained(directory)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>")
+    fast.save_pretrained(directory)
 
 
 def workload(num: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -183,7 +186,8 @@ def run_hyperserve(model_dir: str, args) -> dict:
              "gemv_tiles": {f"{n}x{k}x{b}": vars(t) for (n, k, b), t in triton_gemv.TILES.items()},
              "kv_blocks": llm.engine.kv_cache.pool.num_blocks, "startup_seconds": startup,
              "graph_capture_seconds": graphs.capture_seconds if graphs is not None else 0.0,
-             "graphs_rerouted": {b: to for b, to in (graphs.route if graphs else {}).items() if to != b}}
+             "graphs_rerouted": {b: to for b, to in (graphs.route if graphs else {}).items() if to != b},
+             "graph_replay_ms": {b: 1e3 * t for b, t in (graphs.replay_seconds if graphs else {}).items()}}
     del model, embed, graphs  # so that deleting llm frees the GPU for what runs next
 
     one = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
@@ -223,7 +227,8 @@ def run_hyperserve(model_dir: str, args) -> dict:
     return {**setup, "weight_bytes": weight_bytes, "streamed_bytes": streamed_bytes, "decode_tps": decode_tps,
             "offline_seconds": elapsed,
             "offline_tps": args.num_requests * args.output_len / elapsed if elapsed else 0.0,
-            "single_stream_profile": single_profile, "offline_profile": profile.summary(), "kernel_table": kernels}
+            "single_stream_profile": single_profile, "offline_profile": profile.summary(),
+            "kernel_table": kernels}
 
 
 def kernel_table(llm, prompts: list[list[int]], max_tokens: int, title: str,
@@ -240,7 +245,8 @@ def kernel_table(llm, prompts: list[list[int]], max_tokens: int, title: str,
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25,
+                                      max_name_column_width=60)
     return f"\nkernels, {title}\n{table}"
 
 
@@ -255,8 +261,9 @@ def run_transformers(config: LlamaConfig, args) -> dict:
     for i in range(0, len(prompts), args.hf_batch_size):
         input_ids = torch.tensor(prompts[i : i + args.hf_batch_size], device="cuda")
         with torch.no_grad():
-            model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=args.output_len,
-                           min_new_tokens=args.output_len, do_sample=False, pad_token_id=0)
+            model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                           max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False,
+                           pad_token_id=0)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     del model
@@ -285,7 +292,8 @@ def run_server(model_dir: str, args) -> dict:
         add_bench_args(parser)
         for concurrency in args.serve_concurrency:
             bench = parser.parse_args([
-                "--base-url", f"http://127.0.0.1:{port}", "--model", model_dir, "--concurrency", str(concurrency),
+                "--base-url", f"http://127.0.0.1:{port}", "--model", model_dir,
+                "--concurrency", str(concurrency),
                 "--num-requests", str(max(8, 3 * concurrency)), "--input-tokens", str(args.input_len),
                 "--output-tokens", str(args.output_len), "--input-spread", "0", "--output-spread", "0",
                 "--output-json", os.path.join(args.out_dir, f"serving-c{concurrency}.json")])
@@ -297,7 +305,8 @@ def run_server(model_dir: str, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--num-requests", type=int, default=1000, help="(b)'s requests; 0: no offline run")
     parser.add_argument("--input-len", type=int, default=512)
@@ -307,7 +316,8 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=None, help="default: gpu_memory_utilization")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                        help="default: gpu_memory_utilization")
     parser.add_argument("--quantization", default=None, help="fp8: float8 weights")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--num-scheduler-steps", type=int, default=1,
@@ -315,13 +325,15 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto", help="auto (Triton on CUDA) or torch")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's), fp8 or int8")
     parser.add_argument("--gemv-tiles", default=None,
-                        help="JSON of per-shape GEMV tiles (benchmarks/gpu_kernels.py --tiles-json) to run with")
+                        help="JSON of per-shape GEMV tiles (benchmarks/gpu_kernels.py --tiles-json) "
+                             "to run with")
     parser.add_argument("--serve-concurrency", type=int, nargs="*", default=[],
                         help="also serve the model and load it at these concurrencies")
     parser.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
                         help="the offline engine runs (a) and (b)")
     parser.add_argument("--out-dir", default="bench-results", help="the server's log and each level's JSON")
-    parser.add_argument("--kernel-table", action="store_true", help="print the top GPU kernels of a short run")
+    parser.add_argument("--kernel-table", action="store_true",
+                        help="print the top GPU kernels of a short run")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
@@ -350,12 +362,16 @@ def main() -> None:
 
 def print_offline(ours: dict, bandwidth: float, theirs: dict, args) -> None:
     limit_tps = bandwidth / ours["streamed_bytes"]
-    print(f"weights {ours['weight_bytes'] / 1e9:.2f} GB ({ours['streamed_bytes'] / 1e9:.2f} GB read per token)")
+    print(f"weights {ours['weight_bytes'] / 1e9:.2f} GB "
+          f"({ours['streamed_bytes'] / 1e9:.2f} GB read per token)")
     print(f"engine: {ours['attention']}, CUDA graphs {'on' if ours['cuda_graphs'] else 'off'}, "
           f"weights {args.quantization or 'bfloat16'}, KV {args.kv_cache_dtype}, "
           f"GEMV tiles {'swept' if args.gemv_tiles else 'as shipped'}, {ours['kv_blocks']} KV blocks; "
           f"started in "
           f"{ours['startup_seconds']:.1f} s ({ours['graph_capture_seconds']:.1f} s capturing graphs)")
+    if ours["graph_replay_ms"]:
+        replays = ", ".join(f"{b}: {ms:.2f}" for b, ms in ours["graph_replay_ms"].items())
+        print(f"decode graphs' replay ms, rows all padding (bucket: ms): {replays}")
     if ours["graphs_rerouted"]:
         print(f"batches run in larger graphs (bucket -> graph): {ours['graphs_rerouted']}")
     for steps, summary in ours["single_stream_profile"].items():
@@ -380,8 +396,9 @@ def print_served(served: dict) -> None:
     print("| concurrency | requests | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms | output tok/s |")
     print("|---|---|---|---|---|---|---|")
     for concurrency, s in served["serving"].items():
-        print(f"| {concurrency} | {s['num_ok']}/{s['num_requests']} | {s['ttft_p50_ms']:.0f} | {s['ttft_p95_ms']:.0f} "
-              f"| {s['itl_p50_ms']:.1f} | {s['itl_p95_ms']:.1f} | {s['output_token_throughput']:.1f} |")
+        print(f"| {concurrency} | {s['num_ok']}/{s['num_requests']} | {s['ttft_p50_ms']:.0f} "
+              f"| {s['ttft_p95_ms']:.0f} | {s['itl_p50_ms']:.1f} | {s['itl_p95_ms']:.1f} "
+              f"| {s['output_token_throughput']:.1f} |")
 
 
 if __name__ == "__main__":

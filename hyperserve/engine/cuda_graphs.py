@@ -75,6 +75,7 @@ class DecodeGraphs:
         self._tables: list[list[int]] = []  # the last run's block tables
         self.capture_seconds = 0.0
         self.route = {b: b for b in self.buckets}  # bucket -> the graph its batches replay
+        self.replay_seconds: dict[int, float] = {}  # each graph's timed replay, where routed
 
     @property
     def max_batch(self) -> int:
@@ -97,7 +98,8 @@ class DecodeGraphs:
             self._graphs[batch] = graph
         torch.cuda.synchronize()
         if route:
-            self.route = fastest_buckets({batch: self._replay_seconds(batch) for batch in self.buckets})
+            self.replay_seconds = {batch: self._replay_seconds(batch) for batch in self.buckets}
+            self.route = fastest_buckets(self.replay_seconds)
         self.capture_seconds = time.perf_counter() - started
         moved = {b: to for b, to in self.route.items() if to != b}
         logger.info("captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s%s", len(self.buckets),
