@@ -327,46 +327,39 @@ def measure_prefill(case: str, spans: list[tuple[int, int]], kv_cache_dtype: str
     expected = TorchPagedAttention()(q, k, v, cache, portable_meta, scale, kv_written=True)
     base = {"case": case, "kv": kv_cache_dtype, "spans": len(spans), "rows": num_rows}
     out = torch.empty_like(q)
-    paths = {"portable (SDPA per span)": (TorchPagedAttention(), portable_meta),
-             f"engine (SDPA from {FLASH_PREFILL_TOKENS:,} new)": (TritonPagedAttention(), engine_meta)}
     rows = []
-    for name, (backend, meta) in paths.items():
-        fn = lambda b=backend, m=meta: b(q, k, v, cache, m, scale, kv_written=True)  # noqa: E731
+
+    def time_path(path: str, fn, **extra) -> None:
+        """One row: fn's largest difference from the portable path's output, and its median time."""
         error = (fn().float() - expected.float()).abs().max().item()
         us = 1e3 * triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
-        rows.append({**base, "path": name, "us": us, "tflops": flops / us / 1e6, "error": error})
+        rows.append({**base, "path": path, **extra, "us": us, "tflops": flops / us / 1e6, "error": error})
+
+    def kernel(**options):
+        """The Triton kernel over every span, with paged_prefill_attention's options."""
+        return lambda: paged_prefill_attention(
+            q, cache.key, cache.value, batch.block_tables, batch.query_starts, batch.query_lens,
+            batch.context_starts, batch.max_query_len, block, scale, out, key_scale=cache.key_scale,
+            value_scale=cache.value_scale, **options)
+
+    paths = {"portable (SDPA per span)": (TorchPagedAttention(), portable_meta),
+             f"engine (SDPA from {FLASH_PREFILL_TOKENS:,} new)": (TritonPagedAttention(), engine_meta)}
+    for name, (backend, meta) in paths.items():
+        time_path(name, lambda b=backend, m=meta: b(q, k, v, cache, m, scale, kv_written=True))
     paged_flash = _paged_flash_attention(q, cache, batch, scale)
     if paged_flash is not None:  # PyTorch's FlashAttention over the same pool and block tables
         try:
-            error = (paged_flash().float() - expected.float()).abs().max().item()
-            us = 1e3 * triton.testing.do_bench(paged_flash, warmup=5, rep=50, return_mode="median")
-            rows.append({**base, "path": "varlen_attn, block table", "us": us, "tflops": flops / us / 1e6,
-                         "error": error})
+            time_path("varlen_attn, block table", paged_flash)
         except (RuntimeError, TypeError, ValueError) as failure:  # a block size or dtype it does not take
             print(f"varlen_attn with a block table failed: {str(failure)[:200]}", flush=True)
     for values in itertools.product(*PREFILL_SWEEP.values()):
         config = dict(zip(PREFILL_SWEEP, values))
-        fn = lambda c=config: paged_prefill_attention(  # noqa: E731
-            q, cache.key, cache.value, batch.block_tables, batch.query_starts, batch.query_lens,
-            batch.context_starts, batch.max_query_len, block, scale, out, key_scale=cache.key_scale,
-            value_scale=cache.value_scale, tiles=PrefillTiles(**c))
         try:
-            fn()
+            time_path("triton, one launch", kernel(tiles=PrefillTiles(**config)), config=config)
         except (triton.runtime.errors.OutOfResources, triton.CompilationError):
-            continue
-        error = (out.float() - expected.float()).abs().max().item()
-        us = 1e3 * triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
-        rows.append({**base, "path": "triton, one launch", "config": config, "us": us,
-                     "tflops": flops / us / 1e6, "error": error})
+            pass  # tiles this GPU cannot hold
     if batch.max_query_len * heads // kv_heads <= PrefillTiles().block_m:  # the shipped tiles pack heads here
-        fn = lambda: paged_prefill_attention(  # noqa: E731
-            q, cache.key, cache.value, batch.block_tables, batch.query_starts, batch.query_lens,
-            batch.context_starts, batch.max_query_len, block, scale, out, key_scale=cache.key_scale,
-            value_scale=cache.value_scale, pack_heads=False)
-        error = (fn().float() - expected.float()).abs().max().item()
-        us = 1e3 * triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
-        rows.append({**base, "path": "triton, a head a tile", "us": us, "tflops": flops / us / 1e6,
-                     "error": error})
+        time_path("triton, a head a tile", kernel(pack_heads=False))
     return rows
 
 

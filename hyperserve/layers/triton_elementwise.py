@@ -86,9 +86,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _cache_rows(cache_ptr, scale_ptr, rows, x, offs, ok, BOUND: tl.constexpr, ROUND: tl.constexpr):
     """Write heads' rows x [BLOCK_H, D] into the cache at rows [BLOCK_H] where ok: as they are where
-    BOUND is 0; else as codes with one symmetric scale a row, stored at scale_ptr
-    (attention._quantize_rows: the row's largest magnitude over BOUND), rounded half to even to
-    integers when ROUND (int8), or cast to the cache's float8 type."""
+    BOUND is 0; else as codes with one symmetric scale a row, stored at scale_ptr, rounded half to
+    even to integers when ROUND (int8), or cast to the cache's float8 type."""
     at = cache_ptr + rows[:, None] * x.shape[1] + offs[None, :]
     if BOUND == 0:
         tl.store(at, x, mask=ok[:, None])
@@ -125,8 +124,9 @@ def _rotary_and_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr,
     row = qkv_ptr + token * stride_qkv + heads[:, None] * D
     slot = tl.load(slots_ptr + token).to(tl.int64)
     x = tl.load(row + offs[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_H, D]
+    # rotate_half's source, its sign in sin
     partner = tl.load(row + ((offs + D // 2) % D)[None, :], mask=rotates[:, None], other=0.0).to(tl.float32)
-    cos = tl.load(cos_ptr + token * stride_cos + offs)[None, :]  # rotate_half's source, sign in sin
+    cos = tl.load(cos_ptr + token * stride_cos + offs)[None, :]
     sin = tl.load(sin_ptr + token * stride_cos + offs).to(tl.float32)[None, :]
     scaled = (x.to(tl.float32) * cos.to(tl.float32)).to(x.dtype).to(tl.float32)
     rotated = (scaled + partner * sin).to(x.dtype)
