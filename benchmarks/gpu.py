@@ -159,8 +159,10 @@ def workload(num: int, input_len: int, vocab: int, seed: int = 0) -> list[list[i
 
 def run_hyperserve(model_dir: str, args) -> dict:
     from hyperserve import LLM, SamplingParams
-    from hyperserve.layers import triton_gemv
+    from hyperserve.layers import gemv_decode, triton_gemv
     from hyperserve.layers.quantization import weight_bytes as model_weight_bytes
+
+    gemv_decode.ENABLED = not args.unfused_layers
 
     if args.gemv_tiles:  # a sweep's winners (benchmarks/gpu_kernels.py --tiles-json)
         with open(args.gemv_tiles) as f:
@@ -327,6 +329,9 @@ def main() -> None:
     parser.add_argument("--gemv-tiles", default=None,
                         help="JSON of per-shape GEMV tiles (benchmarks/gpu_kernels.py --tiles-json) "
                              "to run with")
+    parser.add_argument("--unfused-layers", action="store_true",
+                        help="steps of a few rows through the layer modules' kernels, not the six a "
+                             "layer of layers/gemv_decode.py")
     parser.add_argument("--serve-concurrency", type=int, nargs="*", default=[],
                         help="also serve the model and load it at these concurrencies")
     parser.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
@@ -366,7 +371,9 @@ def print_offline(ours: dict, bandwidth: float, theirs: dict, args) -> None:
           f"({ours['streamed_bytes'] / 1e9:.2f} GB read per token)")
     print(f"engine: {ours['attention']}, CUDA graphs {'on' if ours['cuda_graphs'] else 'off'}, "
           f"weights {args.quantization or 'bfloat16'}, KV {args.kv_cache_dtype}, "
-          f"GEMV tiles {'swept' if args.gemv_tiles else 'as shipped'}, {ours['kv_blocks']} KV blocks; "
+          f"GEMV tiles {'swept' if args.gemv_tiles else 'as shipped'}, "
+          f"few-row layers {'as modules' if args.unfused_layers else 'in six kernels'}, "
+          f"{ours['kv_blocks']} KV blocks; "
           f"started in "
           f"{ours['startup_seconds']:.1f} s ({ours['graph_capture_seconds']:.1f} s capturing graphs)")
     if ours["graph_replay_ms"]:

@@ -3,12 +3,16 @@
 
 For each projection shape, at 1 and 16 rows: cuBLAS with bfloat16 weights (F.linear), the
 float8 path of larger batches (per-token activation scaling, then torch._scaled_mm), and the
-Triton GEMV (layers/triton_gemv.py) with bfloat16 and float8 weights at its tiles, which
-are then swept at one row (--tiles-json writes each shape's winner, for benchmarks/gpu.py
+Triton GEMV (layers/triton_gemv.py) with bfloat16 and float8 weights at its tiles, which are
+then swept at one row (--tiles-json writes each shape's winner, for benchmarks/gpu.py
 --gemv-tiles). Each call is timed as the engine runs it, replayed from a CUDA graph (the median
 replay of one call per weight copy, the copies together past the L2 cache), so the host's launch
 time, which at these sizes is longer than the kernels, is left out; GB/s counts the weight bytes
 read once.
+
+--folds times each projection's GEMV with what a decoder layer does before or after it folded in
+(layers/gemv_decode.py: the norm, SwiGLU, the residual add) against the GEMV beside those as
+kernels of their own, as the layer modules run them, at 1 and 16 rows.
 
 --attention times layers/triton_attention.py at Llama-3-8B's heads (32 query, 8 KV, 128 wide,
 16-token blocks scattered over the pool) for batches and contexts from one long sequence to an
@@ -23,22 +27,23 @@ from FLASH_PREFILL_TOKENS through SDPA, the rest in one launch of layers/triton_
 kernel), PyTorch's varlen FlashAttention over the same block tables where it takes them, and that
 kernel for every span, its row and key tiles, warps and stages swept (PREFILL_SWEEP, or the values
 given); where every span is short, also with one query head per tile instead of a KV group's.
+Each output is checked against the portable path's; TFLOP/s counts the causal products done.
 
 --rotary times the fused rotary + K/V write (layers/triton_elementwise.py) at one token, a decode
 batch and a prefill step, with a program per token and head and with one per token; GB/s counts
-the bytes read and written once. Each output is checked against the portable path's; TFLOP/s counts the causal
-products done.
+the bytes read and written once.
 
-    python benchmarks/gpu_kernels.py [--shapes qkv o ...] [--tiles-json OUT] [--json OUT]
-    python benchmarks/gpu_kernels.py --attention [--kv-cache-dtype auto fp8] [--num-warps 4 8] [--json OUT]
 --gemm times the projections at an offline run's decode batches (hundreds of rows, where the
 product is compute-bound): F.linear through cuBLAS as PyTorch picks its kernel, the same through
 cuBLASLt (torch.backends.cuda.preferred_blas_library), and a Triton tensor-core GEMM at a few
 tiles; TFLOP/s counts the products done.
 
+    python benchmarks/gpu_kernels.py [--shapes qkv o ...] [--tiles-json OUT] [--json OUT]
+    python benchmarks/gpu_kernels.py --folds [--rows 1 16] [--json OUT]
+    python benchmarks/gpu_kernels.py --attention [--kv-cache-dtype auto fp8] [--num-warps 4 8] [--json OUT]
     python benchmarks/gpu_kernels.py --prefill [--kv-cache-dtype auto fp8] [--json OUT]
-    python benchmarks/gpu_kernels.py --gemm [--rows 256 448 512] [--json OUT]
     python benchmarks/gpu_kernels.py --rotary [--kv-cache-dtype auto fp8] [--json OUT]
+    python benchmarks/gpu_kernels.py --gemm [--rows 256 448 512] [--json OUT]
 """
 
 from __future__ import annotations
@@ -120,6 +125,38 @@ def measure(name: str, n: int, k: int, row_counts: list[int]) -> list[dict]:
         rows.append({"shape": name, "n": n, "k": k, "rows": 1, "path": f"triton {dtype_name} best",
                      "us": best[0], "gbs": nbytes / best[0] / 1e3, "config": best[1],
                      "itemsize": 2 if dtype_name == "bf16" else 1})
+    return rows
+
+
+def measure_folds(name: str, n: int, k: int, row_counts: list[int]) -> list[dict]:
+    """A projection as the layer modules run it (its norm or SwiGLU a kernel of its own) against the
+    GEMV with them folded in (layers/gemv_decode.py): the norm into qkv and gate/up, the residual add
+    into o, SwiGLU and the add into down. The add the modules do in the next norm is the folded
+    path's o and down epilogue, so a layer's saving is the sum over the four shapes."""
+    from hyperserve.layers.triton_elementwise import add_rms_norm, silu_and_mul
+
+    copies = max(2, math.ceil(ROTATE_BYTES / (n * k * 2)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16).mul_(0.02) for _ in range(copies)]
+    norm = (torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-5)
+
+    def paths(x: torch.Tensor, stream: torch.Tensor) -> tuple:
+        """(as the modules run it, folded) for a weight copy i."""
+        if name == "o":
+            return lambda i: gemv(x, weights[i]), lambda i: gemv(x, weights[i], residual=stream)
+        if name == "down":
+            return (lambda i: gemv(silu_and_mul(x), weights[i]),
+                    lambda i: gemv(x, weights[i], gated=True, residual=stream))
+        return (lambda i: gemv(add_rms_norm(x, stream, *norm)[0], weights[i]),
+                lambda i: gemv(x, weights[i], norm=norm))
+
+    rows = []
+    for m in row_counts:
+        x = torch.randn(m, 2 * k if name == "down" else k, device="cuda", dtype=torch.bfloat16)
+        stream = torch.randn(m, n if name in ("o", "down") else k, device="cuda", dtype=torch.bfloat16)
+        for path, fn in zip(("as modules", "folded"), paths(x, stream)):
+            us = timed(fn, copies)
+            rows.append({"shape": name, "n": n, "k": k, "rows": m, "path": f"bf16 {path}", "us": us,
+                         "gbs": n * k * 2 / us / 1e3})
     return rows
 
 
@@ -392,6 +429,8 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="time the prefill attention paths instead")
     parser.add_argument("--gemm", action="store_true", help="time the projections at decode batches instead")
     parser.add_argument("--rotary", action="store_true", help="time the fused rotary + K/V write instead")
+    parser.add_argument("--folds", action="store_true",
+                        help="time the GEMV with a layer's norm, SwiGLU or residual add folded in instead")
     parser.add_argument("--kv-cache-dtype", nargs="*", default=["auto"],
                         help="with --attention or --prefill: auto, int8, fp8")
     for name, values in ATTENTION_SWEEP.items():
@@ -422,6 +461,15 @@ def main() -> None:
         print(f"{'tokens':>7}{'kv':>6}  {'path':<20}{'us':>9}{'GB/s':>8}", flush=True)
         for kv_cache_dtype, tokens in itertools.product(args.kv_cache_dtype, (1, 8, 32, 448, 16384)):
             rows += measure_rotary(tokens, kv_cache_dtype)
+    elif args.folds:
+        print(f"{'shape':<9}{'rows':>5}  {'path':<18}{'us':>9}{'GB/s':>8}", flush=True)
+        for name, n, k in SHAPES:
+            if name in args.shapes and name != "lm_head":
+                for r in measure_folds(name, n, k, args.rows or [1, 16]):
+                    rows.append(r)
+                    print(f"{name:<9}{r['rows']:>5}  {r['path']:<18}{r['us']:>9.1f}{r['gbs']:>8.0f}",
+                          flush=True)
+            torch.cuda.empty_cache()
     elif args.gemm:  # rows printed as each is measured
         print(f"{'shape':<9}{'rows':>5}  {'path':<14}{'us':>9}{'TFLOP/s':>9}  config", flush=True)
         for name, n, k in SHAPES:

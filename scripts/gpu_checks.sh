@@ -11,6 +11,8 @@
 #            (TESTS names other test paths);
 #   sweep    benchmarks/gpu_kernels.py: the decode GEMV against cuBLAS at one row, its tiles swept
 #            per Llama-3-8B projection, each shape's winner written to OUTDIR/gemv-tiles.json;
+#   folds    benchmarks/gpu_kernels.py --folds: each projection's GEMV with the layer's norm, SwiGLU
+#            or residual add folded in (layers/gemv_decode.py) against those as kernels of their own;
 #   attention benchmarks/gpu_kernels.py --attention: the paged decode attention with bfloat16 and
 #            fp8 caches, from one long sequence to an offline run's 512 (ATTENTION_ARGS narrows the sweep);
 #   gemm     benchmarks/gpu_kernels.py --gemm: the projections at offline decode batches (256-512 rows)
@@ -20,8 +22,9 @@
 #   prefill  benchmarks/gpu_kernels.py --prefill: one layer's prefill attention for a step's spans, the
 #            portable backend's SDPA per span against the Triton kernel's one launch, its tiles swept;
 #   single   benchmarks/gpu.py single-stream decode on the Llama-3-8B shape (random weights),
-#            bfloat16, 8 steps per schedule: as shipped, then with the sweep's GEMV tiles where
-#            the sweep ran;
+#            bfloat16, 8 steps per schedule: as shipped, with the layers' modules in place of their
+#            six fused kernels (layers/gemv_decode.py), then with the sweep's GEMV tiles where the
+#            sweep ran;
 #   single-fp8  the same with fp8 weights (with the sweep's tiles, the top GPU kernels);
 #   offline  benchmarks/gpu.py offline, 1,000 requests (512 in, 256 out), bfloat16, 8 decode steps
 #            per schedule, wide batches (512 sequences, 16,384 tokens a step), against transformers,
@@ -71,6 +74,11 @@ if part sweep; then
         --json "$OUTDIR/gpu-kernels.json" 2>&1 | tee "$OUTDIR/gpu-kernels.log" | tail -n 25
     rc=$(( rc || PIPESTATUS[0] ))
 fi
+if part folds; then
+    timeout 90 $PY benchmarks/gpu_kernels.py --folds --shapes qkv o gate_up down --rows 1 16 \
+        --json "$OUTDIR/gpu-folds.json" 2>&1 | tee "$OUTDIR/gpu-folds.log" | tail -n 20
+    rc=$(( rc || PIPESTATUS[0] ))
+fi
 if part attention; then
     timeout 120 $PY benchmarks/gpu_kernels.py --attention --kv-cache-dtype auto fp8 ${ATTENTION_ARGS:-} \
         --json "$OUTDIR/gpu-attention.json" 2>&1 | tee "$OUTDIR/gpu-attention.log" | tail -n 80
@@ -95,6 +103,7 @@ SINGLE="--num-requests 0 --hf-requests 0 --num-scheduler-steps 8 --decode-tokens
 WIDE="--max-num-seqs 512 --max-num-batched-tokens 16384"
 if part single; then
     bench gpu-single 75 $SINGLE
+    bench gpu-single-unfused 75 $SINGLE --unfused-layers
     [ -s "$TILES" ] && bench gpu-single-swept 75 $SINGLE --gemv-tiles "$TILES"
 fi
 if part single-fp8; then

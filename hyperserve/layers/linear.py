@@ -15,21 +15,33 @@ from torch import nn
 from hyperserve.layers import on_triton
 
 
+def gemv_takes(x: torch.Tensor) -> bool:
+    """Whether the Triton GEMV takes x [..., K]: a few half-precision rows on CUDA."""
+    if not (on_triton(x) and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    from hyperserve.layers.triton_gemv import MAX_ROWS
+
+    return x.numel() <= MAX_ROWS * x.shape[-1]
+
+
 def few_rows_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
                   bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] times weight [N, K] (per-channel scale [N], bias [N]) through the Triton GEMV
-    when x is a few half-precision rows on CUDA; None where another path should run."""
-    if not (on_triton(x) and x.dtype in (torch.bfloat16, torch.float16)):
+    where it takes x; None where another path should run."""
+    if not gemv_takes(x):
         return None
     from hyperserve.layers import triton_gemv
 
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] > triton_gemv.MAX_ROWS:
-        return None
-    return triton_gemv.gemv(rows, weight, scale, bias).view(*x.shape[:-1], weight.shape[0])
+    y = triton_gemv.gemv(x.reshape(-1, x.shape[-1]), weight, scale, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Linear):
+    @property
+    def gemv_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(weight [N, K], per-channel scale or None, bias or None) as triton_gemv.gemv takes them."""
+        return self.weight, None, self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = few_rows_gemv(x, self.weight, bias=self.bias)
+        y = few_rows_gemv(x, *self.gemv_operands)
         return y if y is not None else F.linear(x, self.weight, self.bias)

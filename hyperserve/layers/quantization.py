@@ -394,8 +394,13 @@ class Fp8Linear(nn.Module):
         bias_bytes = 0 if bias is None else bias.numel() * bias.element_size()
         self.num_bytes = weight.numel() + 4 * weight.shape[0] + bias_bytes
 
+    @property
+    def gemv_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(float8 weight [N, K], per-channel scale, bias or None) as triton_gemv.gemv takes them."""
+        return self._weight_t.t(), self._scale[0], self._bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = few_rows_gemv(x, self._weight_t.t(), self._scale[0], self._bias)
+        y = few_rows_gemv(x, *self.gemv_operands)
         if y is not None:
             return y
         if not x.is_cuda:

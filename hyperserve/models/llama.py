@@ -20,7 +20,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from hyperserve.distributed.group import TensorParallel
-from hyperserve.layers import on_triton
+from hyperserve.layers import gemv_decode, on_triton
 from hyperserve.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from hyperserve.layers.linear import Linear
 from hyperserve.layers.moe import SparseMoE
@@ -236,6 +236,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden], before the final norm
         hidden = self.embed(input_ids)
         cos_sin = self.model.rotary.cos_sin_for(positions, hidden.dtype)  # once per step, for every layer
+        if gemv_decode.takes(self, hidden):  # a few rows on CUDA: six kernels a layer
+            return gemv_decode.forward(self.model.layers, cos_sin, hidden, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden, residual = layer(cos_sin, hidden, residual, kv_cache, meta)

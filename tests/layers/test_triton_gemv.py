@@ -52,3 +52,46 @@ def test_more_rows_than_a_program_holds_are_refused():
 
     with pytest.raises(ValueError, match="at most"):
         gemv(torch.zeros(MAX_ROWS + 1, 8), torch.zeros(4, 8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("folded", ["norm", "gated", "residual", "gated+residual", "norm+bias+fp8"])
+def test_folded_norm_swiglu_and_residual_match_float64(device, rows, folded):
+    """What a decode layer folds into its GEMVs (layers/gemv_decode.py): the RMSNorm of the input,
+    SwiGLU of a fused gate/up output, the residual added after. Inputs far from unit RMS and norm
+    weights far from 1, so that a missing or misplaced scale shows."""
+    from hyperserve.layers.triton_gemv import GemvTiles, gemv
+
+    n, k, eps = 70, 300, 1e-5
+    generator = torch.Generator().manual_seed(rows)
+    x = (3 * torch.randn(rows, 2 * k if "gated" in folded else k, generator=generator)).to(torch.bfloat16)
+    if "fp8" in folded:
+        weight, scale = fp8_weight(n, k, generator)
+        dense = weight.double() * scale.double()[:, None]
+    else:
+        weight, scale = torch.randn(n, k, generator=generator).to(torch.bfloat16), None
+        dense = weight.double()
+    bias = torch.randn(n, generator=generator).to(torch.bfloat16) if "bias" in folded else None
+    norm_weight = (0.5 + torch.rand(k, generator=generator)).to(torch.bfloat16)
+    residual = (100 * torch.randn(rows, n, generator=generator)).to(torch.bfloat16)  # as large as the product
+
+    inputs = x.double()
+    if "gated" in folded:
+        gate, up = inputs.chunk(2, dim=-1)  # rounded as silu_and_mul's output is: its heavy tail's
+        inputs = (torch.nn.functional.silu(gate).bfloat16().double() * up).bfloat16().double()  # 0.8% of it
+    if "norm" in folded:
+        inputs = inputs * torch.rsqrt(inputs.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+    expected = inputs @ dense.T + (bias.double() if bias is not None else 0)
+    expected += residual.double() if "residual" in folded else 0
+
+    def run(tiles=None):
+        return gemv(x.to(device), weight.to(device), None if scale is None else scale.to(device),
+                    None if bias is None else bias.to(device), tiles,
+                    norm=(norm_weight.to(device), eps) if "norm" in folded else None, gated="gated" in folded,
+                    residual=residual.to(device) if "residual" in folded else None).cpu().double()
+
+    for out in (run(), run(GemvTiles(8, 64, 4))):  # one K tile and several: the squares summed across tiles
+        assert out.shape == (rows, n)
+        # bfloat16 roundings of the input and output; Triton's interpreter truncates where CUDA rounds
+        assert (out - expected).norm() / expected.norm() < 1.5e-2

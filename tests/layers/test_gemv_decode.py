@@ -1,0 +1,102 @@
+"""Llama layers in six kernels (layers/gemv_decode.py) against transformers, and against the modules'
+own path with float8 weights. The path is for half precision on CUDA; on the CPU its kernels run
+under Triton's interpreter in float32, where folding the norm into the GEMV changes no more than
+float32's rounding, so the comparison is as tight as the module path's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyperserve import LLM, SamplingParams
+from tests.conftest import DEVICES, needs_triton, tiny_config
+from tests.models.test_llama import ARCHS, _check_against_transformers
+
+pytestmark = needs_triton
+
+
+@pytest.fixture
+def fused_steps(monkeypatch):
+    """Every step of up to MAX_ROWS tokens through the six kernels, in any dtype on any device; the
+    count of layers run there."""
+    from hyperserve.layers import gemv_decode
+    from hyperserve.layers.triton_gemv import MAX_ROWS
+
+    monkeypatch.setattr(gemv_decode, "gemv_takes", lambda x: x.shape[0] <= MAX_ROWS)
+    calls = {"layers": 0}
+    original = gemv_decode.layer_forward
+
+    def counted(*args, **kwargs):
+        calls["layers"] += 1
+        return original(*args, **kwargs)
+    monkeypatch.setattr(gemv_decode, "layer_forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_six_kernel_layers_match_transformers(name, device, save_hf_model, fused_steps):
+    """Decodes and prefill chunks of 7 (attending to their context in the cache) through the six
+    kernels; Qwen2's QKV bias included."""
+    hf_model, path = save_hf_model(tiny_config(name, **ARCHS[name]))
+    hf_model.to(device)
+    llm = LLM(model=path, num_kv_blocks=32, block_size=16, max_model_len=128, device=device, dtype="float32",
+              max_num_batched_tokens=7, attention_backend="triton", enforce_eager=True)
+    _check_against_transformers(llm, hf_model, abs_tol=2e-4)
+    assert fused_steps["layers"] > 0
+
+
+ON_CUDA = DEVICES[1].marks
+
+
+@pytest.mark.parametrize(("device", "dtype", "quantization", "tolerance"), [
+    ("cpu", "float32", "fp8", 1e-4),
+    pytest.param("cuda", "bfloat16", None, 0.05, marks=ON_CUDA),
+    pytest.param("cuda", "bfloat16", "fp8", 0.05, marks=ON_CUDA)], ids=["cpu-fp8", "cuda", "cuda-fp8"])
+def test_six_kernel_layers_match_the_modules(device, dtype, quantization, tolerance, save_hf_model,
+                                             fused_steps, monkeypatch):
+    """The same log-probabilities as the layer modules' path (which adds and normalises separately):
+    on the CPU in float32, with float8 projections handing the GEMV their codes and scales; on CUDA
+    in bfloat16 as decode runs there, within the norm's rounding (its input is rounded before 1 / RMS
+    scales it, not after), compared up to the first greedy token where near-ties part the paths."""
+    from hyperserve.layers import gemv_decode
+
+    _, path = save_hf_model(tiny_config("llama"))
+    prompts = [[int(t) for t in torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (5, 23)]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(gemv_decode, "ENABLED", fused)
+        llm = LLM(model=path, num_kv_blocks=32, block_size=16, max_model_len=128, device=device, dtype=dtype,
+                  quantization=quantization, max_num_batched_tokens=7, attention_backend="triton",
+                  enforce_eager=True)
+        results.append([o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.close()
+    assert fused_steps["layers"] > 0
+    for fused, unfused in zip(*results):
+        if dtype == "float32":
+            assert fused.token_ids == unfused.token_ids
+        for step, (a, b) in enumerate(zip(fused.logprobs, unfused.logprobs)):
+            shared = a.keys() & b.keys()
+            assert len(shared) >= 4
+            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=tolerance) for t in shared)
+            if fused.token_ids[step] != unfused.token_ids[step]:
+                break
+
+
+@pytest.mark.parametrize(("name", "takes"), [("llama", True), ("qwen2", True), ("qwen3", False),
+                                             ("mixtral", False), ("qwen3_moe", False), ("smollm3", False)])
+def test_only_plain_llama_layers_take_the_six_kernels(name, takes, save_hf_model, monkeypatch):
+    """QK norms (Qwen3), experts (Mixtral, Qwen3-MoE) and layers without rotary (SmolLM3) keep the
+    modules' path; so does anything over MAX_ROWS tokens."""
+    from hyperserve.layers import gemv_decode
+    from hyperserve.layers.triton_gemv import MAX_ROWS
+
+    monkeypatch.setattr(gemv_decode, "gemv_takes", lambda x: x.shape[0] <= MAX_ROWS)
+    _, path = save_hf_model(tiny_config(name.split("-")[0], **ARCHS[name]))
+    llm = LLM(model=path, num_kv_blocks=32, block_size=16, max_model_len=128, dtype="float32")
+    model = llm.engine.runner.model
+    assert gemv_decode.takes(model, torch.zeros(MAX_ROWS, 64)) is takes
+    assert not gemv_decode.takes(model, torch.zeros(MAX_ROWS + 1, 64))
+    llm.close()
