@@ -18,7 +18,7 @@ before the dot product and by 1 / RMS after it, so its input is rounded once, be
 rather than after (a difference within bfloat16's rounding; in float32 the two paths agree).
 
 `takes` says which steps: on CUDA, in half precision, up to triton_gemv.MAX_ROWS tokens, one rank,
-and models whose every layer is a plain Llama layer (rotary, no QK norms, a dense MLP) with
+and models whose every layer is a plain Llama layer (rotary, a dense MLP) with
 bfloat16 or float8 projections (Linear, Fp8Linear: not LoRA-wrapped). Anything else runs the
 modules as they are.
 """
@@ -45,15 +45,15 @@ def takes(model: LlamaForCausalLM, hidden: torch.Tensor) -> bool:
 
 
 def plain(layer: LlamaDecoderLayer) -> bool:
-    """A Llama layer whose every step fits the six kernels: rotary on, no QK norms, a dense MLP,
-    projections that hand the GEMV their operands."""
+    """A Llama layer whose every step fits the six kernels: rotary on (Qwen3's QK norms then run in
+    the rotary kernel), a dense MLP, projections that hand the GEMV their operands."""
     from hyperserve.models.llama import LlamaDecoderLayer, LlamaMLP, RMSNorm
 
     if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
         return False
     attn = layer.self_attn
     projections = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    return (attn.rotary is not None and attn.q_norm is None and attn.head_dim & (attn.head_dim - 1) == 0
+    return (attn.rotary is not None and attn.head_dim & (attn.head_dim - 1) == 0
             and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
             and all(hasattr(p, "gemv_operands") for p in projections))
 
@@ -74,7 +74,8 @@ def layer_forward(layer: LlamaDecoderLayer, cos_sin, stream: torch.Tensor, kv_ca
     attn, mlp = layer.self_attn, layer.mlp
     norm = layer.input_layernorm
     qkv = gemv(stream, *attn.qkv_proj.gemv_operands, norm=(norm.weight, norm.eps))
-    q, k, v = rotary_and_cache(qkv, cos_sin, meta.slot_mapping, kv_cache, attn.num_heads, attn.num_kv_heads)
+    q, k, v = rotary_and_cache(qkv, cos_sin, meta.slot_mapping, kv_cache, attn.num_heads, attn.num_kv_heads,
+                               attn.qk_norm)
     out = attn.backend(q, k, v, kv_cache, meta, attn.scale, kv_written=True)
     stream = gemv(out.flatten(1), *attn.o_proj.gemv_operands, residual=stream)
     norm = layer.post_attention_layernorm

@@ -6,7 +6,8 @@ a Llama layer takes (CUDA graphs remove the host's launch cost, not the GPU's pe
 At prefill sizes they are passes over tens of MB each, and fusing them saves passes:
 - add_rms_norm: residual + x and the RMSNorm of the sum, in one pass (vLLM's fused_add_rms_norm);
 - silu_and_mul: silu(gate) * up from the fused gate/up projection's output, in one pass;
-- rotary_and_cache: q and k rotated and the new K/V written into the paged cache, straight from
+- rotary_and_cache: q and k rotated (after Qwen3's RMSNorm of each head, where the model has it:
+  about five more PyTorch ops) and the new K/V written into the paged cache, straight from
   the QKV projection's output (five PyTorch ops, and at prefill three passes, before); into an
   int8 or fp8 cache as codes and a scale per token and head, as KVCache.write quantizes (that
   path took five ops more per layer, so an fp8 cache, half the K/V bytes, decoded slower). One
@@ -109,10 +110,11 @@ def _cache_rows(cache_ptr, scale_ptr, rows, x, offs, ok, BOUND: tl.constexpr, RO
 
 @triton.jit
 def _rotary_and_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr, key_cache_ptr,
-                             value_cache_ptr, key_scale_ptr, value_scale_ptr, stride_qkv, stride_cos,
+                             value_cache_ptr, key_scale_ptr, value_scale_ptr, q_norm_ptr, k_norm_ptr, eps,
+                             stride_qkv, stride_cos,
                              NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, D: tl.constexpr,
                              HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BOUND: tl.constexpr,
-                             ROUND: tl.constexpr):
+                             ROUND: tl.constexpr, QK_NORM: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HEADS + tl.arange(0, BLOCK_H)  # q heads, then k heads, then v heads
     ok = (tl.arange(0, BLOCK_H) < HEADS) & (heads < NUM_HEADS + 2 * NUM_KV_HEADS)
@@ -125,7 +127,18 @@ def _rotary_and_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr,
     slot = tl.load(slots_ptr + token).to(tl.int64)
     x = tl.load(row + offs[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_H, D]
     # rotate_half's source, its sign in sin
-    partner = tl.load(row + ((offs + D // 2) % D)[None, :], mask=rotates[:, None], other=0.0).to(tl.float32)
+    partner_offs = (offs + D // 2) % D
+    partner = tl.load(row + partner_offs[None, :], mask=rotates[:, None], other=0.0).to(tl.float32)
+    if QK_NORM:  # Qwen3's RMSNorm of each q and k head before the rotation, rounded once
+        wide = x.to(tl.float32)
+        rstd = (1.0 / tl.sqrt(tl.sum(wide * wide, axis=1) / D + eps))[:, None]
+        q_weight = tl.load(q_norm_ptr + offs).to(tl.float32)[None, :]
+        k_weight = tl.load(k_norm_ptr + offs).to(tl.float32)[None, :]
+        q_partner = tl.load(q_norm_ptr + partner_offs).to(tl.float32)[None, :]
+        k_partner = tl.load(k_norm_ptr + partner_offs).to(tl.float32)[None, :]
+        normed = (wide * rstd * tl.where(is_q[:, None], q_weight, k_weight)).to(x.dtype)
+        x = tl.where(rotates[:, None], normed, x)  # v heads as they are
+        partner = (partner * rstd * tl.where(is_q[:, None], q_partner, k_partner)).to(x.dtype).to(tl.float32)
     cos = tl.load(cos_ptr + token * stride_cos + offs)[None, :]
     sin = tl.load(sin_ptr + token * stride_cos + offs).to(tl.float32)[None, :]
     scaled = (x.to(tl.float32) * cos.to(tl.float32)).to(x.dtype).to(tl.float32)
@@ -145,12 +158,14 @@ ALL_HEADS_FROM_TOKENS = 32
 
 
 def rotary_and_cache(qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor,
-                     kv_cache: KVCache, num_heads: int, num_kv_heads: int
+                     kv_cache: KVCache, num_heads: int, num_kv_heads: int,
+                     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [T, (H + 2 Hkv) * D] (q, k, v heads in a row) -> (q [T, H, D] and k [T, Hkv, D], rotated
     by RotaryEmbedding's (cos, signed sin) [T, 1, D]; v [T, Hkv, D], a view of qkv), with k and v
     also written at their cache slots [T] of kv_cache, quantized as KVCache.write does where the
-    cache is int8 or fp8."""
+    cache is int8 or fp8. `qk_norm` (q's weight [D], k's weight [D], eps): each q and k head is
+    RMS-normalised first (Qwen3)."""
     tokens = qkv.shape[0]
     head_dim = kv_cache.key.shape[-1]
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -164,8 +179,10 @@ def rotary_and_cache(qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tenso
             qkv, cos, sin, slots, q, k, kv_cache.key, kv_cache.value,
             kv_cache.key_scale if kv_cache.quantized else q,
             kv_cache.value_scale if kv_cache.quantized else q,
+            *(qk_norm or (q, q, 0.0)),
             qkv.stride(0), cos.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, D=head_dim,
             HEADS=heads, BLOCK_H=triton.next_power_of_2(heads), BOUND=bound,
-            ROUND=kv_cache.key.dtype == torch.int8, num_warps=1 if heads == 1 else 8)
+            ROUND=kv_cache.key.dtype == torch.int8, QK_NORM=qk_norm is not None,
+            num_warps=1 if heads == 1 else 8)
     v = qkv[:, (num_heads + num_kv_heads) * head_dim :].unflatten(-1, (num_kv_heads, head_dim))
     return q, k, v

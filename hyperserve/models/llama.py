@@ -93,14 +93,18 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary if use_rope else None
         self.backend = backend
 
+    @property
+    def qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """(q's norm weight, k's, eps) where each head is normalised before rotating (Qwen3)."""
+        return None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+
     def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # x [T, hidden]
-        if (on_triton(qkv) and self.head_dim & (self.head_dim - 1) == 0 and self.q_norm is None
-                and self.rotary is not None):
+        if on_triton(qkv) and self.head_dim & (self.head_dim - 1) == 0 and self.rotary is not None:
             from hyperserve.layers.triton_elementwise import rotary_and_cache
 
             q, k, v = rotary_and_cache(qkv, cos_sin, meta.slot_mapping, kv_cache, self.num_heads,
-                                       self.num_kv_heads)
+                                       self.num_kv_heads, self.qk_norm)
             out = self.backend(q, k, v, kv_cache, meta, self.scale, kv_written=True)
         else:
             qk, v = qkv.split(self.qk_v_sizes, dim=-1)

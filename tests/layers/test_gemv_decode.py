@@ -33,11 +33,11 @@ def fused_steps(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_six_kernel_layers_match_transformers(name, device, save_hf_model, fused_steps):
     """Decodes and prefill chunks of 7 (attending to their context in the cache) through the six
-    kernels; Qwen2's QKV bias included."""
+    kernels; Qwen2's QKV bias and Qwen3's QK norms (in the rotary kernel) included."""
     hf_model, path = save_hf_model(tiny_config(name, **ARCHS[name]))
     hf_model.to(device)
     llm = LLM(model=path, num_kv_blocks=32, block_size=16, max_model_len=128, device=device, dtype="float32",
@@ -85,11 +85,11 @@ def test_six_kernel_layers_match_the_modules(device, dtype, quantization, tolera
                 break
 
 
-@pytest.mark.parametrize(("name", "takes"), [("llama", True), ("qwen2", True), ("qwen3", False),
+@pytest.mark.parametrize(("name", "takes"), [("llama", True), ("qwen2", True), ("qwen3", True),
                                              ("mixtral", False), ("qwen3_moe", False), ("smollm3", False)])
 def test_only_plain_llama_layers_take_the_six_kernels(name, takes, save_hf_model, monkeypatch):
-    """QK norms (Qwen3), experts (Mixtral, Qwen3-MoE) and layers without rotary (SmolLM3) keep the
-    modules' path; so does anything over MAX_ROWS tokens."""
+    """Experts (Mixtral, Qwen3-MoE) and layers without rotary (SmolLM3) keep the modules' path; so
+    does anything over MAX_ROWS tokens."""
     from hyperserve.layers import gemv_decode
     from hyperserve.layers.triton_gemv import MAX_ROWS
 

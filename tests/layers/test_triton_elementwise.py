@@ -54,11 +54,14 @@ def test_silu_and_mul_matches_pytorch(device, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
 @pytest.mark.parametrize("all_heads", [False, True])  # a program per token and head, or per token
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["", "qk_norm"])  # Qwen3's, before the rotation
 def test_rotary_and_cache_matches_rotary_embedding_and_the_cache_write(device, dtype, kv_cache_dtype,
-                                                                       all_heads, monkeypatch):
+                                                                       all_heads, qk_norm, monkeypatch):
     if kv_cache_dtype == "fp8" and device == "cpu":
         pytest.skip("Triton's interpreter casts float32 to float8 wrongly "
                     "(-125.9 to -64, and ties away from even)")
+    if qk_norm and kv_cache_dtype != "auto":
+        pytest.skip("the norm comes before the cache write, whose quantization the other cases check")
     from transformers import LlamaConfig
 
     from hyperserve.layers import triton_elementwise
@@ -76,17 +79,24 @@ def test_rotary_and_cache_matches_rotary_embedding_and_the_cache_write(device, d
     rotary.to(device)
     generator = torch.Generator().manual_seed(2)
     width = (num_heads + 2 * num_kv_heads) * head_dim
-    qkv = torch.randn(tokens, width, generator=generator).to(device, dtype)
+    qkv = (3 * torch.randn(tokens, width, generator=generator)).to(device, dtype)  # RMS far from 1
     positions = torch.tensor([0, 1, 2, 3, 17, 18, 40, 41, 63], device=device)
     slots = torch.tensor([5, 6, 7, 8, 30, 31, 2, 3, 47], device=device)
     cos_sin = rotary.cos_sin_for(positions, dtype)
     # the PyTorch path: rotate q and k together, then write k and v at their slots
     qk, v = qkv.split([(num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim], dim=-1)
-    q_want, k_want = rotary(cos_sin, qk.unflatten(-1, (-1, head_dim))).split([num_heads, num_kv_heads], dim=1)
+    qk = qk.unflatten(-1, (-1, head_dim))
+    norms = None
+    if qk_norm:  # as LlamaAttention's modules do: each head normalised, q and k by weights of their own
+        norms = (*((0.5 + torch.rand(head_dim, generator=generator)).to(device, dtype) for _ in range(2)), 1e-6)
+        q_part, k_part = qk.split([num_heads, num_kv_heads], dim=1)
+        qk = torch.cat([F.rms_norm(q_part, (head_dim,), norms[0], norms[2]),
+                        F.rms_norm(k_part, (head_dim,), norms[1], norms[2])], dim=1)
+    q_want, k_want = rotary(cos_sin, qk).split([num_heads, num_kv_heads], dim=1)
     want = KVCache.allocate(4, 16, num_kv_heads, head_dim, dtype, kv_cache_dtype, device)
     want.write(slots, k_want, v.unflatten(-1, (-1, head_dim)))
     got = KVCache.allocate(4, 16, num_kv_heads, head_dim, dtype, kv_cache_dtype, device)
-    q, k, v_view = rotary_and_cache(qkv, cos_sin, slots, got, num_heads, num_kv_heads)
+    q, k, v_view = rotary_and_cache(qkv, cos_sin, slots, got, num_heads, num_kv_heads, norms)
     # a rounding step apart at most (a fused multiply-add in one, or the interpreter rounding
     # bfloat16 towards zero, rounds some elements the other way)
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-6
