@@ -6,7 +6,7 @@ a Llama layer takes (CUDA graphs remove the host's launch cost, not the GPU's pe
 At prefill sizes they are passes over tens of MB each, and fusing them saves passes:
 - add_rms_norm: residual + x and the RMSNorm of the sum, in one pass (vLLM's fused_add_rms_norm);
 - silu_and_mul: silu(gate) * up from the fused gate/up projection's output, in one pass;
-- rotary_and_cache: q and k rotated (after Qwen3's RMSNorm of each head, where the model has it:
+- rotary_and_cache: q and k rotated (after the RMSNorm of each head that Qwen3 and Gemma 3 have:
   about five more PyTorch ops) and the new K/V written into the paged cache, straight from
   the QKV projection's output (five PyTorch ops, and at prefill three passes, before); into an
   int8 or fp8 cache as codes and a scale per token and head, as KVCache.write quantizes (that
@@ -129,7 +129,7 @@ def _rotary_and_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr,
     # rotate_half's source, its sign in sin
     partner_offs = (offs + D // 2) % D
     partner = tl.load(row + partner_offs[None, :], mask=rotates[:, None], other=0.0).to(tl.float32)
-    if QK_NORM:  # Qwen3's RMSNorm of each q and k head before the rotation, rounded once
+    if QK_NORM:  # Qwen3's and Gemma 3's RMSNorm of each q and k head before the rotation, rounded once
         wide = x.to(tl.float32)
         rstd = (1.0 / tl.sqrt(tl.sum(wide * wide, axis=1) / D + eps))[:, None]
         q_weight = tl.load(q_norm_ptr + offs).to(tl.float32)[None, :]
@@ -165,7 +165,7 @@ def rotary_and_cache(qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tenso
     by RotaryEmbedding's (cos, signed sin) [T, 1, D]; v [T, Hkv, D], a view of qkv), with k and v
     also written at their cache slots [T] of kv_cache, quantized as KVCache.write does where the
     cache is int8 or fp8. `qk_norm` (q's weight [D], k's weight [D], eps): each q and k head is
-    RMS-normalised first (Qwen3)."""
+    RMS-normalised first (Qwen3, Gemma 3)."""
     tokens = qkv.shape[0]
     head_dim = kv_cache.key.shape[-1]
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)

@@ -24,6 +24,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from hyperserve.distributed.group import TensorParallel
+from hyperserve.layers import on_triton
 from hyperserve.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from hyperserve.layers.linear import Linear
 from hyperserve.layers.rotary import RotaryEmbedding
@@ -64,12 +65,21 @@ class Gemma3Attention(nn.Module):
         self.rotary, self.backend = rotary, backend
 
     def forward(self, cos_sin, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
+        qkv = self.qkv_proj(x)
+        meta = meta if self.local or meta.full_attention is None else meta.full_attention
+        if on_triton(qkv) and self.head_dim & (self.head_dim - 1) == 0:  # norms, rotary, K/V write: a kernel
+            from hyperserve.layers.triton_elementwise import rotary_and_cache
+
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            q, k, v = rotary_and_cache(qkv, cos_sin, meta.slot_mapping, kv_cache, self.num_heads,
+                                       self.num_kv_heads, norms)
+            out = self.backend(q, k, v, kv_cache, meta, self.scale, kv_written=True)
+            return self.o_proj(out.flatten(1))
+        q, k, v = qkv.split(self.shard_sizes, dim=-1)
         q = self.q_norm(q.unflatten(-1, (-1, self.head_dim)))
         k = self.k_norm(k.unflatten(-1, (-1, self.head_dim)))
         qk = self.rotary(cos_sin, torch.cat([q, k], dim=1))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        meta = meta if self.local or meta.full_attention is None else meta.full_attention
         out = self.backend(q, k, v.unflatten(-1, (-1, self.head_dim)), kv_cache, meta, self.scale)
         return self.o_proj(out.flatten(1))
 
@@ -119,7 +129,8 @@ class Gemma3ForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_position: int) -> None:
         super().__init__()
         if not config.tie_word_embeddings:
-            raise ValueError("Gemma 3's LM head is its embedding: a config with untied embeddings is not Gemma 3")
+            raise ValueError("Gemma 3's LM head is its embedding: "
+                             "a config with untied embeddings is not Gemma 3")
         self.config = config
         self.attention_backend = backend
         self.model = Gemma3Model(config, backend, max_position)
@@ -154,7 +165,8 @@ class Gemma3ForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
         hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
-        cos_sin = {kind: rotary.cos_sin_for(positions, hidden.dtype) for kind, rotary in self.model.rotary.items()}
+        cos_sin = {kind: rotary.cos_sin_for(positions, hidden.dtype)
+                   for kind, rotary in self.model.rotary.items()}
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             kind = LOCAL if layer.self_attn.local else GLOBAL
             hidden = layer(cos_sin[kind], hidden, kv_cache, meta)

@@ -84,6 +84,22 @@ def test_triton_backend_matches_transformers(name, kv_cache_dtype, device, save_
 
 
 @needs_triton
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_qk_norms_in_the_rotary_kernel_match_transformers(name, save_hf_model, monkeypatch):
+    """Qwen3's and Gemma 3's per-head QK norms, the rotation and the K/V write in one Triton kernel,
+    as on CUDA (here under the interpreter, with the models' other Triton kernels): prefill chunks
+    of 7 and decodes, Gemma's windowed layer included."""
+    from hyperserve.models import gemma3, llama
+
+    for module in (llama, gemma3):
+        monkeypatch.setattr(module, "on_triton", lambda x: True)
+    hf_model, path = save_hf_model(tiny_config(name, **ARCHS[name]))
+    llm = LLM(model=path, num_kv_blocks=32, block_size=16, max_model_len=128, dtype="float32",
+              max_num_batched_tokens=7, attention_backend="triton")
+    _check_against_transformers(llm, hf_model, abs_tol=2e-4)
+
+
+@needs_triton
 @pytest.mark.parametrize("name", ["llama", "qwen2"])  # no window: a windowed prompt longer than it is paged
 @pytest.mark.parametrize("device", DEVICES)
 def test_triton_backend_mixes_flash_and_paged_prefill(name, device, save_hf_model, monkeypatch):
