@@ -3,7 +3,8 @@
 # take about 8 minutes on an H100, so that they fit a 15-minute device lease with its start-up:
 #   bash scripts/gpu_checks.sh [OUTDIR]            # every part
 #   PARTS="sweep single" bash scripts/gpu_checks.sh OUTDIR   # some of them
-#   WHEELS=DIR bash scripts/gpu_checks.sh OUTDIR   # first install the wheels scripts/gpu_wheels.sh downloaded into DIR
+#   WHEELS=DIR bash scripts/gpu_checks.sh OUTDIR   # first install the wheels that
+#                                                   # scripts/gpu_wheels.sh downloaded into DIR
 # Parts, in order:
 #   tests    the CUDA-parametrised correctness tests: the Triton kernels natively, the engine against
 #            transformers with Triton decode and CUDA graphs, fp8 weights, KV blocks moved between
@@ -41,8 +42,10 @@ PARTS=${PARTS:-tests sweep single single-fp8 offline offline-fp8kv fp8}
 mkdir -p "$OUTDIR" "$SERVING_DIR"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd)
 PY=${PYTHON:-python3}
-if [ -n "${WHEELS:-}" ]; then  # our other dependencies as wheels (scripts/gpu_wheels.sh), for a box with no registry
-    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/hyperserve-site "$WHEELS"/*.whl || exit
+# our other dependencies as wheels (scripts/gpu_wheels.sh), for a box with no registry
+if [ -n "${WHEELS:-}" ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/hyperserve-site \
+        "$WHEELS"/*.whl || exit
     export PYTHONPATH=/tmp/hyperserve-site:$PYTHONPATH
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -56,7 +59,8 @@ bench() {  # bench NAME TIMEOUT ARGS...: one benchmarks/gpu.py run; its progress
     shift 2
     echo "== benchmarks/gpu.py $*" | tee -a "$OUTDIR/gpu-bench.log"
     timeout "$limit" $PY benchmarks/gpu.py --out-dir "$SERVING_DIR" --json "$OUTDIR/$name.json" "$@" \
-        2>"$OUTDIR/$name.err" | tee -a "$OUTDIR/gpu-bench.log" | grep -E "GPU:|engine:|tok/s|fraction|ratio|^\|"
+        2>"$OUTDIR/$name.err" | tee -a "$OUTDIR/gpu-bench.log" \
+        | grep -E "GPU:|engine:|tok/s|fraction|ratio|^\|"
     local status=${PIPESTATUS[0]}
     tail -n 5 "$OUTDIR/$name.err" | grep -v "it/s\|req/s" >>"$OUTDIR/gpu-bench.log"  # a failure's traceback
     rm -f "$OUTDIR/$name.err"
@@ -65,7 +69,8 @@ bench() {  # bench NAME TIMEOUT ARGS...: one benchmarks/gpu.py run; its progress
 if part tests; then
     # -v: each test's outcome as it ends, so a run its timeout cuts still says which failed
     timeout "${TESTS_TIMEOUT:-240}" $PY -m pytest -v -rfE -p no:cacheprovider --durations=5 -m gpu \
-        ${TESTS:-tests/models tests/engine tests/layers tests/distributed} 2>&1 | tee "$OUTDIR/gpu-tests.log" | tail -n 25
+        ${TESTS:-tests/models tests/engine tests/layers tests/distributed} 2>&1 \
+        | tee "$OUTDIR/gpu-tests.log" | tail -n 25
     rc=$(( rc || PIPESTATUS[0] ))
 fi
 TILES=$OUTDIR/gemv-tiles.json
@@ -108,7 +113,8 @@ if part single; then
 fi
 if part single-fp8; then
     bench gpu-single-fp8 75 $SINGLE --quantization fp8
-    [ -s "$TILES" ] && bench gpu-single-fp8-swept 90 $SINGLE --quantization fp8 --gemv-tiles "$TILES" --kernel-table
+    [ -s "$TILES" ] && bench gpu-single-fp8-swept 90 $SINGLE --quantization fp8 --gemv-tiles "$TILES" \
+        --kernel-table
 fi
 if part offline; then
     bench gpu 200 --kernel-table --num-scheduler-steps 8 $WIDE ${GPU_BENCH_ARGS:-}

@@ -88,7 +88,8 @@ def test_rotary_and_cache_matches_rotary_embedding_and_the_cache_write(device, d
     qk = qk.unflatten(-1, (-1, head_dim))
     norms = None
     if qk_norm:  # as LlamaAttention's modules do: each head normalised, q and k by weights of their own
-        norms = (*((0.5 + torch.rand(head_dim, generator=generator)).to(device, dtype) for _ in range(2)), 1e-6)
+        weights = [(0.5 + torch.rand(head_dim, generator=generator)).to(device, dtype) for _ in range(2)]
+        norms = (*weights, 1e-6)
         q_part, k_part = qk.split([num_heads, num_kv_heads], dim=1)
         qk = torch.cat([F.rms_norm(q_part, (head_dim,), norms[0], norms[2]),
                         F.rms_norm(k_part, (head_dim,), norms[1], norms[2])], dim=1)
