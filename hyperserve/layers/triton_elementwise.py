@@ -5,7 +5,9 @@ a layer's residual adds, RMSNorms and SiLU-and-multiply were eight launches of t
 a Llama layer takes (CUDA graphs remove the host's launch cost, not the GPU's per-kernel cost).
 At prefill sizes they are passes over tens of MB each, and fusing them saves passes:
 - add_rms_norm: residual + x and the RMSNorm of the sum, in one pass (vLLM's fused_add_rms_norm);
-- silu_and_mul: silu(gate) * up from the fused gate/up projection's output, in one pass;
+- rms_norm_add: residual + the RMSNorm of x (Gemma 3 norms a block's output before adding it);
+- silu_and_mul, gelu_tanh_and_mul: the activation of gate times up from the fused gate/up
+  projection's output, in one pass;
 - rotary_and_cache: q and k rotated (after the RMSNorm of each head that Qwen3 and Gemma 3 have:
   about five more PyTorch ops) and the new K/V written into the paged cache, straight from
   the QKV projection's output (five PyTorch ops, and at prefill three passes, before); into an
@@ -63,25 +65,65 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, N: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_add_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r, eps,
+                         N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    residual = tl.load(residual_ptr + row * stride_r + offs, mask=ok, other=0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    weight = tl.load(weight_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    normed = (x * rstd * weight).to(residual.dtype).to(tl.float32)  # rounded, as the norm's output is
+    tl.store(out_ptr + row * N + offs, (residual.to(tl.float32) + normed).to(residual.dtype), mask=ok)
+
+
+def rms_norm_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual + rms_norm(x) * weight for x and residual [T, N]: Gemma 3's norm of a block's output
+    before its residual add (add_rms_norm's order the other way round)."""
+    rows, n = x.shape
+    out = torch.empty_like(residual)
+    if rows:
+        _rms_norm_add_kernel[(rows,)](x, residual, weight, out, x.stride(0), residual.stride(0), eps,
+                                      N=n, BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
+    return out
+
+
+@triton.jit
+def _gated_kernel(gate_up_ptr, out_ptr, stride_in, N: tl.constexpr, BLOCK: tl.constexpr, GELU: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
     gate = tl.load(gate_up_ptr + row * stride_in + offs, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * stride_in + N + offs, mask=ok, other=0.0)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)  # rounded, as F.silu's output is
-    tl.store(out_ptr + row * N + offs, (silu * up.to(tl.float32)).to(up.dtype), mask=ok)
+    if GELU:  # the tanh approximation: 0.5 x (1 + tanh(y)) = x sigmoid(2 y)
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = gate / (1.0 + tl.exp(-2.0 * inner))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    act = act.to(up.dtype).to(tl.float32)  # rounded, as F.silu's or F.gelu's output is
+    tl.store(out_ptr + row * N + offs, (act * up.to(tl.float32)).to(up.dtype), mask=ok)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2N] (gate then up) -> silu(gate) * up, [T, N]."""
+def _gated(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     rows, width = gate_up.shape
     n = width // 2
     out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         block = 1024
-        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), N=n, BLOCK=block)
+        _gated_kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), N=n, BLOCK=block,
+                                                     GELU=gelu)
     return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2N] (gate then up) -> silu(gate) * up, [T, N]."""
+    return _gated(gate_up, gelu=False)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2N] (gate then up) -> gelu(gate, approximate="tanh") * up, [T, N] (Gemma's MLP)."""
+    return _gated(gate_up, gelu=True)
 
 
 @triton.jit

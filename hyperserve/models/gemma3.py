@@ -92,7 +92,12 @@ class Gemma3MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if on_triton(gate_up) and gate_up.dim() == 2:
+            from hyperserve.layers.triton_elementwise import gelu_tanh_and_mul
+
+            return self.down_proj(gelu_tanh_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
@@ -108,8 +113,9 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, cos_sin, hidden, kv_cache, meta) -> torch.Tensor:
         attended = self.self_attn(cos_sin, self.input_layernorm(hidden), kv_cache, meta)
-        hidden = hidden + self.post_attention_layernorm(attended)
-        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+        hidden = self.post_attention_layernorm.added_to(hidden, attended)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return self.post_feedforward_layernorm.added_to(hidden, mlp)
 
 
 class Gemma3Model(nn.Module):

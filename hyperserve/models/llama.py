@@ -60,6 +60,15 @@ class RMSNorm(nn.Module):
         summed = x + residual
         return F.rms_norm(summed, self.weight.shape, self.weight, self.eps), summed
 
+    def added_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + the norm of x (Gemma 3 norms a block's output before its residual add): one
+        Triton kernel on CUDA."""
+        if on_triton(x) and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16):
+            from hyperserve.layers.triton_elementwise import rms_norm_add
+
+            return rms_norm_add(x, residual, self.weight, self.eps)
+        return residual + F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, backend: AttentionBackend,

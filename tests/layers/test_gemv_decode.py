@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hyperserve import LLM, SamplingParams
-from tests.conftest import DEVICES, needs_triton, tiny_config
+from tests.conftest import DEVICES, assert_close_until_apart, needs_triton, tiny_config
 from tests.models.test_llama import ARCHS, _check_against_transformers
 
 pytestmark = needs_triton
@@ -51,8 +51,8 @@ ON_CUDA = DEVICES[1].marks
 
 @pytest.mark.parametrize(("device", "dtype", "quantization", "tolerance"), [
     ("cpu", "float32", "fp8", 1e-4),
-    pytest.param("cuda", "bfloat16", None, 0.05, marks=ON_CUDA),
-    pytest.param("cuda", "bfloat16", "fp8", 0.05, marks=ON_CUDA)], ids=["cpu-fp8", "cuda", "cuda-fp8"])
+    pytest.param("cuda", "bfloat16", None, 0.1, marks=ON_CUDA),
+    pytest.param("cuda", "bfloat16", "fp8", 0.1, marks=ON_CUDA)], ids=["cpu-fp8", "cuda", "cuda-fp8"])
 def test_six_kernel_layers_match_the_modules(device, dtype, quantization, tolerance, save_hf_model,
                                              fused_steps, monkeypatch):
     """The same log-probabilities as the layer modules' path (which adds and normalises separately):
@@ -71,18 +71,12 @@ def test_six_kernel_layers_match_the_modules(device, dtype, quantization, tolera
         llm = LLM(model=path, num_kv_blocks=32, block_size=16, max_model_len=128, device=device, dtype=dtype,
                   quantization=quantization, max_num_batched_tokens=7, attention_backend="triton",
                   enforce_eager=True)
-        results.append([o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)])
+        results.append(llm.generate(prompts, params, use_tqdm=False))
         llm.close()
     assert fused_steps["layers"] > 0
-    for fused, unfused in zip(*results):
-        if dtype == "float32":
-            assert fused.token_ids == unfused.token_ids
-        for step, (a, b) in enumerate(zip(fused.logprobs, unfused.logprobs)):
-            shared = a.keys() & b.keys()
-            assert len(shared) >= 4
-            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=tolerance) for t in shared)
-            if fused.token_ids[step] != unfused.token_ids[step]:
-                break
+    if dtype == "float32":
+        assert [r.outputs[0].token_ids for r in results[0]] == [r.outputs[0].token_ids for r in results[1]]
+    assert_close_until_apart(*results, tolerance)
 
 
 @pytest.mark.parametrize(("name", "takes"), [("llama", True), ("qwen2", True), ("qwen3", True),

@@ -1,6 +1,6 @@
-"""The fused add + RMSNorm and SiLU-and-multiply kernels against PyTorch's ops, in bfloat16 and
-float32, at widths no block divides. On the CPU they run under TRITON_INTERPRET=1 (set in
-conftest); on CUDA, natively."""
+"""The fused norm, add, gated activation and rotary + K/V write kernels against PyTorch's ops, in
+bfloat16 and float32, at widths no block divides. On the CPU they run under TRITON_INTERPRET=1
+(set in conftest); on CUDA, natively."""
 
 from __future__ import annotations
 
@@ -37,17 +37,39 @@ def test_add_rms_norm_matches_pytorch(device, dtype, with_residual):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_silu_and_mul_matches_pytorch(device, dtype):
-    from hyperserve.layers.triton_elementwise import silu_and_mul
+def test_rms_norm_add_matches_pytorch(device, dtype):
+    """Gemma 3's order: the residual plus the norm of a block's output."""
+    from hyperserve.layers.triton_elementwise import rms_norm_add
 
-    gate_up = torch.randn(5, 2 * 1500, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    generator = torch.Generator().manual_seed(3)
+    x, residual = (4 * torch.randn(2, 7, 300, generator=generator)[i].to(device, dtype) for i in range(2))
+    weight = torch.rand(300, generator=generator).to(device, dtype) + 0.5
+    expected = residual.float() + F.rms_norm(x.float(), (300,), weight.float(), 1e-6)
+    got = rms_norm_add(x, residual, weight, 1e-6)
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert got.dtype == dtype and (got.float() - expected).norm() / expected.norm() < tolerance
+    wrong = x.float() + F.rms_norm(residual.float(), (300,), weight.float(), 1e-6)  # the operands swapped
+    assert (got.float() - wrong).norm() / wrong.norm() > 0.1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's e^x: inf, as on CUDA
+def test_gated_activations_match_pytorch(device, dtype, activation):
+    from hyperserve.layers import triton_elementwise
+
+    act = F.silu if activation == "silu" else lambda t: F.gelu(t, approximate="tanh")
+    gate_up = (3 * torch.randn(5, 2 * 1500, generator=torch.Generator().manual_seed(1))).to(device, dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    expected = (F.silu(gate) * up).float()
-    got = silu_and_mul(gate_up)
+    expected = (act(gate) * up).float()
+    got = getattr(triton_elementwise, f"{activation}_and_mul")(gate_up)
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
     assert got.shape == (5, 1500) and (got.float() - expected).norm() / expected.norm() < tolerance
-    swapped = (F.silu(up) * gate).float()
+    swapped = (act(up) * gate).float()
     assert (got.float() - swapped).norm() / swapped.norm() > 0.1
+    other = (F.gelu(gate) if activation == "silu" else F.silu(gate)) * up
+    assert (got.float() - other.float()).norm() / expected.norm() > 1e-2  # the activation it was asked for
 
 
 @pytest.mark.parametrize("device", DEVICES)

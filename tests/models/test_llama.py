@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hyperserve import LLM, SamplingParams
-from tests.conftest import DEVICES, needs_triton, tiny_config
+from tests.conftest import DEVICES, assert_close_until_apart, needs_triton, tiny_config
 
 ARCHS = {
     "llama": {},
@@ -97,6 +97,32 @@ def test_qk_norms_in_the_rotary_kernel_match_transformers(name, save_hf_model, m
     llm = LLM(model=path, num_kv_blocks=32, block_size=16, max_model_len=128, dtype="float32",
               max_num_batched_tokens=7, attention_backend="triton")
     _check_against_transformers(llm, hf_model, abs_tol=2e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("device", DEVICES[1:])
+def test_triton_kernels_in_bfloat16_match_pytorchs_ops(name, device, save_hf_model, monkeypatch):
+    """The half-precision paths of the models' Triton kernels (norms and adds, gated activations,
+    QK norms with the rotation and K/V write, the six-kernel layers) against the same model with
+    PyTorch's ops in their place, both in bfloat16 on CUDA."""
+    from hyperserve.layers import gemv_decode
+    from hyperserve.models import gemma3, llama
+
+    _, path = save_hf_model(tiny_config(name, **ARCHS[name]))
+    prompts = [[int(t) for t in torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (5, 23, 40)]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
+    results = []
+    for kernels in (True, False):
+        for module in (llama, gemma3):
+            monkeypatch.setattr(module, "on_triton", lambda x, kernels=kernels: kernels and x.is_cuda)
+        monkeypatch.setattr(gemv_decode, "ENABLED", kernels)
+        llm = LLM(model=path, num_kv_blocks=32, block_size=16, max_model_len=128, device=device,
+                  dtype="bfloat16", max_num_batched_tokens=30)
+        results.append(llm.generate(prompts, params, use_tqdm=False))
+        llm.close()
+    assert_close_until_apart(*results, tolerance=0.1)  # bfloat16 roundings in other places
 
 
 @needs_triton
