@@ -90,6 +90,12 @@ def rms_norm_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 @triton.jit
+def silu(x):
+    """x * sigmoid(x) of float32 x, as F.silu computes it before rounding."""
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
 def _gated_kernel(gate_up_ptr, out_ptr, stride_in, N: tl.constexpr, BLOCK: tl.constexpr, GELU: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -100,7 +106,7 @@ def _gated_kernel(gate_up_ptr, out_ptr, stride_in, N: tl.constexpr, BLOCK: tl.co
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         act = gate / (1.0 + tl.exp(-2.0 * inner))
     else:
-        act = gate / (1.0 + tl.exp(-gate))
+        act = silu(gate)
     act = act.to(up.dtype).to(tl.float32)  # rounded, as F.silu's or F.gelu's output is
     tl.store(out_ptr + row * N + offs, (act * up.to(tl.float32)).to(up.dtype), mask=ok)
 

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hyperserve.layers.triton_elementwise import silu
+
 MAX_ROWS = 16  # the rows one program holds: decode batches and speculative verification up to this
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # whose bfloat16 dot is wrong: float32 there
 
@@ -85,7 +87,7 @@ def _gemv_kernel(
         if GATED:  # silu(gate) * up, rounded as silu_and_mul rounds it; up sits K columns on
             gate = x.to(tl.float32)
             up = tl.load(x_at + K, mask=x_ok, other=0.0).to(tl.float32)
-            x = ((gate / (1.0 + tl.exp(-gate))).to(half).to(tl.float32) * up).to(half)
+            x = (silu(gate).to(half).to(tl.float32) * up).to(half)
         if NORM:  # x times the norm's weight now, times 1 / RMS(x) once the row's squares are summed
             squares += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
             norm = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
