@@ -1,4 +1,4 @@
-"""Steps of a few rows on CUDA: a Llama-family decoder layer in six kernels, the norms, SwiGLU and
+"""Single-token steps on CUDA: a Llama-family decoder layer in six kernels, the norms, SwiGLU and
 residual adds folded into the GEMVs around them.
 
 A single-stream step reads the weights once; everything else is a fixed cost per kernel. On an
@@ -17,10 +17,13 @@ Numbers: the adds and SwiGLU round as the separate kernels do; the norm multipli
 before the dot product and by 1 / RMS after it, so its input is rounded once, before that scale
 rather than after (a difference within bfloat16's rounding; in float32 the two paths agree).
 
-`takes` says which steps: on CUDA, in half precision, up to triton_gemv.MAX_ROWS tokens, one rank,
-and models whose every layer is a plain Llama layer (rotary, a dense MLP) with
-bfloat16 or float8 projections (Linear, Fp8Linear: not LoRA-wrapped). Anything else runs the
-modules as they are.
+`takes` says which steps: one token (single-stream decode) on CUDA in half precision, one rank,
+and models whose every layer is a plain Llama layer (rotary, a dense MLP) with bfloat16 or float8
+projections (Linear, Fp8Linear: not LoRA-wrapped). Anything else runs the modules as they are.
+One token, because the GEMV of more rows holds its input tile for a tensor-core dot, and folding
+the norm or SwiGLU into it spills registers: built for an H100/H200 (scripts/cuda_compile_check.py,
+sm_90) the 16-row variants take 255 registers and spill at 1,024 and 512 inputs a step, where the
+one-row ones take 48-60 and spill nothing.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ ENABLED = True  # benchmarks/gpu.py --unfused-layers turns it off, to time the m
 
 def takes(model: LlamaForCausalLM, hidden: torch.Tensor) -> bool:
     """Whether this step's layers run here: hidden [T, hidden] is its embedded input."""
-    return (ENABLED and gemv_takes(hidden) and model.tp.size == 1
+    return (ENABLED and hidden.shape[0] == 1 and gemv_takes(hidden) and model.tp.size == 1
             and all(plain(layer) for layer in model.model.layers))
 
 

@@ -222,6 +222,10 @@ def rotary_and_cache(qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tenso
     bound = quantized_bound(kv_cache.key.dtype) if kv_cache.quantized else 0.0
     all_heads = num_heads + 2 * num_kv_heads
     heads = all_heads if tokens >= ALL_HEADS_FROM_TOKENS else 1
+    if heads > 1 and qk_norm is not None and kv_cache.quantized:
+        # a token's heads with their norms and scales spill at 8 warps (Llama-3-8B's 48 heads into an
+        # fp8 cache, sm_90: scripts/cuda_compile_check.py); half of them a program do not
+        heads = triton.cdiv(all_heads, 2)
     if tokens:
         _rotary_and_cache_kernel[(tokens, triton.cdiv(all_heads, heads))](
             qkv, cos, sin, slots, q, k, kv_cache.key, kv_cache.value,

@@ -21,7 +21,7 @@ accumulation), or in float32 under Triton's interpreter, whose half-precision do
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -57,8 +57,18 @@ TILES: dict[tuple[int, int, int], GemvTiles] = {
 }
 
 
-def tiles_for(n: int, k: int, itemsize: int) -> GemvTiles:
-    return TILES.get((n, k, itemsize)) or DEFAULT_TILES.get(itemsize, GemvTiles())
+# The sweeps ran one row. A call of more holds a [16, block_k] input tile for the tensor-core dot:
+# at 2,048 inputs and 4 warps that spilled (fp8 gate/up's sm_90 build: 67 local loads and stores
+# with Triton 3.6, 3,145 with 3.9; scripts/cuda_compile_check.py), so those calls take at most this
+# many inputs a step.
+MULTI_ROW_BLOCK_K = 1024
+
+
+def tiles_for(n: int, k: int, itemsize: int, rows: int = 1) -> GemvTiles:
+    tiles = TILES.get((n, k, itemsize)) or DEFAULT_TILES.get(itemsize, GemvTiles())
+    if rows > 1 and tiles.block_k > MULTI_ROW_BLOCK_K:
+        return replace(tiles, block_k=MULTI_ROW_BLOCK_K)
+    return tiles
 
 
 @triton.jit
@@ -135,7 +145,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    tiles = tiles or tiles_for(n, k, weight.element_size())
+    tiles = tiles or tiles_for(n, k, weight.element_size(), rows)
     norm_weight, eps = norm or (weight, 0.0)
     _gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, weight, scale if scale is not None else weight, bias if bias is not None else weight, norm_weight,

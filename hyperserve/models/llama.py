@@ -249,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden], before the final norm
         hidden = self.embed(input_ids)
         cos_sin = self.model.rotary.cos_sin_for(positions, hidden.dtype)  # once per step, for every layer
-        if gemv_decode.takes(self, hidden):  # a few rows on CUDA: six kernels a layer
+        if gemv_decode.takes(self, hidden):  # one token on CUDA: six kernels a layer
             return gemv_decode.forward(self.model.layers, cos_sin, hidden, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
