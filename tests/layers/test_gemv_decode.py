@@ -17,12 +17,11 @@ pytestmark = needs_triton
 
 @pytest.fixture
 def fused_steps(monkeypatch):
-    """Every step of up to MAX_ROWS tokens through the six kernels, in any dtype on any device; the
-    count of layers run there."""
+    """Every one-token step through the six kernels, in any dtype on any device; the count of
+    layers run there."""
     from hyperserve.layers import gemv_decode
-    from hyperserve.layers.triton_gemv import MAX_ROWS
 
-    monkeypatch.setattr(gemv_decode, "gemv_takes", lambda x: x.shape[0] <= MAX_ROWS)
+    monkeypatch.setattr(gemv_decode, "gemv_takes", lambda x: True)
     calls = {"layers": 0}
     original = gemv_decode.layer_forward
 
@@ -36,14 +35,14 @@ def fused_steps(monkeypatch):
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_six_kernel_layers_match_transformers(name, device, save_hf_model, fused_steps):
-    """Decodes and prefill chunks of 7 (attending to their context in the cache) through the six
-    kernels; Qwen2's QKV bias and Qwen3's QK norms (in the rotary kernel) included."""
+    """Every decode through the six kernels (one sequence at a time), after a prompt prefilled in
+    chunks of 7 by the modules; Qwen2's QKV bias and Qwen3's QK norms (in the rotary kernel)."""
     hf_model, path = save_hf_model(tiny_config(name, **ARCHS[name]))
     hf_model.to(device)
     llm = LLM(model=path, num_kv_blocks=32, block_size=16, max_model_len=128, device=device, dtype="float32",
-              max_num_batched_tokens=7, attention_backend="triton", enforce_eager=True)
+              max_num_batched_tokens=7, max_num_seqs=1, attention_backend="triton", enforce_eager=True)
     _check_against_transformers(llm, hf_model, abs_tol=2e-4)
-    assert fused_steps["layers"] > 0
+    assert fused_steps["layers"] == 3 * 11 * 2  # 3 prompts' 11 decodes after the first token, 2 layers
 
 
 ON_CUDA = DEVICES[1].marks
@@ -69,11 +68,11 @@ def test_six_kernel_layers_match_the_modules(device, dtype, quantization, tolera
     for fused in (True, False):
         monkeypatch.setattr(gemv_decode, "ENABLED", fused)
         llm = LLM(model=path, num_kv_blocks=32, block_size=16, max_model_len=128, device=device, dtype=dtype,
-                  quantization=quantization, max_num_batched_tokens=7, attention_backend="triton",
-                  enforce_eager=True)
+                  quantization=quantization, max_num_batched_tokens=7, max_num_seqs=1,
+                  attention_backend="triton", enforce_eager=True)
         results.append(llm.generate(prompts, params, use_tqdm=False))
         llm.close()
-    assert fused_steps["layers"] > 0
+    assert fused_steps["layers"] == 2 * 7 * 2  # 2 prompts' 7 decodes after the first token, 2 layers
     if dtype == "float32":
         assert [r.outputs[0].token_ids for r in results[0]] == [r.outputs[0].token_ids for r in results[1]]
     assert_close_until_apart(*results, tolerance)
@@ -83,14 +82,13 @@ def test_six_kernel_layers_match_the_modules(device, dtype, quantization, tolera
                                              ("mixtral", False), ("qwen3_moe", False), ("smollm3", False)])
 def test_only_plain_llama_layers_take_the_six_kernels(name, takes, save_hf_model, monkeypatch):
     """Experts (Mixtral, Qwen3-MoE) and layers without rotary (SmolLM3) keep the modules' path; so
-    does anything over MAX_ROWS tokens."""
+    does a step of more than one token."""
     from hyperserve.layers import gemv_decode
-    from hyperserve.layers.triton_gemv import MAX_ROWS
 
-    monkeypatch.setattr(gemv_decode, "gemv_takes", lambda x: x.shape[0] <= MAX_ROWS)
+    monkeypatch.setattr(gemv_decode, "gemv_takes", lambda x: True)
     _, path = save_hf_model(tiny_config(name.split("-")[0], **ARCHS[name]))
     llm = LLM(model=path, num_kv_blocks=32, block_size=16, max_model_len=128, dtype="float32")
     model = llm.engine.runner.model
-    assert gemv_decode.takes(model, torch.zeros(MAX_ROWS, 64)) is takes
-    assert not gemv_decode.takes(model, torch.zeros(MAX_ROWS + 1, 64))
+    assert gemv_decode.takes(model, torch.zeros(1, 64)) is takes
+    assert not gemv_decode.takes(model, torch.zeros(2, 64))
     llm.close()
