@@ -12,7 +12,8 @@ read once.
 
 --folds times each projection's GEMV with what a decoder layer does before or after it folded in
 (layers/gemv_decode.py: the norm, SwiGLU, the residual add) against the GEMV beside those as
-kernels of their own, as the layer modules run them, at 1 and 16 rows.
+kernels of their own, as the layer modules run them, at one row (the engine folds nothing into
+larger calls: scripts/cuda_compile_check.py).
 
 --attention times layers/triton_attention.py at Llama-3-8B's heads (32 query, 8 KV, 128 wide,
 16-token blocks scattered over the pool) for batches and contexts from one long sequence to an
@@ -39,7 +40,7 @@ cuBLASLt (torch.backends.cuda.preferred_blas_library), and a Triton tensor-core 
 tiles; TFLOP/s counts the products done.
 
     python benchmarks/gpu_kernels.py [--shapes qkv o ...] [--tiles-json OUT] [--json OUT]
-    python benchmarks/gpu_kernels.py --folds [--rows 1 16] [--json OUT]
+    python benchmarks/gpu_kernels.py --folds [--rows 1] [--json OUT]
     python benchmarks/gpu_kernels.py --attention [--kv-cache-dtype auto fp8] [--num-warps 4 8] [--json OUT]
     python benchmarks/gpu_kernels.py --prefill [--kv-cache-dtype auto fp8] [--json OUT]
     python benchmarks/gpu_kernels.py --rotary [--kv-cache-dtype auto fp8] [--json OUT]
@@ -465,7 +466,7 @@ def main() -> None:
         print(f"{'shape':<9}{'rows':>5}  {'path':<18}{'us':>9}{'GB/s':>8}", flush=True)
         for name, n, k in SHAPES:
             if name in args.shapes and name != "lm_head":
-                for r in measure_folds(name, n, k, args.rows or [1, 16]):
+                for r in measure_folds(name, n, k, args.rows or [1]):
                     rows.append(r)
                     print(f"{name:<9}{r['rows']:>5}  {r['path']:<18}{r['us']:>9.1f}{r['gbs']:>8.0f}",
                           flush=True)

@@ -80,7 +80,7 @@ if part sweep; then
     rc=$(( rc || PIPESTATUS[0] ))
 fi
 if part folds; then
-    timeout 90 $PY benchmarks/gpu_kernels.py --folds --shapes qkv o gate_up down --rows 1 16 \
+    timeout 90 $PY benchmarks/gpu_kernels.py --folds --shapes qkv o gate_up down --rows 1 \
         --json "$OUTDIR/gpu-folds.json" 2>&1 | tee "$OUTDIR/gpu-folds.log" | tail -n 20
     rc=$(( rc || PIPESTATUS[0] ))
 fi
