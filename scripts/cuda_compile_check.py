@@ -7,7 +7,7 @@ memory (the slow path a fused kernel can fall into), shows here, before a GPU se
 time finding out. Registers and spills come from the cubin itself (cuobjdump). Nothing runs.
 
     python scripts/cuda_compile_check.py [--arch 90] [--kernels gemv gemv-folds rotary elementwise attention]
-        [--no-spills]
+        [--no-spills] [--engine-only]
 
 A kernel that does not compile fails the run; with --no-spills, so does a spill in a variant the
 engine runs (column `engine`; the others, such as the 16-row folds the engine does not run, are
@@ -155,12 +155,15 @@ def main() -> int:
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     parser.add_argument("--no-spills", action="store_true",
                         help="fail where a variant the engine runs spills")
+    parser.add_argument("--engine-only", action="store_true", help="leave out the variants for comparison")
     args = parser.parse_args()
     print(f"Triton {triton.__version__}, sm_{args.arch}")
     print(f"{'variant':<62}{'engine':>7}{'registers':>10}{'spills':>8}", flush=True)
     spilled = []
     for group in args.kernels:
         for name, engine, fn, types, constexprs, options in KERNELS[group]():
+            if args.engine_only and not engine:
+                continue
             registers, spills = usage(build(fn, types, constexprs, args.arch, **options))
             print(f"{name:<62}{'yes' if engine else 'no':>7}{registers:>10}{spills:>8}", flush=True)
             if spills and engine:
