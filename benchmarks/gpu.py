@@ -330,7 +330,7 @@ def main() -> None:
                         help="JSON of per-shape GEMV tiles (benchmarks/gpu_kernels.py --tiles-json) "
                              "to run with")
     parser.add_argument("--unfused-layers", action="store_true",
-                        help="steps of a few rows through the layer modules' kernels, not the six a "
+                        help="single-token steps through the layer modules' kernels, not the six a "
                              "layer of layers/gemv_decode.py")
     parser.add_argument("--serve-concurrency", type=int, nargs="*", default=[],
                         help="also serve the model and load it at these concurrencies")
@@ -372,7 +372,7 @@ def print_offline(ours: dict, bandwidth: float, theirs: dict, args) -> None:
     print(f"engine: {ours['attention']}, CUDA graphs {'on' if ours['cuda_graphs'] else 'off'}, "
           f"weights {args.quantization or 'bfloat16'}, KV {args.kv_cache_dtype}, "
           f"GEMV tiles {'swept' if args.gemv_tiles else 'as shipped'}, "
-          f"few-row layers {'as modules' if args.unfused_layers else 'in six kernels'}, "
+          f"single-token layers {'as modules' if args.unfused_layers else 'in six kernels'}, "
           f"{ours['kv_blocks']} KV blocks; "
           f"started in "
           f"{ours['startup_seconds']:.1f} s ({ours['graph_capture_seconds']:.1f} s capturing graphs)")

@@ -200,6 +200,12 @@ def assert_same_outputs(got, expected, logprobs_of: int | None = None, tolerance
             assert have[token_id].logprob == pytest.approx(want[token_id].logprob, abs=tolerance)
 
 
+def random_prompts(lengths: tuple[int, ...] = (5, 23, 40)) -> list[list[int]]:
+    """A prompt of token ids under 256 (every tiny config's vocabulary) of each length, seeded by it."""
+    return [[int(t) for t in torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))]
+            for n in lengths]
+
+
 def assert_close_until_apart(got, expected, tolerance: float) -> None:
     """Two runs' top log-probabilities within `tolerance` at each step, up to a request's first greedy
     token where they part (near-ties part two paths that round differently in half precision)."""

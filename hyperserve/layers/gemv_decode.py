@@ -71,15 +71,12 @@ def forward(layers, cos_sin, hidden: torch.Tensor, kv_caches: list[KVCache],
 
 def layer_forward(layer: LlamaDecoderLayer, cos_sin, stream: torch.Tensor, kv_cache: KVCache,
                   meta: AttentionMetadata) -> torch.Tensor:
-    from hyperserve.layers.triton_elementwise import rotary_and_cache
     from hyperserve.layers.triton_gemv import gemv
 
     attn, mlp = layer.self_attn, layer.mlp
     norm = layer.input_layernorm
     qkv = gemv(stream, *attn.qkv_proj.gemv_operands, norm=(norm.weight, norm.eps))
-    q, k, v = rotary_and_cache(qkv, cos_sin, meta.slot_mapping, kv_cache, attn.num_heads, attn.num_kv_heads,
-                               attn.qk_norm)
-    out = attn.backend(q, k, v, kv_cache, meta, attn.scale, kv_written=True)
+    out = attn.attend(cos_sin, qkv, kv_cache, meta)  # the rotary + K/V write kernel, then attention
     stream = gemv(out.flatten(1), *attn.o_proj.gemv_operands, residual=stream)
     norm = layer.post_attention_layernorm
     gate_up = gemv(stream, *mlp.gate_up_proj.gemv_operands, norm=(norm.weight, norm.eps))

@@ -28,7 +28,7 @@ from hyperserve.layers import on_triton
 from hyperserve.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from hyperserve.layers.linear import Linear
 from hyperserve.layers.rotary import RotaryEmbedding
-from hyperserve.models.llama import _FUSED, RMSNorm, head_dim_of
+from hyperserve.models.llama import _FUSED, RMSNorm, head_dim_of, rotated_attention
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 
@@ -67,13 +67,8 @@ class Gemma3Attention(nn.Module):
     def forward(self, cos_sin, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         meta = meta if self.local or meta.full_attention is None else meta.full_attention
-        if on_triton(qkv) and self.head_dim & (self.head_dim - 1) == 0:  # norms, rotary, K/V write: a kernel
-            from hyperserve.layers.triton_elementwise import rotary_and_cache
-
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            q, k, v = rotary_and_cache(qkv, cos_sin, meta.slot_mapping, kv_cache, self.num_heads,
-                                       self.num_kv_heads, norms)
-            out = self.backend(q, k, v, kv_cache, meta, self.scale, kv_written=True)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        if (out := rotated_attention(self, cos_sin, qkv, kv_cache, meta, norms)) is not None:
             return self.o_proj(out.flatten(1))
         q, k, v = qkv.split(self.shard_sizes, dim=-1)
         q = self.q_norm(q.unflatten(-1, (-1, self.head_dim)))

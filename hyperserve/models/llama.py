@@ -39,6 +39,11 @@ _FUSED = {
 }
 
 
+def _triton_rows(x: torch.Tensor) -> bool:
+    """Whether the norms' Triton kernels take x: half-precision rows [T, N] on CUDA."""
+    return on_triton(x) and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -50,7 +55,7 @@ class RMSNorm(nn.Module):
         """The norm of x; with a residual, (the norm of x + residual, x + residual), which on CUDA
         is one Triton kernel (layers/triton_elementwise.py). In half precision it normalises in float32,
         as transformers does."""
-        if on_triton(x) and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16):
+        if _triton_rows(x):
             from hyperserve.layers.triton_elementwise import add_rms_norm
 
             normed, summed = add_rms_norm(x, residual, self.weight, self.eps)
@@ -63,7 +68,7 @@ class RMSNorm(nn.Module):
     def added_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + the norm of x (Gemma 3 norms a block's output before its residual add): one
         Triton kernel on CUDA."""
-        if on_triton(x) and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16):
+        if _triton_rows(x):
             from hyperserve.layers.triton_elementwise import rms_norm_add
 
             return rms_norm_add(x, residual, self.weight, self.eps)
@@ -108,25 +113,39 @@ class LlamaAttention(nn.Module):
         return None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
     def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # x [T, hidden]
-        if on_triton(qkv) and self.head_dim & (self.head_dim - 1) == 0 and self.rotary is not None:
-            from hyperserve.layers.triton_elementwise import rotary_and_cache
-
-            q, k, v = rotary_and_cache(qkv, cos_sin, meta.slot_mapping, kv_cache, self.num_heads,
-                                       self.num_kv_heads, self.qk_norm)
-            out = self.backend(q, k, v, kv_cache, meta, self.scale, kv_written=True)
-        else:
-            qk, v = qkv.split(self.qk_v_sizes, dim=-1)
-            qk = qk.unflatten(-1, (-1, self.head_dim))  # [T, H + Hkv, D]
-            if self.q_norm is not None:
-                q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-                qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-            if self.rotary is not None:
-                qk = self.rotary(cos_sin, qk)
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
-            v = v.unflatten(-1, (-1, self.head_dim))  # [T, Hkv, D]
-            out = self.backend(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
+        out = self.attend(cos_sin, self.qkv_proj(x), kv_cache, meta)  # x [T, hidden]
         return self.tp.all_reduce(self.o_proj(out.flatten(1)))
+
+    def attend(self, cos_sin, qkv: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """The attention output [T, H, D] for the fused projection's output qkv [T, (H + 2 Hkv) D]."""
+        if self.rotary is not None and (out := rotated_attention(self, cos_sin, qkv, kv_cache, meta,
+                                                                 self.qk_norm)) is not None:
+            return out
+        qk, v = qkv.split(self.qk_v_sizes, dim=-1)
+        qk = qk.unflatten(-1, (-1, self.head_dim))  # [T, H + Hkv, D]
+        if self.q_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        if self.rotary is not None:
+            qk = self.rotary(cos_sin, qk)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
+        v = v.unflatten(-1, (-1, self.head_dim))  # [T, Hkv, D]
+        return self.backend(q, k, v, kv_cache, meta, self.scale)
+
+
+def rotated_attention(attn: nn.Module, cos_sin, qkv: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                      qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None) -> torch.Tensor | None:
+    """On CUDA, q and k rotated (after their per-head norms, where given) and the new K/V written by
+    one Triton kernel straight from qkv, then attention over the cache: [T, H, D]. None where that
+    kernel does not apply (off CUDA, or heads whose width is not a power of two). `attn` is a
+    model's attention module (its heads, backend and scale)."""
+    if not (on_triton(qkv) and attn.head_dim & (attn.head_dim - 1) == 0):
+        return None
+    from hyperserve.layers.triton_elementwise import rotary_and_cache
+
+    q, k, v = rotary_and_cache(qkv, cos_sin, meta.slot_mapping, kv_cache, attn.num_heads, attn.num_kv_heads,
+                               qk_norm)
+    return attn.backend(q, k, v, kv_cache, meta, attn.scale, kv_written=True)
 
 
 class LlamaMLP(nn.Module):

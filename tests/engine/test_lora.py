@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from hyperserve import LLM, LoRARequest, SamplingParams
-from tests.conftest import tiny_config
+from tests.conftest import random_prompts, tiny_config
 
 ENGINE = dict(num_kv_blocks=128, block_size=4, max_model_len=128, dtype="float32", enable_lora=True)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PROMPTS = [[int(t) for t in torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))]
-           for n in (5, 23, 40)]
+PROMPTS = random_prompts()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hyperserve import LLM, SamplingParams
-from tests.conftest import DEVICES, assert_close_until_apart, needs_triton, tiny_config
+from tests.conftest import DEVICES, assert_close_until_apart, needs_triton, random_prompts, tiny_config
 from tests.models.test_llama import ARCHS, _check_against_transformers
 
 pytestmark = needs_triton
@@ -36,7 +36,8 @@ def fused_steps(monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 def test_six_kernel_layers_match_transformers(name, device, save_hf_model, fused_steps):
     """Every decode through the six kernels (one sequence at a time), after a prompt prefilled in
-    chunks of 7 by the modules; Qwen2's QKV bias and Qwen3's QK norms (in the rotary kernel)."""
+    chunks of 7 by the modules; Qwen2's QKV bias and Qwen3's QK norms (the attention is the
+    module's: on the CPU, PyTorch's rotation; test_llama.py runs the rotary kernel)."""
     hf_model, path = save_hf_model(tiny_config(name, **ARCHS[name]))
     hf_model.to(device)
     llm = LLM(model=path, num_kv_blocks=32, block_size=16, max_model_len=128, device=device, dtype="float32",
@@ -61,8 +62,7 @@ def test_six_kernel_layers_match_the_modules(device, dtype, quantization, tolera
     from hyperserve.layers import gemv_decode
 
     _, path = save_hf_model(tiny_config("llama"))
-    prompts = [[int(t) for t in torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))]
-               for n in (5, 23)]
+    prompts = random_prompts((5, 23))
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
     results = []
     for fused in (True, False):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hyperserve import LLM, SamplingParams
-from tests.conftest import DEVICES, assert_close_until_apart, needs_triton, tiny_config
+from tests.conftest import DEVICES, assert_close_until_apart, needs_triton, random_prompts, tiny_config
 
 ARCHS = {
     "llama": {},
@@ -38,8 +38,7 @@ def _hf_logprobs(hf_model, token_ids: list[int]) -> torch.Tensor:
 
 def _check_against_transformers(llm: LLM, hf_model, abs_tol: float, same_greedy: bool = True) -> None:
     """Log-probabilities within abs_tol of transformers' (teacher-forced), and greedy tokens equal."""
-    prompts = [[int(t) for t in torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))]
-               for n in (5, 23, 40)]
+    prompts = random_prompts()
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True)
     for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
         completion = out.outputs[0]
@@ -110,8 +109,7 @@ def test_triton_kernels_in_bfloat16_match_pytorchs_ops(name, device, save_hf_mod
     from hyperserve.models import gemma3, llama
 
     _, path = save_hf_model(tiny_config(name, **ARCHS[name]))
-    prompts = [[int(t) for t in torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))]
-               for n in (5, 23, 40)]
+    prompts = random_prompts()
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
     results = []
     for kernels in (True, False):
