@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import LlamaConfig  # noqa: E402
 
+from benchmarks.gpu import StepProfile  # noqa: E402
 from hyperserve import LLM, SamplingParams  # noqa: E402
 from hyperserve.engine.model_runner import SeqChunk  # noqa: E402
 from hyperserve.layers.attention import TorchPagedAttention, TritonPagedAttention  # noqa: E402
@@ -62,23 +63,11 @@ def multi_step_host_ms(model_dir: str, num_schedules: int = 16) -> dict[str, flo
     for i in range(448):
         engine.add_request(str(i), [rng.randrange(10, 1000) for _ in range(64)], params, final_only=True)
     engine.step()  # the prompts
-    spent = {"schedule": 0.0, "execute": 0.0, "step": 0.0}
-
-    def timing(name: str, inner):
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            result = inner(*args, **kwargs)
-            spent[name] += time.perf_counter() - started
-            return result
-        return timed
-
-    for owner, name in ((engine.scheduler, "schedule"), (engine.runner, "execute"), (engine, "step")):
-        setattr(owner, name, timing(name, getattr(owner, name)))
+    profile = StepProfile(engine)
     for _ in range(num_schedules):
         engine.step()
-    steps = 8 * num_schedules
-    return {"schedule": 1e3 * spent["schedule"] / steps,
-            "engine": 1e3 * (spent["step"] - spent["execute"] - spent["schedule"]) / steps}
+    decode = profile.summary()["decode"]
+    return {"schedule": decode["schedule_ms"], "engine": decode["engine_rest_ms"]}
 
 
 def main() -> None:

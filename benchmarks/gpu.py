@@ -88,7 +88,7 @@ class StepProfile:
         def timed(*args, **kwargs):
             started = time.perf_counter()
             result = inner(*args, **kwargs)
-            if name == "forward":
+            if name == "forward" and torch.cuda.is_available():
                 torch.cuda.synchronize()
             self._current[name] += time.perf_counter() - started
             if name == "schedule":
