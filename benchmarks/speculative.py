@@ -18,7 +18,7 @@ the model stops) measures the grounded workload as users get it. The last column
 accepted drafts that came from earlier answers (/metrics' by-source counts).
 
     python benchmarks/speculative.py [--max-tokens 128] [--num-tokens N] [--rounds 2] [--no-ignore-eos]
-        [--methods none ngram ngram-own self self:27] [--workloads a b c d]
+        [--methods none ngram ngram-own self self:27 prediction ngram+prediction] [--workloads a b c d]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -75,7 +76,8 @@ def engine(method: str, num_tokens: int | None):
     from hyperserve import LLM, SamplingParams
 
     speculative = None
-    if method != "none":
+    method = method.removesuffix("+prediction")
+    if method not in ("none", "prediction"):
         name, _, layers = method.partition(":")
         speculative = {"method": name.removesuffix("-own"),
                        **({"num_tokens": num_tokens} if num_tokens else {}),
@@ -101,7 +103,7 @@ def run(methods: list[str], workloads: dict[str, tuple[list[str], str]], max_tok
     from hyperserve import SamplingParams
 
     engines = {method: engine(method, num_tokens) for method in methods}
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    plain = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     # tokens, s, drafted, accepted, steps, accepted from earlier answers
     totals = {(m, w): [0, 0.0, 0, 0, 0, 0] for m in methods for w in workloads}
     for round_ in range(rounds):
@@ -111,6 +113,9 @@ def run(methods: list[str], workloads: dict[str, tuple[list[str], str]], max_tok
                 forget_answers(llm)
             for prompt in prompts:
                 for method, llm in engines.items():
+                    params = plain
+                    if method.endswith("prediction"):  # the text the prompt gives, as the expected answer
+                        params = replace(plain, prediction=next((t for t in (CODE, TEXT) if t in prompt), None))
                     if answers == "fresh":
                         forget_answers(llm)
                     elif answers == "again":
@@ -149,7 +154,8 @@ def main() -> None:
                         help="draft tokens per step at most (default: the method's, 16 for ngram, 4 else)")
     parser.add_argument("--methods", nargs="+", default=["none", "ngram", "self", "self:27"],
                         help="none, ngram, ngram-own (no earlier answers), self or self:N (the target's "
-                             "first N layers draft)")
+                             "first N layers draft); prediction (input-grounded prompts predict the text "
+                             "they give, as OpenAI's Predicted Outputs) or METHOD+prediction")
     parser.add_argument("--rounds", type=int, default=2, help="each prompt on each method this many times")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="go on to --max-tokens past the model's end of answer (default)")
@@ -166,16 +172,16 @@ def main() -> None:
         return "-" if value is None else format(value, spec)
 
     print("verify cost (one more token in a step / a one-token step), timed at start: "
-          + ", ".join(f"{method} {r['verify_cost']:.2f}" for method, r in results.items()
+          + ", ".join(f"{method} {fmt(r['verify_cost'], '.2f')}" for method, r in results.items()
                       if method != "none"))
-    print(f"{'workload':<24}{'method':<10}{'decode tok/s':>14}{'speedup':>9}{'accept rate':>13}"
+    print(f"{'workload':<24}{'method':<18}{'decode tok/s':>14}{'speedup':>9}{'accept rate':>13}"
           f"{'mean len':>10}{'from earlier answers':>22}")
     for workload in workloads:
         base = results["none"][workload]["decode_tps"] if "none" in results else None
         for method, by_workload in results.items():
             r = by_workload[workload]
             speedup = r["decode_tps"] / base if base else None
-            print(f"{workload:<24}{method:<10}{r['decode_tps']:>14.1f}{fmt(speedup, '.2f'):>9}"
+            print(f"{workload:<24}{method:<18}{r['decode_tps']:>14.1f}{fmt(speedup, '.2f'):>9}"
                   f"{fmt(r['acceptance_rate'], '.2f'):>13}{fmt(r['mean_accepted_length'], '.2f'):>10}"
                   f"{fmt(r['from_history'], '.0%'):>22}")
     with open(args.json, "w") as f:

@@ -27,6 +27,8 @@ class RequestMetrics:
     num_disk_cached_tokens: int = 0  # of which the disk tier supplied
     num_draft_tokens: int = 0  # speculative decoding: tokens proposed for this request
     num_accepted_tokens: int = 0  # of which the target accepted
+    num_prediction_tokens: int = 0  # of the proposed tokens, those from the request's prediction
+    num_accepted_prediction_tokens: int = 0  # of which the target accepted
 
 
 @dataclass

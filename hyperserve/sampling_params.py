@@ -91,6 +91,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, as OpenAI's
     allowed_token_ids: list[int] | None = None  # the only tokens that may be sampled (None: all)
     structured_outputs: StructuredOutputs | None = None  # JSON schema, regex, choice or grammar
+    # the answer expected, as text or token ids (OpenAI's Predicted Outputs: the file being edited):
+    # where the answer follows it, its next tokens are verified in one step. The answer is the same.
+    prediction: str | list[int] | None = None
 
     MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
     MAX_SEED = 2**63  # seeds are in [0, MAX_SEED): a torch generator takes them (plus the sample index)

@@ -36,7 +36,7 @@ from hyperserve.engine.kv_transfer import KVTransfer
 from hyperserve.engine.lora_manager import LoRAManager
 from hyperserve.engine.memory import kv_groups, num_kv_blocks, return_freed_heap
 from hyperserve.engine.model_runner import ModelRunner, StepResult
-from hyperserve.engine.request import Request, RequestStatus
+from hyperserve.engine.request import Prediction, Request, RequestStatus
 from hyperserve.engine.sampler import SamplerOutput
 from hyperserve.engine.scheduler import Scheduler, SchedulerOutput
 from hyperserve.engine.speculative import Speculator, build_proposer
@@ -150,8 +150,8 @@ class LLMEngine:
         spec = config.speculative
         draft = self._load_draft(spec.draft_model) if spec.speculative_method == "draft" else None
         verify_cost = spec.speculative_verify_cost
-        if verify_cost is None:
-            verify_cost = self.runner.verify_row_cost() if spec.speculative_method else 0.0
+        if verify_cost is None and spec.speculative_method:
+            verify_cost = self.runner.verify_row_cost()
         proposer = (build_proposer(spec, self.runner, self.kv_cache, draft, verify_cost)
                     if spec.speculative_method else None)
         self.speculator = Speculator(spec, proposer, verify_cost, self.kv_cache, self.max_model_len)
@@ -226,6 +226,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self.inputs.process_prompt(prompt)
         self.inputs.check_params(params)
+        predicted = self.inputs.prediction_ids(params.prediction)
         salt = (self.check_lora(lora_request) if lora_request is not None else b"") + tenant_salt(cache_salt)
         arrival_time = time.time() if arrival_time is None else arrival_time
         samples = []
@@ -247,6 +248,8 @@ class LLMEngine:
             )
             if params.structured_outputs is not None:
                 request.grammar = self.grammars.grammar(params.structured_outputs)
+            if predicted:
+                request.prediction = Prediction(predicted)
             if self.tokenizer is not None:
                 request.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, prompt_ids, params.stop,
@@ -538,7 +541,9 @@ def _merge_metrics(all_metrics: list[RequestMetrics]) -> RequestMetrics:
         first,
         first_token_time=min(token_times) if token_times else None,
         finished_time=max(finish_times) if len(finish_times) == len(all_metrics) else None,
-        num_preemptions=sum(m.num_preemptions for m in all_metrics),
+        **{name: sum(getattr(m, name) for m in all_metrics)
+           for name in ("num_preemptions", "num_draft_tokens", "num_accepted_tokens", "num_prediction_tokens",
+                        "num_accepted_prediction_tokens")},
     )
 
 

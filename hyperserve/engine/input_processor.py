@@ -70,3 +70,21 @@ class InputProcessor:
                 raise ValueError(f"{name}: token ids must be integers in [0, {vocab}), got {bad[0]!r}")
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
+
+    def prediction_ids(self, prediction: str | list[int] | None) -> list[int] | None:
+        """A prediction's token ids (text tokenized without special tokens, as an answer's are), at
+        most the context long; None for none."""
+        if prediction is None:
+            return None
+        if isinstance(prediction, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass the prediction as token ids")
+            ids = self.tokenizer(prediction, add_special_tokens=False).input_ids
+        else:
+            ids = list(prediction)
+            if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"prediction: token ids must be integers in [0, {self.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"the prediction is {len(ids)} tokens long, more than this model's context of "
+                             f"{self.max_model_len} tokens")
+        return ids or None

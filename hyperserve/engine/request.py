@@ -8,6 +8,7 @@ time; a token is sampled whenever a step brings the two counts level. Preemption
 
 from __future__ import annotations
 
+import array
 import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -53,6 +54,20 @@ class Acceptance:
     @property
     def rate(self) -> float:
         return min(self.accepted / self.trials, 0.99)
+
+
+@dataclass(slots=True)
+class Prediction:
+    """The answer a request expects, as OpenAI's Predicted Outputs take it (a file being edited, a
+    document being corrected): where the answer follows it, its next tokens are drafted and verified
+    in one step (engine/speculative.py). `cursor`: where in it the answer stood at the last lookup."""
+
+    token_ids: list[int]
+    cursor: int = 0
+    data: bytes = field(init=False)  # the ids as 4-byte integers, searched with bytes.find
+
+    def __post_init__(self) -> None:
+        self.data = array.array("i", self.token_ids).tobytes()
 
 
 @dataclass
@@ -111,6 +126,7 @@ class Request:
     acceptance: Acceptance = field(default_factory=Acceptance)
     spec_acceptance: Acceptance | None = None
     spec_source: str = ""  # where the pending drafts came from (Proposal.source)
+    prediction: Prediction | None = None  # the answer it expects (drafted where the answer follows it)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -237,6 +237,9 @@ class Scheduler:
         (request.spec_acceptance or request.acceptance).observe(num_drafts, num_accepted)
         request.metrics.num_draft_tokens += num_drafts
         request.metrics.num_accepted_tokens += num_accepted
+        if request.spec_source == "prediction":
+            request.metrics.num_prediction_tokens += num_drafts
+            request.metrics.num_accepted_prediction_tokens += num_accepted
         self.spec_stats.num_drafts += 1
         self.spec_stats.num_draft_tokens += num_drafts
         self.spec_stats.num_accepted_tokens += num_accepted

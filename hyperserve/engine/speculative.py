@@ -6,6 +6,10 @@ The next step schedules them as extra tokens to compute, so one target forward p
 every request's drafts beside other requests' prefill chunks and plain decodes; ModelRunner then
 accepts or rejects them (rejection_sampler) and the scheduler rolls back what was rejected.
 
+A request that brings a prediction of its answer (`SamplingParams.prediction`, OpenAI's Predicted
+Outputs) drafts from it first, wherever its answer stands in it (`predicted_continuation`), with or
+without a method.
+
 Proposers:
   NgramProposer   prompt lookup: the continuation of the latest earlier occurrence of the last
                   n tokens (prompt and output, then earlier requests' answers: OutputHistory);
@@ -30,7 +34,7 @@ import torch
 from hyperserve.config import SpeculativeConfig
 from hyperserve.engine.model_runner import ModelRunner, SeqChunk
 from hyperserve.engine.rejection_sampler import draw
-from hyperserve.engine.request import Acceptance, Request
+from hyperserve.engine.request import Acceptance, Prediction, Request
 from hyperserve.engine.sampler import sampling_probs
 
 if TYPE_CHECKING:
@@ -39,7 +43,11 @@ if TYPE_CHECKING:
     from hyperserve.models.llama import LlamaForCausalLM
 
 PROBE_EVERY = 16  # a request that stopped speculating proposes one token this often, to re-measure
-MAX_FORCED_DRAFTS = 16  # a grammar's forced tokens drafted per step (a verify step of 17 rows at most)
+MAX_STEP_DRAFTS = 16  # a grammar's forced tokens or a prediction's drafted per step (17 rows at most)
+PREDICTION_NGRAM = 8  # the longest end of an answer looked up in its prediction
+# A row's cost where no method timed it: about what AVX2 CPUs measure (0.14-0.31), more than a
+# GPU's, so that a prediction the answer does not follow costs little anywhere.
+DEFAULT_VERIFY_COST = 0.25
 
 
 @dataclass(slots=True)
@@ -305,15 +313,22 @@ class ModelProposer:
 
 class Speculator:
     """Which decoding requests get drafts at the end of a step, and how many. A constrained request
-    whose grammar forces its next tokens drafts those (`_draft_forced`); the others get the
-    proposer's drafts, except while the batch is large: then decode is compute-bound and verifying
-    drafts costs about as much as decoding them."""
+    whose grammar forces its next tokens drafts those (`_draft_forced`); a request with a
+    prediction drafts from it where its answer follows it (`_draft_predicted`); the others get the
+    proposer's drafts. Only forced tokens are drafted while the batch is large: then decode is
+    compute-bound and verifying drafts costs about as much as decoding them. `verify_cost`: one
+    more token's cost to a step (None: not timed, as without a method)."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None, verify_cost: float,
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None, verify_cost: float | None,
                  kv_cache: KVCacheManager, max_model_len: int) -> None:
         self.config, self.proposer, self.verify_cost = config, proposer, verify_cost
         self.kv_cache, self.max_model_len = kv_cache, max_model_len
         self.forced_acceptance = Acceptance()  # forced drafts' verifications, apart from any proposer's
+        # predictions' drafts by the length of the answer's end they continue (0: the answer's
+        # start), as n-gram drafts are, shared by all requests: 0.9 at first from a match of 8 or
+        # the start (the caller expects this text), 0.55 from one token (a word replaced, or chance)
+        self.prediction_acceptance = [Acceptance(accepted=2 * (0.5 + 0.05 * n if n else 0.9))
+                                      for n in range(PREDICTION_NGRAM + 1)]
 
     def finished(self, request: Request) -> None:
         if self.proposer is not None:
@@ -322,14 +337,17 @@ class Speculator:
     def propose(self, running: list[Request]) -> None:
         """Set each decoding request's spec_token_ids (and the KV slots they need) for the next step."""
         spec, proposer = self.config, self.proposer
-        proposing = proposer is not None and len(running) <= spec.speculative_max_batch
-        if not (proposing or spec.speculative_forced_tokens):
+        small = len(running) <= spec.speculative_max_batch
+        proposing = proposer is not None and small
+        if not (small or spec.speculative_forced_tokens):
             return
         decoding = []
         for request in running:
             if request.num_computed_tokens != request.num_tokens - 1:
                 continue  # still prefilling
             if spec.speculative_forced_tokens and request.grammar is not None and self._draft_forced(request):
+                continue
+            if small and request.prediction is not None and self._draft_predicted(request):
                 continue
             decoding.append(request)
         if not proposing:
@@ -369,11 +387,29 @@ class Speculator:
             room = min(room, request.sampling_params.max_tokens - request.num_output_tokens - 1)
         return room
 
+    def _draft_predicted(self, request: Request) -> bool:
+        """Draft where the request's answer stands in its prediction, k by how often drafts after
+        a match of this length were accepted; whether it has drafts (and the KV slots for them)."""
+        limit = max(0, min(MAX_STEP_DRAFTS, self._room(request)))
+        n, continuation = predicted_continuation(request.prediction, request.output_token_ids, limit)
+        if not continuation:
+            return False
+        acceptance = self.prediction_acceptance[n]
+        cost = DEFAULT_VERIFY_COST if self.verify_cost is None else self.verify_cost
+        k = num_tokens_to_propose(acceptance, len(continuation), 0.0, cost)
+        acceptance.steps_without = 0 if k else acceptance.steps_without + 1
+        if not k or not self.kv_cache.allocate_slots(request.request_id, request.num_tokens + k):
+            return False
+        request.spec_token_ids, request.spec_probs = continuation[:k], None
+        request.spec_acceptance = acceptance
+        request.spec_source = "prediction"
+        return True
+
     def _draft_forced(self, request: Request) -> bool:
-        """Draft the tokens the request's grammar forces next, up to MAX_FORCED_DRAFTS; whether it
+        """Draft the tokens the request's grammar forces next, up to MAX_STEP_DRAFTS; whether it
         has any (and the KV slots for them). They are the grammar's own tokenization of forced
         text: the model may spell it otherwise, and verification then keeps its own tokens."""
-        forced = request.grammar.forced_tokens()[: max(0, min(MAX_FORCED_DRAFTS, self._room(request)))]
+        forced = request.grammar.forced_tokens()[: max(0, min(MAX_STEP_DRAFTS, self._room(request)))]
         if not forced or not self.kv_cache.allocate_slots(request.request_id,
                                                           request.num_tokens + len(forced)):
             return False
@@ -381,6 +417,39 @@ class Speculator:
         request.spec_acceptance = self.forced_acceptance
         request.spec_source = "grammar"
         return True
+
+
+def predicted_continuation(prediction: Prediction, output: list[int], k: int) -> tuple[int, list[int]]:
+    """(n, up to k tokens of the prediction that follow where the answer stands in it): its start
+    while the answer is empty (n = 0); else what follows the longest end of the answer, n tokens
+    (PREDICTION_NGRAM down to one), found ending past the cursor (one token: within PREDICTION_NGRAM
+    tokens of it), or found anywhere (two tokens or more); (0, []) where none is. The cursor moves
+    there, so a prediction whose lines repeat is followed in order, and an answer that replaced a
+    word picks the prediction up again after it."""
+    if not output:
+        return 0, prediction.token_ids[:k]
+    tail = array.array("i", output[-PREDICTION_NGRAM:]).tobytes()
+    for n in range(len(tail) // 4, 0, -1):
+        end = tail[-4 * n :]
+        # an answer that went on along the prediction ends past the cursor
+        at = _find_tokens(prediction.data, end, max(0, prediction.cursor + 1 - n))
+        if n == 1 and at - prediction.cursor >= PREDICTION_NGRAM:
+            at = -1  # one token is a word replaced, not text far ahead (a paraphrase's commas)
+        if at < 0 and n >= 2:
+            at = _find_tokens(prediction.data, end, 0)
+        if at >= 0:
+            prediction.cursor = at + n
+            return n, prediction.token_ids[prediction.cursor : prediction.cursor + k]
+    return 0, []
+
+
+def _find_tokens(data: bytes, tokens: bytes, start: int) -> int:
+    """The first token at or after token `start` where `tokens` occur in `data` (both 4-byte
+    integers), or -1."""
+    at = data.find(tokens, 4 * start)
+    while at >= 0 and at % 4:  # straddles token boundaries: look further on
+        at = data.find(tokens, at + 1)
+    return at // 4 if at >= 0 else -1
 
 
 def build_proposer(config: SpeculativeConfig, runner: ModelRunner, kv_cache: KVCacheManager,

@@ -331,12 +331,17 @@ class OpenAIServing:
                 f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} for the completion)",
                 param="max_tokens", code="context_length_exceeded",
             )
+        inputs = self.engine.engine.inputs
         try:
             params = request.sampling_params(max_tokens, logprobs, constraint)
             # off the event loop: a new grammar compiles here (milliseconds; more for a large schema)
-            await asyncio.to_thread(self.engine.engine.inputs.check_params, params)
+            await asyncio.to_thread(inputs.check_params, params)
         except ValueError as error:
             raise APIError(400, str(error), param="response_format" if constraint else None) from error
+        try:  # tokenized off the event loop too; the engine then only checks the ids
+            params.prediction = await asyncio.to_thread(inputs.prediction_ids, params.prediction)
+        except ValueError as error:
+            raise APIError(400, str(error), param="prediction") from error
         return params
 
     def start(self, job: Job, final_only: bool = False) -> None:
@@ -493,10 +498,18 @@ class OpenAIServing:
                  "total_tokens": prompt_tokens + completion_tokens,
                  # cached_tokens as OpenAI reports it; disk_cached_tokens: the part the disk tier served
                  "prompt_tokens_details": {"cached_tokens": cached_tokens, "disk_cached_tokens": disk_tokens}}
+        details = {}
         if job.reasoning_parser is not None and self.think_end_id is not None:
-            thinking = sum(reasoning.num_tokens(job.reasoning_parser, c.text, c.token_ids, self.think_end_id)
-                           for f in job.finals if f for c in f.outputs)
-            usage["completion_tokens_details"] = {"reasoning_tokens": thinking}
+            details["reasoning_tokens"] = sum(
+                reasoning.num_tokens(job.reasoning_parser, c.text, c.token_ids, self.think_end_id)
+                for f in job.finals if f for c in f.outputs)
+        if job.params.prediction is not None:  # as OpenAI counts them: drafted from the prediction
+            accepted = sum(f.metrics.num_accepted_prediction_tokens for f in job.finals if f)
+            details["accepted_prediction_tokens"] = accepted
+            details["rejected_prediction_tokens"] = sum(
+                f.metrics.num_prediction_tokens for f in job.finals if f) - accepted
+        if details:
+            usage["completion_tokens_details"] = details
         return usage
 
     # ---- formatting ----------------------------------------------------------------------------

@@ -57,6 +57,24 @@ class ResponseFormat(BaseModel):
         return self
 
 
+class PredictedOutput(BaseModel):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat in large part (a file being
+    edited); where the answer follows it, its tokens are verified several a step. Text parts only."""
+
+    type: Literal["content"]
+    content: str | list[dict[str, Any]]
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        message_text(content)
+        return content
+
+    @property
+    def text(self) -> str:
+        return message_text(self.content)
+
+
 class _SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions, with vLLM's extras."""
 
@@ -98,6 +116,7 @@ class _SamplingRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=4096)
     guided_grammar: str | None = None
+    prediction: PredictedOutput | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -156,6 +175,7 @@ class _SamplingRequest(BaseModel):
             allowed_token_ids=self.allowed_token_ids,
             logit_bias={int(token): value for token, value in (self.logit_bias or {}).items()},
             structured_outputs=structured_outputs,
+            prediction=self.prediction.text if self.prediction is not None else None,
         )
 
 

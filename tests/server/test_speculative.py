@@ -58,3 +58,35 @@ def test_a_question_asked_again_is_drafted_from_its_first_answer(ngram_server, s
                  if line.startswith("hyperserve:spec_decode_num_accepted_tokens_by_source_total{")}
     assert by_source["history"] > accepted[1] / 2, by_source  # the first answer drafted most of the second
     ngram_server.wait_idle()
+
+
+def test_a_prediction_is_drafted_on_a_server_without_a_method(server):
+    """OpenAI's Predicted Outputs on the plain server: the same answer whatever the prediction;
+    a prediction that is the answer drafts most of it, counted in usage as OpenAI counts it."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    paragraph = ("The Amazon rainforest covers much of the Amazon basin of South America. The basin covers "
+                 "seven million square kilometres, of which five and a half million are covered by the "
+                 "rainforest. The region includes territory belonging to nine nations. The majority of the "
+                 "forest is contained within Brazil, with 60% of the rainforest, followed by Peru with 13%, "
+                 "and Colombia with 10%.")
+    ask = dict(model=MODEL, temperature=0, max_tokens=100,
+               messages=[{"role": "user", "content": f"Repeat the following paragraph exactly:\n\n{paragraph}"}])
+    plain = client.chat.completions.create(**ask)
+    text = plain.choices[0].message.content
+    assert plain.usage.completion_tokens > 40 and plain.usage.completion_tokens_details is None
+    right = client.chat.completions.create(**ask, prediction={"type": "content", "content": text})
+    assert right.choices[0].message.content == text
+    details = right.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= plain.usage.completion_tokens - 10, details
+    assert details.rejected_prediction_tokens <= 5, details
+    stream = client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True},
+                                            prediction={"type": "content",
+                                                        "content": [{"type": "text", "text": "Nothing alike. "}]})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    details = chunks[-1].usage.completion_tokens_details
+    assert details.accepted_prediction_tokens < details.rejected_prediction_tokens, details
+    for prediction in ({"type": "image", "content": "x"}, {"type": "content", "content": [{"type": "image_url"}]}):
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json={**ask, "prediction": prediction}, timeout=30)
+        assert reply.status_code == 400 and "prediction" in reply.text, reply.text
+    server.wait_idle()
