@@ -115,7 +115,8 @@ def run(methods: list[str], workloads: dict[str, tuple[list[str], str]], max_tok
                 for method, llm in engines.items():
                     params = plain
                     if method.endswith("prediction"):  # the text the prompt gives, as the expected answer
-                        params = replace(plain, prediction=next((t for t in (CODE, TEXT) if t in prompt), None))
+                        given = next((t for t in (CODE, TEXT) if t in prompt), None)
+                        params = replace(plain, prediction=given)
                     if answers == "fresh":
                         forget_answers(llm)
                     elif answers == "again":

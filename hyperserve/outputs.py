@@ -56,4 +56,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
     error: str | None = None  # set when the engine failed while running the request
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs: one per prompt token
+    # SamplingParams.prompt_logprobs: one per prompt token
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -41,7 +41,8 @@ def target(save_hf_model):
 
 
 def _llm(path: str, **kwargs) -> LLM:
-    return LLM(model=path, num_kv_blocks=NUM_BLOCKS, block_size=4, max_model_len=96, dtype="float32", **kwargs)
+    return LLM(model=path, num_kv_blocks=NUM_BLOCKS, block_size=4, max_model_len=96, dtype="float32",
+               **kwargs)
 
 
 @pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_tokens": 4, "verify_cost": 0.2}],
@@ -56,7 +57,8 @@ def test_greedy_answers_are_the_same_with_right_edited_and_wrong_predictions(tar
     wrong = [[rng.randrange(64) for _ in range(40)] for _ in prompts]
     llm = _llm(target, speculative=speculative)
     for predictions in (answers, edited, wrong):
-        params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prediction=p) for p in predictions]
+        params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prediction=p)
+                  for p in predictions]
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == answers
         drafted = sum(o.metrics.num_prediction_tokens for o in outputs)
@@ -87,7 +89,8 @@ def test_sampled_tokens_with_a_prediction_follow_the_targets_distribution(save_h
 
 def test_a_prediction_outside_the_vocabulary_or_the_context_is_refused(target):
     llm = _llm(target)
-    for prediction, says in (([1, 64], "token ids must be integers"), ([1] * 97, "more than this model's context")):
+    for prediction, says in (([1, 64], "token ids must be integers"),
+                             ([1] * 97, "more than this model's context")):
         with pytest.raises(ValueError, match=says):
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, prediction=prediction), use_tqdm=False)
     assert llm.engine.kv_cache.num_free_blocks == NUM_BLOCKS and not llm.engine.has_unfinished_requests()

@@ -69,8 +69,8 @@ def test_a_prediction_is_drafted_on_a_server_without_a_method(server):
                  "rainforest. The region includes territory belonging to nine nations. The majority of the "
                  "forest is contained within Brazil, with 60% of the rainforest, followed by Peru with 13%, "
                  "and Colombia with 10%.")
-    ask = dict(model=MODEL, temperature=0, max_tokens=100,
-               messages=[{"role": "user", "content": f"Repeat the following paragraph exactly:\n\n{paragraph}"}])
+    question = f"Repeat the following paragraph exactly:\n\n{paragraph}"
+    ask = dict(model=MODEL, temperature=0, max_tokens=100, messages=[{"role": "user", "content": question}])
     plain = client.chat.completions.create(**ask)
     text = plain.choices[0].message.content
     assert plain.usage.completion_tokens > 40 and plain.usage.completion_tokens_details is None
@@ -79,14 +79,16 @@ def test_a_prediction_is_drafted_on_a_server_without_a_method(server):
     details = right.usage.completion_tokens_details
     assert details.accepted_prediction_tokens >= plain.usage.completion_tokens - 10, details
     assert details.rejected_prediction_tokens <= 5, details
+    unlike = {"type": "content", "content": [{"type": "text", "text": "Nothing alike. "}]}
     stream = client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True},
-                                            prediction={"type": "content",
-                                                        "content": [{"type": "text", "text": "Nothing alike. "}]})
+                                            prediction=unlike)
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     details = chunks[-1].usage.completion_tokens_details
     assert details.accepted_prediction_tokens < details.rejected_prediction_tokens, details
-    for prediction in ({"type": "image", "content": "x"}, {"type": "content", "content": [{"type": "image_url"}]}):
-        reply = httpx.post(f"{server.url}/v1/chat/completions", json={**ask, "prediction": prediction}, timeout=30)
+    for prediction in ({"type": "image", "content": "x"},
+                       {"type": "content", "content": [{"type": "image_url"}]}):
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json={**ask, "prediction": prediction},
+                           timeout=30)
         assert reply.status_code == 400 and "prediction" in reply.text, reply.text
     server.wait_idle()
