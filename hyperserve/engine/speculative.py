@@ -420,14 +420,16 @@ class Speculator:
 
 
 def predicted_continuation(prediction: Prediction, output: list[int], k: int) -> tuple[int, list[int]]:
-    """(n, up to k tokens of the prediction that follow where the answer stands in it): its start
-    while the answer is empty (n = 0); else what follows the longest end of the answer, n tokens
-    (PREDICTION_NGRAM down to one), found ending past the cursor (one token: within PREDICTION_NGRAM
-    tokens of it), or found anywhere (two tokens or more); (0, []) where none is. The cursor moves
-    there, so a prediction whose lines repeat is followed in order, and an answer that replaced a
-    word picks the prediction up again after it."""
-    if not output:
-        return 0, prediction.token_ids[:k]
+    """(n, up to k tokens of the prediction that follow where the answer stands in it). While the
+    answer is the prediction's beginning, what follows that (n = 0: the caller's own start, however
+    short); else what follows the longest end of the answer, n tokens (PREDICTION_NGRAM down to
+    one), found ending past the cursor (one token: within PREDICTION_NGRAM tokens of it), or found
+    anywhere (two tokens or more); (0, []) where none is. The cursor moves there, so a prediction
+    whose lines repeat is followed in order, and an answer that replaced a word picks the
+    prediction up again after it."""
+    if len(output) < PREDICTION_NGRAM and prediction.token_ids[: len(output)] == output:
+        prediction.cursor = len(output)
+        return 0, prediction.token_ids[prediction.cursor : prediction.cursor + k]
     tail = array.array("i", output[-PREDICTION_NGRAM:]).tobytes()
     for n in range(len(tail) // 4, 0, -1):
         end = tail[-4 * n :]

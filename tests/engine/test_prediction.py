@@ -21,14 +21,14 @@ NUM_BLOCKS = 256
 def test_a_prediction_is_followed_from_where_the_answer_stands():
     prediction = Prediction([10, 11, 12, 13, 14, 15, 16])
     assert predicted_continuation(prediction, [], 3) == (0, [10, 11, 12])  # the answer's start
-    assert predicted_continuation(prediction, [10, 11], 3) == (2, [12, 13, 14])
+    assert predicted_continuation(prediction, [10, 11], 3) == (0, [12, 13, 14])  # still its start
     # a word replaced (99 98 for 12): picked up again after it, from one token on
     assert predicted_continuation(prediction, [10, 11, 99, 98, 13], 2) == (1, [14, 15])
     assert predicted_continuation(prediction, [10, 11, 99, 98, 13, 77], 2) == (0, [])  # nowhere in it
 
     # a prediction whose lines repeat is followed in order: "1 2 3" is found ending past the cursor
     lines = Prediction([1, 2, 3, 9, 5, 1, 2, 3, 8])
-    assert predicted_continuation(lines, [1, 2, 3], 1) == (3, [9])
+    assert predicted_continuation(lines, [1, 2, 3], 1) == (0, [9])
     assert predicted_continuation(lines, [1, 2, 3, 7, 6, 1, 2, 3], 1) == (3, [8])  # the answer left line 1
     # ... but an answer that goes back finds the earlier line (two tokens or more)
     assert predicted_continuation(lines, [1, 2, 3, 7, 6, 1, 2, 3, 4, 5, 1, 2], 1) == (3, [3])
