@@ -2,7 +2,8 @@
 real, on any x86-64 machine: the kernel and fused-layer tests again inside qemu-user emulating a
 Haswell. Its CPUID lists AVX2, FMA and F16C and no AVX-512, so PyTorch and our kernels choose their
 AVX2 code, and the first AVX-512 instruction anything runs stops the process (SIGILL). What it
-cannot show is speed (BENCHMARKS.md's AVX2 figures are measured natively)."""
+cannot show is speed (BENCHMARKS.md's AVX2 figures are measured natively). On an AVX-512 CPU every
+fused-layer test also runs natively on the AVX2 paths, at native speed."""
 
 from __future__ import annotations
 
@@ -22,13 +23,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(platform.machine() != "x86_64" or QEMU is None,
-                       reason="needs qemu-user (make test installs it) on an x86-64 machine"),
+    pytest.mark.skipif(platform.machine() != "x86_64", reason="the AVX2 paths are x86-64's"),
     pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels could not be built here"),
 ]
 
-# Inside the emulator: which code paths it takes, then the tests, in one process (starting PyTorch
-# there takes ~15 s).
+# Which code paths the process takes, then the tests, in one process (starting PyTorch in the
+# emulator takes ~15 s).
 EMULATED = """
 import sys
 import pytest
@@ -42,26 +42,48 @@ sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[1:]]))
 """
 
 
-# Emulation runs 50-70x slower than the CPU it runs on (the fused-layer tests took 8 minutes
-# there on a 2-core Intel VM, pushing `make test` past 25). Left out: the longest variants whose
-# instructions the kept ones run too (one thread or several; the other layout's attention over
-# long contexts, Gemma's sliding window in Q8_0 rows, two K/V heads' tiles beside one's).
-LEFT_OUT = [f"tests/layers/test_fused_decode.py::{name}" for name in (
-    "test_a_step_gives_the_same_bits_on_one_thread_or_several",
-    "test_attention_over_contexts_of_several_spans_matches_the_pytorch_layers[rows]",
-    "test_a_sliding_window_and_gemmas_layers_match_the_pytorch_layers[rows-gemma3-int8-64]",
-    "test_rows_of_one_sequence_attend_together_with_the_same_bits_as_alone[two-kv-heads-interleaved]")]
+# Emulation runs 50-70x slower than the CPU it runs on: all the fused-layer tests took 4-8 minutes
+# there on a 2-core Intel VM, pushing `make test` to 25. So the emulator runs every kernel test
+# and, of the fused-layer tests, variants that between them reach each path (both int4 layouts,
+# int8 rows, head sizes 16 and 64, the long-context spans, a verify step's tiles, a sliding window,
+# LoRA, a bfloat16 cache, batching and caching, the bounds check); their numbers on every variant
+# are checked natively with the AVX2 paths forced (the test after this one).
+EMULATED_FUSED = [f"tests/layers/test_fused_decode.py::{name}[{variant}]" for name, variants in {
+    "test_fused_decode_matches_the_pytorch_layers_in_float32":
+        ("rows-llama-4-2-64", "interleaved-llama-3-1-192", "interleaved-qwen3_moe-4-2-64"),
+    "test_attention_over_contexts_of_several_spans_matches_the_pytorch_layers": ("interleaved",),
+    "test_a_sliding_window_and_gemmas_layers_match_the_pytorch_layers":
+        ("rows-gemma3-int8-16", "interleaved-gemma3-int4-16"),
+    "test_rows_of_one_sequence_attend_together_with_the_same_bits_as_alone": ("one-kv-head-interleaved",),
+    "test_fused_decode_applies_each_rows_lora_adapter_as_the_pytorch_layers_do": ("gemma3-int8",),
+    "test_fused_decode_reads_a_bfloat16_cache": ("rows",),
+    "test_greedy_generation_is_the_same_batched_or_alone": ("interleaved-llama",),
+    "test_where_every_step_is_fused_a_request_is_the_same_cached_chunked_or_batched": ("llama",),
+    "test_a_slot_or_block_outside_the_cache_is_refused_before_anything_is_written": ("decode_layers",),
+}.items() for variant in variants]
+AVX2_PATHS = "paths: avx2 AVX2 False"  # our AVX2 kernels, PyTorch's, no bfloat16 instructions
 
 
-def test_kernels_and_fused_layers_pass_on_an_avx2_only_cpu():
-    env = {k: v for k, v in os.environ.items() if k not in ("HYPERSERVE_MAX_ISA", "ATEN_CPU_CAPABILITY")}
-    result = subprocess.run(
-        [QEMU, "-cpu", "Haswell", sys.executable, "-c", EMULATED,
-         "tests/kernels/test_cpu_ops.py", "tests/layers/test_fused_decode.py",
-         *(f"--deselect={node}" for node in LEFT_OUT)],
-        cwd=ROOT, env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900)
+def run_pytest(prefix: list[str], env: dict[str, str], tests: list[str]) -> str:
+    """EMULATED's output over these tests, run by `prefix` (the emulator, or nothing)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HYPERSERVE_MAX_ISA", "ATEN_CPU_CAPABILITY")} | env
+    result = subprocess.run([*prefix, sys.executable, "-c", EMULATED, *tests], cwd=ROOT,
+                            env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900)
     output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
-    assert "paths: avx2 AVX2 False" in output  # our AVX2 kernels, PyTorch's, no bfloat16 instructions
+    assert result.returncode == 0, output[-4000:]  # a test not found fails too
     assert " passed" in output and " failed" not in output
-    assert f"{len(LEFT_OUT)} deselected" in output  # each name still names a test
+    return output
+
+
+@pytest.mark.skipif(QEMU is None, reason="needs qemu-user (make test installs it)")
+def test_kernels_and_fused_layers_pass_on_an_avx2_only_cpu():
+    output = run_pytest([QEMU, "-cpu", "Haswell"], {}, ["tests/kernels/test_cpu_ops.py", *EMULATED_FUSED])
+    assert AVX2_PATHS in output
+
+
+@pytest.mark.skipif(kernels.isa() != "avx512_vnni",
+                    reason="this CPU runs the AVX2 paths in the plain test run")
+def test_every_fused_layer_test_passes_on_the_avx2_paths():
+    output = run_pytest([], {"HYPERSERVE_MAX_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2"},
+                        ["tests/layers/test_fused_decode.py"])
+    assert AVX2_PATHS in output
