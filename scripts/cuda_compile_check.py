@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -160,11 +161,12 @@ def main() -> int:
     print(f"Triton {triton.__version__}, sm_{args.arch}")
     print(f"{'variant':<62}{'engine':>7}{'registers':>10}{'spills':>8}", flush=True)
     spilled = []
-    for group in args.kernels:
-        for name, engine, fn, types, constexprs, options in KERNELS[group]():
-            if args.engine_only and not engine:
-                continue
-            registers, spills = usage(build(fn, types, constexprs, args.arch, **options))
+    variants = [variant for group in args.kernels for variant in KERNELS[group]()
+                if variant[1] or not args.engine_only]
+    # Triton's compiler and ptxas leave the GIL for most of a build: a thread a core
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        usages = pool.map(lambda v: usage(build(v[2], v[3], v[4], args.arch, **v[5])), variants)
+        for (name, engine, *_), (registers, spills) in zip(variants, usages):
             print(f"{name:<62}{'yes' if engine else 'no':>7}{registers:>10}{spills:>8}", flush=True)
             if spills and engine:
                 spilled.append(name)
