@@ -244,11 +244,9 @@ class NgramProposer:
         0.35 ms of a 6 ms decode step."""
         data = array.array("i", tokens).tobytes()
         for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
-            suffix, end = data[-4 * n :], len(data) - 4  # occurrences end before the suffix's last token
-            while (at := data.rfind(suffix, 0, end)) > 0 and at % 4:
-                end = at + len(suffix) - 1  # straddles token boundaries: look further back
-            if at >= 0:
-                return n, tokens[at // 4 + n : at // 4 + n + k]
+            # the latest occurrence that ends before the suffix's last token
+            if (at := find_tokens(data, data[-4 * n :], 0, len(tokens) - 1, latest=True)) >= 0:
+                return n, tokens[at + n : at + n + k]
         return 0, []
 
     def finished(self, request: Request) -> None:
@@ -434,23 +432,24 @@ def predicted_continuation(prediction: Prediction, output: list[int], k: int) ->
     for n in range(len(tail) // 4, 0, -1):
         end = tail[-4 * n :]
         # an answer that went on along the prediction ends past the cursor
-        at = _find_tokens(prediction.data, end, max(0, prediction.cursor + 1 - n))
+        at = find_tokens(prediction.data, end, max(0, prediction.cursor + 1 - n))
         if n == 1 and at - prediction.cursor >= PREDICTION_NGRAM:
             at = -1  # one token is a word replaced, not text far ahead (a paraphrase's commas)
         if at < 0 and n >= 2:
-            at = _find_tokens(prediction.data, end, 0)
+            at = find_tokens(prediction.data, end, 0)
         if at >= 0:
             prediction.cursor = at + n
             return n, prediction.token_ids[prediction.cursor : prediction.cursor + k]
     return 0, []
 
 
-def _find_tokens(data: bytes, tokens: bytes, start: int) -> int:
-    """The first token at or after token `start` where `tokens` occur in `data` (both 4-byte
-    integers), or -1."""
-    at = data.find(tokens, 4 * start)
-    while at >= 0 and at % 4:  # straddles token boundaries: look further on
-        at = data.find(tokens, at + 1)
+def find_tokens(data: bytes, tokens: bytes, start: int, end: int | None = None, latest: bool = False) -> int:
+    """The token index where `tokens` occur whole in `data` (both 4-byte integers) first, or
+    `latest`, within token positions [start, end); -1 if nowhere. bytes.find and rfind search at C
+    speed, a match that straddles token boundaries is skipped."""
+    low, high = 4 * start, len(data) if end is None else 4 * end
+    while (at := data.rfind(tokens, low, high) if latest else data.find(tokens, low, high)) >= 0 and at % 4:
+        low, high = (low, at + len(tokens) - 1) if latest else (at + 1, high)
     return at // 4 if at >= 0 else -1
 
 
