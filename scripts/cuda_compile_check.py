@@ -163,10 +163,14 @@ def main() -> int:
     spilled = []
     variants = [variant for group in args.kernels for variant in KERNELS[group]()
                 if variant[1] or not args.engine_only]
+
+    def measure(variant) -> tuple[int, int]:
+        _, _, fn, types, constexprs, options = variant
+        return usage(build(fn, types, constexprs, args.arch, **options))
+
     # Triton's compiler and ptxas leave the GIL for most of a build: a thread a core
     with ThreadPoolExecutor(os.cpu_count()) as pool:
-        usages = pool.map(lambda v: usage(build(v[2], v[3], v[4], args.arch, **v[5])), variants)
-        for (name, engine, *_), (registers, spills) in zip(variants, usages):
+        for (name, engine, *_), (registers, spills) in zip(variants, pool.map(measure, variants)):
             print(f"{name:<62}{'yes' if engine else 'no':>7}{registers:>10}{spills:>8}", flush=True)
             if spills and engine:
                 spilled.append(name)

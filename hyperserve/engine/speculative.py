@@ -448,8 +448,12 @@ def find_tokens(data: bytes, tokens: bytes, start: int, end: int | None = None, 
     `latest`, within token positions [start, end); -1 if nowhere. bytes.find and rfind search at C
     speed, a match that straddles token boundaries is skipped."""
     low, high = 4 * start, len(data) if end is None else 4 * end
-    while (at := data.rfind(tokens, low, high) if latest else data.find(tokens, low, high)) >= 0 and at % 4:
-        low, high = (low, at + len(tokens) - 1) if latest else (at + 1, high)
+    search = data.rfind if latest else data.find
+    while (at := search(tokens, low, high)) >= 0 and at % 4:
+        if latest:
+            high = at + len(tokens) - 1
+        else:
+            low = at + 1
     return at // 4 if at >= 0 else -1
 
 

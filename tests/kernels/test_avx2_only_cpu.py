@@ -67,9 +67,9 @@ AVX2_PATHS = "paths: avx2 AVX2 False"  # our AVX2 kernels, PyTorch's, no bfloat1
 def run_pytest(prefix: list[str], env: dict[str, str], tests: list[str]) -> str:
     """EMULATED's output over these tests, run by `prefix` (the emulator, or nothing)."""
     caps = ("HYPERSERVE_MAX_ISA", "ATEN_CPU_CAPABILITY")
-    env = {k: v for k, v in os.environ.items() if k not in caps} | env
-    result = subprocess.run([*prefix, sys.executable, "-c", EMULATED, *tests], cwd=ROOT,
-                            env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900)
+    env = {k: v for k, v in os.environ.items() if k not in caps} | env | {"HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([*prefix, sys.executable, "-c", EMULATED, *tests], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=900)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]  # a test not found fails too
     assert " passed" in output and " failed" not in output
