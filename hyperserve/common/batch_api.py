@@ -175,7 +175,7 @@ class BatchAPI:
         kind = FILES if path == FILES or path.startswith(FILES + "/") else \
             BATCHES if path == BATCHES or path.startswith(BATCHES + "/") else None
         if scope["type"] == "lifespan":
-            return await self.app(scope, receive, self._resume_once_started(send))
+            return await self.app(scope, receive, self._lifespan_send(send))
         if scope["type"] != "http" or kind is None:
             if scope.get("method") in ("GET", "HEAD", "OPTIONS"):
                 return await self.app(scope, receive, send)  # pages, health, metrics: no engine work
@@ -236,19 +236,21 @@ class BatchAPI:
 
     # ---- batches -------------------------------------------------------------------------------
 
-    def _resume_once_started(self, send):
+    def _lifespan_send(self, send):
         """The lifespan's `send`: once the app has started, the batches an earlier run left running
-        go on."""
-        async def started(message) -> None:
+        go on; once it has shut down, a temporary store's directory goes."""
+        async def forward(message) -> None:
             if message["type"] == "lifespan.startup.complete":
                 for batch in self.batches.values():
                     if batch.status in ACTIVE:
                         if batch.status == "cancelling":
                             batch.cancelled.set()
                         self._start(batch)
+            elif message["type"] == "lifespan.shutdown.complete":
+                self.store.close()
             await send(message)
 
-        return started
+        return forward
 
     async def _batches(self, scope, receive, send, owner: str, batch_id: str, tail: str, query: dict,
                        key=None) -> None:

@@ -42,7 +42,8 @@ class StoredFile:
 
 class FileStore:
     """Files on disk, each visible to its owner alone; `max_bytes` is what they may hold together.
-    Without a directory they live in a temporary one, gone when the process ends."""
+    Without a directory they live in a temporary one, removed by close() (the app's shutdown): a
+    server stopped by SIGTERM ends by the signal, after uvicorn's shutdown, so nothing at exit would."""
 
     def __init__(self, directory: Path | None, max_bytes: int) -> None:
         self._temporary = None if directory is not None else tempfile.TemporaryDirectory(prefix="hyperserve-files-")
@@ -57,6 +58,11 @@ class FileStore:
                 continue  # not one of ours
             if self.path(stored.id).exists():
                 self.files[stored.id] = stored
+
+    def close(self) -> None:
+        """Remove the temporary directory, if the files live in one."""
+        if self._temporary is not None:
+            self._temporary.cleanup()
 
     @property
     def bytes(self) -> int:

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -81,8 +82,8 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.log = RequestLog(config.log.path)
         self.embedded = embedded or {}
-        socket_dir = tempfile.mkdtemp(prefix="hyperserve-") if self.embedded else None
-        self.sockets = {name: os.path.join(socket_dir, f"{name}.sock") for name in self.embedded}
+        self._socket_dir = tempfile.mkdtemp(prefix="hyperserve-") if self.embedded else None
+        self.sockets = {name: os.path.join(self._socket_dir, f"{name}.sock") for name in self.embedded}
         self.router: Router | None = None
         self.cache: ResponseCache | None = None
         self.backends: dict[str, Backend] = {}
@@ -131,6 +132,8 @@ class Gateway:
         for server, task in self._servers:
             server.should_exit = True
             await task
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
         if self.cache is not None:
             self.cache.close()
         self.log.close()

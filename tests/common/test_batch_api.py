@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+import tempfile
 import time
 
 import openai
@@ -243,6 +244,18 @@ def test_a_batch_whose_results_cannot_be_stored_fails_saying_why():
         batch = finished(api, api.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
                                                  completion_window="24h").id)
     assert batch.status == "failed" and "delete some first" in batch.errors.data[0].message
+
+
+def test_a_server_without_a_files_directory_removes_its_temporary_one_at_shutdown(tmp_path, monkeypatch):
+    """uvicorn ends a SIGTERM-stopped server by the signal, so the app's shutdown is what removes it."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    app = FastAPI()
+    app.add_middleware(BatchAPI)
+    with TestClient(app) as client:
+        api = openai.OpenAI(base_url="http://testserver/v1", api_key="-", http_client=client)
+        api.files.create(file=("in.jsonl", jsonl({"prompt": "a"})), purpose="batch")
+        assert [path.name[:17] for path in tmp_path.iterdir()] == ["hyperserve-files-"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_batch_request_body_is_bounded(client):

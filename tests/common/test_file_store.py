@@ -1,4 +1,5 @@
-"""FileStore: files on disk that a store on the same directory finds again, each its owner's alone."""
+"""FileStore: files on disk that a store on the same directory finds again, each its owner's alone;
+a temporary store's directory removed on close."""
 
 from __future__ import annotations
 
@@ -21,3 +22,11 @@ def test_files_are_found_again_by_a_store_on_the_same_directory(tmp_path):
         again.get("key:bob", kept.id)
     with pytest.raises(APIError, match="more than 100 bytes"):
         again.add("key:alice", "big.jsonl", "batch", b"x" * 98)
+
+
+def test_a_store_without_a_directory_removes_its_temporary_one_on_close():
+    store = FileStore(None, max_bytes=100)
+    store.add("", "in.jsonl", "batch", b"{}\n")
+    assert store.directory.is_dir()
+    store.close()
+    assert not store.directory.exists()

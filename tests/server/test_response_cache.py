@@ -1,6 +1,8 @@
 """`hyperserve serve --semantic-cache`: the gateway's cache in front of the server's own engine."""
 
 import json
+import tempfile
+from pathlib import Path
 
 import httpx
 import pytest
@@ -10,13 +12,21 @@ from tests.server.conftest import start_server, stop_server
 pytestmark = pytest.mark.slow
 
 
+def temporary_directories() -> set[Path]:
+    """The servers' own temporary directories: the Batch API's files, the engine's socket."""
+    return {path for path in Path(tempfile.gettempdir()).glob("hyperserve-*") if path.is_dir()}
+
+
 @pytest.fixture(scope="module")
 def cached_server(tmp_path_factory):
     path = tmp_path_factory.mktemp("response-cache") / "cache.sqlite"
+    before = temporary_directories()
     server = start_server("--semantic-cache", "--response-cache-path", str(path), "--kv-cache-memory-gb",
                           "0.5", log_name="semantic-cache")
+    assert len(temporary_directories() - before) == 3  # the server's files, the gateway's, the socket's
     yield server
     stop_server(server)
+    assert temporary_directories() == before  # a SIGTERM-stopped server leaves none behind
 
 
 def _ask(url: str, content: str, stream: bool = False) -> httpx.Response:
