@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hyperserve.common.messages import message_text
 from hyperserve.sampling_params import SamplingParams, StructuredOutputs
@@ -35,6 +35,14 @@ class StreamOptions(BaseModel):
 
 
 _INT32 = 2**31
+
+
+def _text_parts(content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    message_text(content)  # only text parts are served: anything else is a ValueError that names it
+    return content
+
+
+TextContent = Annotated[str | list[dict[str, Any]], AfterValidator(_text_parts)]  # a message's, a prediction's
 
 
 class JsonSchemaFormat(BaseModel):
@@ -62,13 +70,7 @@ class PredictedOutput(BaseModel):
     edited); where the answer follows it, its tokens are verified several a step. Text parts only."""
 
     type: Literal["content"]
-    content: str | list[dict[str, Any]]
-
-    @field_validator("content")
-    @classmethod
-    def _text_only(cls, content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-        message_text(content)
-        return content
+    content: TextContent
 
     @property
     def text(self) -> str:
@@ -219,16 +221,10 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: TextContent | None = None
     tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)  # an assistant's earlier calls
     tool_call_id: str | None = Field(default=None, max_length=256)  # a tool message: the call it answers
     name: str | None = Field(default=None, max_length=64)
-
-    @field_validator("content")
-    @classmethod
-    def _text_only(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
-        message_text(content)  # only text parts are served: anything else is a ValueError that names it
-        return content
 
     def for_template(self) -> dict[str, Any]:
         """As a chat template takes it (tool calls with their arguments parsed, as Hugging Face's
