@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asgi_lifespan import LifespanManager
+
 from hyperserve.ray_adapters import AdapterSet, ReplicaAdapters
 from hyperserve.security.middleware import KEY_DIGEST
 
@@ -47,7 +49,8 @@ class EngineReplica:
                              lora_dir=config.lora_dir and Path(config.lora_dir))
         self.adapters = ReplicaAdapters(config.lora_modules)
         self.replica = serve.get_replica_context().replica_id.unique_id
-        self._lifespan = self.app.router.lifespan_context(self.app)
+        # through the whole app, as uvicorn runs it: the middleware's own start and stop included
+        self._lifespan = LifespanManager(self.app, startup_timeout=None, shutdown_timeout=None)
         await self._lifespan.__aenter__()
         while (await self._call("GET", "/health"))[0] != 200:  # ready once the model is loaded
             if errors:

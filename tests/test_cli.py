@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 
 import pytest
 
@@ -37,7 +38,9 @@ def _batch_file(path, lines: list[tuple[str, dict]], url: str = "/v1/completions
     return str(path)
 
 
-def test_run_batch_answers_a_batch_file_in_order(tmp_path, capsys):
+def test_run_batch_answers_a_batch_file_in_order(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     prompts = ["The capital of France is", "One, two,", "Hello"]
     lines = [(f"p{i}", {"prompt": p, "max_tokens": 4, "temperature": 0}) for i, p in enumerate(prompts)]
     lines.insert(1, ("bad", {"prompt": "x", "max_tokens": -1}))
@@ -49,6 +52,7 @@ def test_run_batch_answers_a_batch_file_in_order(tmp_path, capsys):
     assert [r["response"]["status_code"] for r in results] == [200, 400, 200, 200]
     assert all(r["response"]["body"]["choices"][0]["text"] for r in results if r["custom_id"] != "bad")
     assert "3 of 4 requests answered, 1 failed" in capsys.readouterr().err
+    assert list((tmp_path / "tmp").iterdir()) == []  # the Batch API's files went with the app's shutdown
 
 
 @pytest.mark.parametrize("urls", [["/v1/completions", "/v1/chat/completions"], ["/v1/moderations"]])

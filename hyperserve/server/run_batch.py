@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import httpx
+from asgi_lifespan import LifespanManager
 from tqdm import tqdm
 
 from hyperserve.common.batch_api import ENDPOINTS
@@ -40,7 +41,7 @@ async def run_batch(app, input_path: Path, output_path: Path, progress: bool = T
     output_path and return the batch's request counts. RuntimeError if the batch fails as a whole."""
     data = input_path.read_bytes()
     endpoint = batch_endpoint(data)
-    async with app.router.lifespan_context(app), httpx.AsyncClient(
+    async with LifespanManager(app, startup_timeout=None, shutdown_timeout=None), httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://run-batch", timeout=None) as client:
         while (health := await client.get("/health")).status_code != 200:
             status = health.json().get("status", "")
