@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -250,7 +251,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if cached and args.embedding_model:
         sys.exit("error: --embedding-model is served without the response cache; drop --semantic-cache and "
                  "--response-cache, or serve embeddings from a second `hyperserve serve`")
-    app = build_app(models, settings, governor=None if cached else governor,
+    # behind the cache, the front's Batch API keeps the files: the engine's own is never reached
+    app = build_app(models, dataclasses.replace(settings, files_dir=None) if cached else settings,
+                    governor=None if cached else governor,
                     on_load_error=lambda error: stop(f"the model failed to load: {error}"),
                     on_engine_dead=lambda error: stop(f"the engine stopped: {type(error).__name__}: {error}"),
                     max_loaded_models=args.max_loaded_models, idle_unload_s=args.idle_unload_s,
@@ -321,7 +324,7 @@ def _cached_front(engine_app, settings, model_names: list[str], args: argparse.N
                   "semantic": {"enabled": args.semantic_cache, "threshold": args.semantic_cache_threshold}},
     }, source="serve flags")
     return build_gateway_app(config, embedded={"engine": engine_app}, max_body_bytes=settings.max_body_bytes,
-                             governor=governor)
+                             governor=governor, files_dir=settings.files_dir and Path(settings.files_dir))
 
 
 def cmd_gateway(args: argparse.Namespace) -> None:

@@ -368,8 +368,10 @@ async def _aiter(events: Iterable[str]) -> AsyncIterator[str]:
 
 
 def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = None,
-                      max_body_bytes: int = 4 * 2**20, governor: Governor | None = None) -> FastAPI:
-    """A FastAPI app for a Gateway (see Gateway for `embedded`)."""
+                      max_body_bytes: int = 4 * 2**20, governor: Governor | None = None,
+                      files_dir: Path | None = None) -> FastAPI:
+    """A FastAPI app for a Gateway (see Gateway for `embedded`); `files_dir`: where /v1/files keeps
+    the Batch API's files (None: a temporary directory)."""
     gateway = Gateway(config, embedded)
 
     @contextlib.asynccontextmanager
@@ -385,7 +387,8 @@ def build_gateway_app(config: GatewayConfig, embedded: dict[str, Any] | None = N
     app.add_middleware(AnthropicAPI)  # and /v1/messages
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     # /v1/files and /v1/batches, each line through the routes (no `priority`: not every backend takes one)
-    app.add_middleware(BatchAPI, governor=governor, priority=None, registry=gateway.metrics.registry)
+    app.add_middleware(BatchAPI, governor=governor, files_dir=files_dir, priority=None,
+                       registry=gateway.metrics.registry)
     install_error_handlers(app)
     app.include_router(routes)
     install_web_ui(app, gateway.metrics.registry, "gateway", gateway.refresh_backend_health,

@@ -18,12 +18,17 @@ def temporary_directories() -> set[Path]:
 
 
 @pytest.fixture(scope="module")
-def cached_server(tmp_path_factory):
+def files_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("files")
+
+
+@pytest.fixture(scope="module")
+def cached_server(tmp_path_factory, files_dir):
     path = tmp_path_factory.mktemp("response-cache") / "cache.sqlite"
     before = temporary_directories()
     server = start_server("--semantic-cache", "--response-cache-path", str(path), "--kv-cache-memory-gb",
-                          "0.5", log_name="semantic-cache")
-    assert len(temporary_directories() - before) == 3  # the server's files, the gateway's, the socket's
+                          "0.5", "--files-dir", str(files_dir), log_name="semantic-cache")
+    assert len(temporary_directories() - before) == 2  # the engine's unreached files, the socket's
     yield server
     stop_server(server)
     assert temporary_directories() == before  # a SIGTERM-stopped server leaves none behind
@@ -87,3 +92,11 @@ def test_its_dashboard_charts_the_cache_and_the_engine(cached_server):
         for title in ("Requests/s by cache outcome", "Throughput (tokens/s)", "KV cache (% of the pool)"):
             playwright_api.expect(page.locator(f"section.chart[aria-label='{title}']")).to_be_visible()
         browser.close()
+
+
+def test_uploaded_files_are_kept_in_the_files_dir(cached_server, files_dir):
+    """The front's Batch API answers /v1/files, so it, not the engine behind it, keeps them there."""
+    upload = httpx.post(f"{cached_server.url}/v1/files", files={"file": ("in.jsonl", b"{}\n")},
+                        data={"purpose": "batch"}, timeout=30)
+    assert upload.status_code == 200, upload.text
+    assert (files_dir / upload.json()["id"]).read_bytes() == b"{}\n"
