@@ -251,8 +251,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if cached and args.embedding_model:
         sys.exit("error: --embedding-model is served without the response cache; drop --semantic-cache and "
                  "--response-cache, or serve embeddings from a second `hyperserve serve`")
-    # behind the cache, the front's Batch API keeps the files: the engine's own is never reached
-    app = build_app(models, dataclasses.replace(settings, files_dir=None) if cached else settings,
+    # behind the cache, the front's Batch API answers /v1/files and /v1/batches
+    app = build_app(models, dataclasses.replace(settings, batch_api=False) if cached else settings,
                     governor=None if cached else governor,
                     on_load_error=lambda error: stop(f"the model failed to load: {error}"),
                     on_engine_dead=lambda error: stop(f"the engine stopped: {type(error).__name__}: {error}"),
@@ -337,7 +337,8 @@ def cmd_gateway(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = _with_cors(build_gateway_app(load_config(args.config), max_body_bytes=args.max_body_bytes,
-                                       governor=_governor(args)), args)
+                                       governor=_governor(args),
+                                       files_dir=args.files_dir and Path(args.files_dir)), args)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
                 access_log=not args.quiet, timeout_graceful_shutdown=args.shutdown_grace_s)
 
@@ -458,6 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--port", type=int, default=8080)
     gateway.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     gateway.add_argument("--shutdown-grace-s", type=float, default=30.0)
+    gateway.add_argument("--files-dir", default=None,
+                         help="where the Batch API keeps /v1/files (default: a temporary directory, gone at exit)")
     gateway.add_argument("--quiet", action="store_true", help="no access log")
     _security_args(gateway)
     gateway.set_defaults(func=cmd_gateway)

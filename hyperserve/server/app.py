@@ -119,10 +119,11 @@ def build_app(
     app.add_middleware(ResponsesAPI, governor=governor, store_bytes=settings.responses_store_bytes)
     app.add_middleware(AnthropicAPI)  # /v1/messages over the chat route too
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    # outermost: uploads may exceed max_body_bytes; each batch line goes through everything above
-    app.add_middleware(BatchAPI, governor=governor, files_dir=settings.files_dir and Path(settings.files_dir),
-                       concurrency=settings.batch_concurrency,
-                       busy_concurrency=settings.batch_concurrency_busy, registry=metrics.registry)
+    if settings.batch_api:  # outermost: uploads may exceed max_body_bytes; each line goes through the rest
+        app.add_middleware(BatchAPI, governor=governor,
+                           files_dir=settings.files_dir and Path(settings.files_dir),
+                           concurrency=settings.batch_concurrency,
+                           busy_concurrency=settings.batch_concurrency_busy, registry=metrics.registry)
 
     async def serving(model: str | None) -> OpenAIServing:
         if state.shutting_down:

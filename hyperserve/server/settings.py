@@ -20,6 +20,7 @@ class ServerSettings:
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: chat answers' thinking to reasoning_content
     tool_call_parser: str | None = None  # a tools.FORMATS name; None: the chat template's format, else hermes
     files_dir: str | None = None  # where /v1/files keeps the Batch API's files (None: a temporary directory)
+    batch_api: bool = True  # serve /v1/files and /v1/batches (off behind a response cache: its front does)
     batch_concurrency: int = 16  # lines of all batches in the engine at once while it serves nothing else
     batch_concurrency_busy: int = 2  # ... and while it does (common/batch_api.py's LineSlots)
     # One request fans out into at most this many sequences (prompts x n), as a multiple of

@@ -259,11 +259,13 @@ def test_a_cascade_over_two_models_of_one_local_server(tmp_path):
 
 def test_a_batch_through_the_gateway_takes_its_routes(stubs, tmp_path):
     """OpenAI's Batch API on the gateway: each line is routed (a backend killed is bypassed) and
-    answered as alone."""
+    answered as alone, its files kept in --files-dir."""
     import openai
 
     stubs[1].kill()
-    with start_gateway(_config(stubs, tmp_path, cache={"enabled": False}), tmp_path) as gateway:
+    files_dir = tmp_path / "files"
+    with start_gateway(_config(stubs, tmp_path, cache={"enabled": False}), tmp_path,
+                       args=("--files-dir", str(files_dir))) as gateway:
         api = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
         data = "".join(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
                                    "body": {"model": "m", "messages": [{"role": "user", "content": f"question {i}"}]}})
@@ -278,6 +280,7 @@ def test_a_batch_through_the_gateway_takes_its_routes(stubs, tmp_path):
         output = [json.loads(line) for line in api.files.content(batch.output_file_id).text.splitlines()]
         assert [line["response"]["body"]["choices"][0]["message"]["content"] for line in output] == \
             [f"a says: question {i}" for i in range(3)]
+        assert (files_dir / batch.output_file_id).read_text() == api.files.content(batch.output_file_id).text
 
 
 def test_websocket_streams_caches_refuses_and_cancels_through_the_routes(stubs, tmp_path):
