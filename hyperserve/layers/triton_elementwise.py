@@ -180,13 +180,11 @@ def _rotary_and_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr,
     if QK_NORM:  # Qwen3's and Gemma 3's RMSNorm of each q and k head before the rotation, rounded once
         wide = x.to(tl.float32)
         rstd = (1.0 / tl.sqrt(tl.sum(wide * wide, axis=1) / D + eps))[:, None]
-        q_weight = tl.load(q_norm_ptr + offs).to(tl.float32)[None, :]
-        k_weight = tl.load(k_norm_ptr + offs).to(tl.float32)[None, :]
-        q_partner = tl.load(q_norm_ptr + partner_offs).to(tl.float32)[None, :]
-        k_partner = tl.load(k_norm_ptr + partner_offs).to(tl.float32)[None, :]
-        normed = (wide * rstd * tl.where(is_q[:, None], q_weight, k_weight)).to(x.dtype)
-        x = tl.where(rotates[:, None], normed, x)  # v heads as they are
-        partner = (partner * rstd * tl.where(is_q[:, None], q_partner, k_partner)).to(x.dtype).to(tl.float32)
+        norm = tl.where(is_q, q_norm_ptr, k_norm_ptr)[:, None]  # each head's weight [D]
+        weight = tl.load(norm + offs[None, :], mask=rotates[:, None], other=0.0).to(tl.float32)
+        partner_weight = tl.load(norm + partner_offs[None, :], mask=rotates[:, None], other=0.0).to(tl.float32)
+        x = tl.where(rotates[:, None], (wide * rstd * weight).to(x.dtype), x)  # v heads as they are
+        partner = (partner * rstd * partner_weight).to(x.dtype).to(tl.float32)
     cos = tl.load(cos_ptr + token * stride_cos + offs)[None, :]
     sin = tl.load(sin_ptr + token * stride_cos + offs).to(tl.float32)[None, :]
     scaled = (x.to(tl.float32) * cos.to(tl.float32)).to(x.dtype).to(tl.float32)
