@@ -12,6 +12,9 @@
   transformers does) and `load_weight` adds it back.
 - Embeddings are scaled by sqrt(hidden_size) (in the model's dtype, as transformers does); the
   LM head is the unscaled embedding.
+
+Tensor parallelism splits it as the Llama family's (models/llama.py): heads, the MLP's width and
+the vocabulary per rank, an all-reduce after o and down (before the norm of their output).
 """
 
 from __future__ import annotations
@@ -28,7 +31,14 @@ from hyperserve.layers import on_triton
 from hyperserve.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from hyperserve.layers.linear import Linear
 from hyperserve.layers.rotary import RotaryEmbedding
-from hyperserve.models.llama import _FUSED, RMSNorm, head_dim_of, rotated_attention
+from hyperserve.models.llama import (
+    _FUSED,
+    RMSNorm,
+    embed_vocab_parallel,
+    head_dim_of,
+    rank_slice,
+    rotated_attention,
+)
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 
@@ -50,10 +60,12 @@ END_OF_TURN = "<end_of_turn>"
 
 class Gemma3Attention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_type: str, rotary: RotaryEmbedding,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        heads = tp.head_slice(config.num_attention_heads, config.num_key_value_heads)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads  # this rank's
         self.head_dim = head_dim_of(config)
+        self.tp = tp
         self.scale = config.query_pre_attn_scalar**-0.5
         self.local = layer_type == LOCAL
         self.shard_sizes = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
@@ -69,39 +81,43 @@ class Gemma3Attention(nn.Module):
         meta = meta if self.local or meta.full_attention is None else meta.full_attention
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         if (out := rotated_attention(self, cos_sin, qkv, kv_cache, meta, norms)) is not None:
-            return self.o_proj(out.flatten(1))
+            return self.tp.all_reduce(self.o_proj(out.flatten(1)))
         q, k, v = qkv.split(self.shard_sizes, dim=-1)
         q = self.q_norm(q.unflatten(-1, (-1, self.head_dim)))
         k = self.k_norm(k.unflatten(-1, (-1, self.head_dim)))
         qk = self.rotary(cos_sin, torch.cat([q, k], dim=1))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.backend(q, k, v.unflatten(-1, (-1, self.head_dim)), kv_cache, meta, self.scale)
-        return self.o_proj(out.flatten(1))
+        return self.tp.all_reduce(self.o_proj(out.flatten(1)))
 
 
 class Gemma3MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.shard_sizes = [config.intermediate_size, config.intermediate_size]
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        start, end = tp.width(config.intermediate_size)
+        self.shard_sizes = [end - start, end - start]  # this rank's
+        self.gate_up_proj = Linear(config.hidden_size, 2 * (end - start), bias=False)
+        self.down_proj = Linear(end - start, config.hidden_size, bias=False)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if on_triton(gate_up) and gate_up.dim() == 2:
             from hyperserve.layers.triton_elementwise import gelu_tanh_and_mul
 
-            return self.down_proj(gelu_tanh_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+            activated = gelu_tanh_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            activated = F.gelu(gate, approximate="tanh") * up
+        return self.tp.all_reduce(self.down_proj(activated))
 
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_type: str, rotary: RotaryEmbedding,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Gemma3Attention(config, layer_type, rotary, backend)
-        self.mlp = Gemma3MLP(config)
+        self.self_attn = Gemma3Attention(config, layer_type, rotary, backend, tp)
+        self.mlp = Gemma3MLP(config, tp)
         norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
@@ -114,27 +130,29 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_position: int) -> None:
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_position: int,
+                 tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(tp.vocab_shard(config.vocab_size), config.hidden_size)
         self.rotary = nn.ModuleDict({kind: RotaryEmbedding(_rope_config(config, kind), head_dim_of(config),
                                                            max_position) for kind in (LOCAL, GLOBAL)})
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, kind, self.rotary[kind], backend) for kind in config.layer_types)
+            Gemma3DecoderLayer(config, kind, self.rotary[kind], backend, tp) for kind in config.layer_types)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class Gemma3ForCausalLM(nn.Module):
-    tp = TensorParallel()  # one process holds all of it
-
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_position: int) -> None:
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_position: int,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         if not config.tie_word_embeddings:
             raise ValueError("Gemma 3's LM head is its embedding: "
                              "a config with untied embeddings is not Gemma 3")
         self.config = config
         self.attention_backend = backend
-        self.model = Gemma3Model(config, backend, max_position)
+        self.tp = tp or TensorParallel()
+        self.vocab_shard = self.tp.vocab_shard(config.vocab_size)
+        self.model = Gemma3Model(config, backend, max_position, self.tp)
         self.lm_head = None  # tied to the embedding
         self.tie_word_embeddings = True
 
@@ -164,7 +182,7 @@ class Gemma3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = embed_vocab_parallel(self.tp, self.model.embed_tokens, self.vocab_shard, input_ids)
         hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
         cos_sin = {kind: rotary.cos_sin_for(positions, hidden.dtype)
                    for kind, rotary in self.model.rotary.items()}
@@ -176,15 +194,20 @@ class Gemma3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = self.model.norm(hidden)
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()  # a quantized head
+            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()  # a quantized head
+        return self.tp.all_gather(logits)[:, : self.config.vocab_size]
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> str:
-        """One checkpoint tensor (Hugging Face name and meaning: norms hold w) into place."""
+        """One checkpoint tensor (Hugging Face name and meaning: norms hold w) into place, this
+        rank's slice of it under tensor parallelism."""
         if name == "lm_head.weight":
             return "model.embed_tokens.weight"
         module_name, _, leaf = name.rpartition(".")
         parent, _, proj = module_name.rpartition(".")
+        if self.tp.size > 1:
+            tensor = rank_slice(self.tp, self.config, proj, leaf, tensor)
         if proj in _FUSED:
             fused, shard = _FUSED[proj]
             sizes = self.get_submodule(parent).shard_sizes

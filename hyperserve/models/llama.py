@@ -226,7 +226,6 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.attention_backend = backend
         self.tp = tp or TensorParallel()
-        self.heads = self.tp.head_slice(config.num_attention_heads, config.num_key_value_heads)
         self.vocab_shard = self.tp.vocab_shard(config.vocab_size)
         self.model = LlamaModel(config, backend, max_position, self.tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -276,13 +275,8 @@ class LlamaForCausalLM(nn.Module):
         return hidden + residual
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T] -> [T, hidden]; under tensor parallelism each rank embeds the ids in its range."""
-        if self.tp.size == 1:
-            return self.model.embed_tokens(input_ids)
-        local = input_ids - self.tp.rank * self.vocab_shard
-        inside = (local >= 0) & (local < self.vocab_shard)
-        hidden = self.model.embed_tokens(torch.where(inside, local, 0)).masked_fill(~inside.unsqueeze(-1), 0)
-        return self.tp.all_reduce(hidden)
+        """[T] -> [T, hidden]."""
+        return embed_vocab_parallel(self.tp, self.model.embed_tokens, self.vocab_shard, input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] of the positions to sample -> float32 logits [S, vocab]."""
@@ -303,7 +297,7 @@ class LlamaForCausalLM(nn.Module):
         module_name, _, leaf = name.rpartition(".")
         parent, _, proj = module_name.rpartition(".")
         if self.tp.size > 1:
-            tensor = self._rank_slice(proj, leaf, tensor)
+            tensor = rank_slice(self.tp, self.config, proj, leaf, tensor)
         if proj in _FUSED:
             fused, shard = _FUSED[proj]
             target = self.get_parameter(f"{parent}.{fused}.{leaf}")
@@ -314,26 +308,41 @@ class LlamaForCausalLM(nn.Module):
         self.get_parameter(name).data.copy_(tensor)
         return name
 
-    def _rank_slice(self, proj: str, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a full checkpoint tensor of projection `proj` (or the embedding)."""
-        d, heads = head_dim_of(self.config), self.heads
-        rows = {"q_proj": (heads.q_start * d, (heads.q_start + heads.num_heads) * d),
-                "k_proj": (heads.kv_start * d, (heads.kv_start + heads.num_kv_heads) * d),
-                "v_proj": (heads.kv_start * d, (heads.kv_start + heads.num_kv_heads) * d),
-                "gate_proj": self.tp.width(self.config.intermediate_size),
-                "up_proj": self.tp.width(self.config.intermediate_size)}
-        columns = {"o_proj": rows["q_proj"], "down_proj": rows["gate_proj"]}
-        if proj in rows:
-            start, end = rows[proj]
-            return tensor[start:end]
-        if proj in columns:  # partial sums, added up by the all-reduce: the bias counts once
-            start, end = columns[proj]
-            return tensor[:, start:end] if leaf == "weight" else tensor * (self.tp.rank == 0)
-        if proj in ("embed_tokens", "lm_head"):  # the rank's range of the vocabulary, padded with zeros
-            start = self.tp.rank * self.vocab_shard
-            part = tensor[start : start + self.vocab_shard]
-            return F.pad(part, (0, 0, 0, self.vocab_shard - part.shape[0]))
-        return tensor
+
+def embed_vocab_parallel(tp: TensorParallel, embedding: nn.Module, vocab_shard: int,
+                         input_ids: torch.Tensor) -> torch.Tensor:
+    """[T] -> [T, hidden] from an embedding of this rank's vocab_shard ids: each rank embeds the ids
+    in its range, zeros elsewhere, and the all-reduce adds them up."""
+    if tp.size == 1:
+        return embedding(input_ids)
+    local = input_ids - tp.rank * vocab_shard
+    inside = (local >= 0) & (local < vocab_shard)
+    hidden = embedding(torch.where(inside, local, 0)).masked_fill(~inside.unsqueeze(-1), 0)
+    return tp.all_reduce(hidden)
+
+
+def rank_slice(tp: TensorParallel, config: PretrainedConfig, proj: str, leaf: str,
+               tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a full checkpoint tensor of projection `proj` (or the embedding) of a
+    dense decoder layer, as the layers built with `tp` hold it."""
+    d, heads = head_dim_of(config), tp.head_slice(config.num_attention_heads, config.num_key_value_heads)
+    rows = {"q_proj": (heads.q_start * d, (heads.q_start + heads.num_heads) * d),
+            "k_proj": (heads.kv_start * d, (heads.kv_start + heads.num_kv_heads) * d),
+            "v_proj": (heads.kv_start * d, (heads.kv_start + heads.num_kv_heads) * d),
+            "gate_proj": tp.width(config.intermediate_size),
+            "up_proj": tp.width(config.intermediate_size)}
+    columns = {"o_proj": rows["q_proj"], "down_proj": rows["gate_proj"]}
+    if proj in rows:
+        start, end = rows[proj]
+        return tensor[start:end]
+    if proj in columns:  # partial sums, added up by the all-reduce: the bias counts once
+        start, end = columns[proj]
+        return tensor[:, start:end] if leaf == "weight" else tensor * (tp.rank == 0)
+    if proj in ("embed_tokens", "lm_head"):  # the rank's range of the vocabulary, padded with zeros
+        shard = tp.vocab_shard(config.vocab_size)
+        part = tensor[tp.rank * shard : (tp.rank + 1) * shard]
+        return F.pad(part, (0, 0, 0, shard - part.shape[0]))
+    return tensor
 
 
 def granite_factor(config: PretrainedConfig, name: str, tied: bool) -> float:

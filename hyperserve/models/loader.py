@@ -208,10 +208,7 @@ def build_model(
     # int4/int8 quantize from the checkpoint's own values (exact for Q4_1); fp8 loses nothing to bfloat16
     load_dtype = torch.float32 if quantization in ("int4", "int8") else dtype
     with torch.device("meta"), _without_init():
-        if tp is not None and tp.size > 1:  # the Llama family only (the engine checks)
-            model = LlamaForCausalLM(config, backend, max_position, tp).to(load_dtype)
-        else:
-            model = model_class(config)(config, backend, max_position).to(load_dtype)
+        model = model_class(config)(config, backend, max_position, tp).to(load_dtype)
     by_layer = (source is not None and load_dtype == torch.float32 and quantization is not None
                 and (tp is None or tp.size == 1))
     if by_layer:  # the decoder layers are materialised as their weights arrive

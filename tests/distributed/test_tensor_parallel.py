@@ -93,12 +93,14 @@ TWO_GPUS = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")])
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
 @pytest.mark.parametrize("device", ["cpu", TWO_GPUS])
 def test_uneven_heads_width_and_vocabulary(save_hf_model, device, arch):
     """6 query / 3 K/V heads, an MLP width of 160 (cut at 32s: 64 and 96) and 1,001 tokens (padded
-    to 1,002), with Qwen2's Q/K/V biases or Qwen3's QK norms (whole on every rank): every slice is
-    uneven or padded. On CUDA: NCCL."""
+    to 1,002), with Qwen2's Q/K/V biases, Qwen3's QK norms (whole on every rank), or Gemma 3's
+    (and its tied, scaled embedding, a sliding-window layer beside a global one, and the norms
+    after attention and MLP, which take the all-reduced sum): every slice is uneven or padded.
+    On CUDA: NCCL."""
     config = tiny_config(arch, num_attention_heads=6, num_key_value_heads=3, intermediate_size=160,
                          vocab_size=1001, hidden_size=96)
     _, path = save_hf_model(config)
@@ -130,7 +132,7 @@ def test_speculative_decoding_over_two_ranks(save_hf_model, method):
     ("llama", {"num_key_value_heads": 1}, {}, "exceeds the model's 1 K/V heads"),
     ("llama", {}, {"enable_lora": True}, "enable_lora"),
     ("llama", {}, {"speculative": {"method": "self"}}, "speculative_method"),
-    ("mixtral", {}, {}, "dense Llama family"),
+    ("mixtral", {}, {}, "mixture of experts"),
 ], ids=["too-few-kv-heads", "lora", "self-speculation", "mixture-of-experts"])
 def test_what_cannot_be_split_is_refused_before_any_process_starts(save_hf_model, arch, overrides, options, message):
     _, path = save_hf_model(tiny_config(arch, **overrides))
