@@ -104,8 +104,8 @@ int64_t layer_weight_count(at::TensorList weights, int64_t first) {
 
 // h [rows, dim] += the mixture of experts' output for x [rows, dim] (normed): each row's router
 // scores (router [experts, dim] float32) through a softmax, its top_k experts (their weights
-// renormalised to sum to one where asked), then each chosen expert (gate_up and down in Q4_1, as
-// the dense MLP's) once over all of its rows, in expert order, rows in row order: the order the
+// renormalised to sum to one where asked), then each chosen expert (gate_up and down in Q4_1 or
+// Q8_0, as the dense MLP's) once over all of its rows, in expert order, rows in row order: the order the
 // PyTorch layer (layers/moe.py) adds them in.
 void moe_mlp(const float* x, int64_t rows, int64_t dim, const at::Tensor& router, const at::Tensor& routing,
              at::TensorList experts, float* h, LayerBuffers& buffers, Isa isa, bool avx2) {
@@ -152,9 +152,9 @@ void moe_mlp(const float* x, int64_t rows, int64_t dim, const at::Tensor& router
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t n = static_cast<int64_t>(chosen[e].size());
     if (n == 0) continue;
-    const QuantizedWeight gate_up = quantized_weight(experts[2 * e], dim, Format::kQ4_1);
+    const QuantizedWeight gate_up = projection(experts[2 * e], dim);
     const int64_t width = gate_up.out_features / 2;
-    const QuantizedWeight down = quantized_weight(experts[2 * e + 1], width, Format::kQ4_1);
+    const QuantizedWeight down = projection(experts[2 * e + 1], width);
     TORCH_CHECK(down.out_features == dim, "decode_layer: an expert's down projection must give dim features");
     std::vector<float>&in = buffers.expert_in, &wide = buffers.expert_wide, &out = buffers.expert_out;
     in.resize(n * std::max(dim, width)), wide.resize(n * 2 * width), out.resize(n * dim);

@@ -82,6 +82,17 @@ def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, arch,
     assert not torch.equal(fused[0], fused[1])  # the rows are different sequences
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_int8_experts_match_the_pytorch_layers(save_hf_model, arch):
+    """A mixture of experts in int8: its experts in Q8_0, as the dense layers' projections (16-bit
+    activations: float rounding apart)."""
+    moe = {"moe_intermediate_size": 64, "mlp_only_layers": [0]} if arch == "qwen3_moe" else {}
+    _, path = save_hf_model(tiny_config(arch, **moe))
+    llm = LLM(model=path, quantization="int8", dtype="float32", kv_cache_memory_gb=0.01)
+    fused, plain = _decode_both_ways(llm)
+    assert (fused - plain).abs().max() <= 1e-3 * plain.abs().max()
+
+
 def test_attention_over_contexts_of_several_spans_matches_the_pytorch_layers(save_hf_model, q41_layout):
     """The fused attention cuts a context into spans of 256 positions (kAttentionSpan), each its own
     task, and combines them: contexts of 600 and 300 tokens, in blocks of 24 that spans cut through,
