@@ -503,9 +503,6 @@ class LLMEngine:
 def _check_tensor_parallel(config: EngineConfig, hf_config) -> None:
     """What tensor parallelism cannot split or does not run with yet, refused before any process starts."""
     size = config.parallel.tensor_parallel_size
-    if hf_config.model_type in ("mixtral", "qwen3_moe"):
-        raise ValueError("tensor parallelism runs dense models (the Llama family, Gemma 3) so far, "
-                         f"not the mixture of experts {hf_config.model_type}")
     # refuses more ranks than K/V heads
     TensorParallel(0, size).head_slice(hf_config.num_attention_heads, hf_config.num_key_value_heads)
     refused = {"enable_lora": config.lora.enable_lora,

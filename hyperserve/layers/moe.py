@@ -8,6 +8,10 @@ runs at most min(E, T * top_k) experts, each a few-row matmul), and its weighted
 into their tokens' rows. Experts are ordinary MLPs of Linear projections, so weight quantization
 (layers/quantization.py) applies to them as to a dense MLP; the router stays in float, since a
 rounded score can change which experts a token runs.
+
+Under tensor parallelism every rank holds every expert's run of the MLP's width and the whole
+router: the ranks route alike (their inputs are the same all-reduced rows), each expert's output
+is a partial sum, and one all-reduce of the mixture's output adds them up.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hyperserve.distributed.group import TensorParallel
 
 
 class Router(nn.Module):
@@ -33,8 +39,10 @@ class Router(nn.Module):
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 make_expert: Callable[[], nn.Module]) -> None:
+                 make_expert: Callable[[], nn.Module], tp: TensorParallel | None = None) -> None:
+        """make_expert: an MLP whose output is this rank's part of the sum (with `tp`)."""
         super().__init__()
+        self.tp = tp or TensorParallel()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in 1..{num_experts}, got {top_k}")
         self.top_k, self.renormalize = top_k, renormalize
@@ -60,4 +68,4 @@ class SparseMoE(nn.Module):
                 tokens = chosen // self.top_k
                 weighted = expert(x[tokens]) * weights.view(-1)[chosen, None]  # [n, hidden] float32
                 out.index_add_(0, tokens, weighted.to(x.dtype))
-        return out
+        return self.tp.all_reduce(out)

@@ -207,7 +207,7 @@ class Gemma3ForCausalLM(nn.Module):
         module_name, _, leaf = name.rpartition(".")
         parent, _, proj = module_name.rpartition(".")
         if self.tp.size > 1:
-            tensor = rank_slice(self.tp, self.config, proj, leaf, tensor)
+            tensor = rank_slice(self.tp, self.config, proj, leaf, tensor, self.config.intermediate_size)
         if proj in _FUSED:
             fused, shard = _FUSED[proj]
             sizes = self.get_submodule(parent).shard_sizes

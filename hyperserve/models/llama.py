@@ -8,8 +8,9 @@ padding. Q/K/V and gate/up projections are fused into one matmul each; `load_wei
 Hugging Face tensor names and writes each shard in place.
 
 Under tensor parallelism (distributed/group.py) each rank builds the layers of its own heads and
-its own run of the MLP's width, `load_weight` keeps only that rank's slice of each tensor, and o
-and down end with an all-reduce; the embedding and LM head hold the rank's range of the vocabulary.
+its own run of the MLP's width (of every expert's, in a mixture), `load_weight` keeps only that
+rank's slice of each tensor, and o and down (a mixture: its weighted sum of experts) end with an
+all-reduce; the embedding and LM head hold the rank's range of the vocabulary.
 """
 
 from __future__ import annotations
@@ -150,8 +151,9 @@ def rotated_attention(attn: nn.Module, cos_sin, qkv: torch.Tensor, kv_cache: KVC
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: PretrainedConfig, tp: TensorParallel,
-                 intermediate_size: int | None = None) -> None:
-        """intermediate_size: an expert's, where it differs from the config's dense MLP."""
+                 intermediate_size: int | None = None, reduce: bool = True) -> None:
+        """intermediate_size: an expert's, where it differs from the config's dense MLP. reduce:
+        False for an expert, whose mixture adds up the ranks' parts once for all its experts."""
         super().__init__()
         start, end = tp.width(intermediate_size or config.intermediate_size)
         self.intermediate_size = end - start  # this rank's
@@ -159,7 +161,7 @@ class LlamaMLP(nn.Module):
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
         self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias=bias)
-        self.tp = tp
+        self.tp = tp if reduce else TensorParallel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
@@ -174,14 +176,18 @@ def is_sparse_layer(config: PretrainedConfig, index: int) -> bool:
     return (index + 1) % config.decoder_sparse_step == 0
 
 
+def expert_width(config: PretrainedConfig) -> int:
+    """An expert MLP's intermediate size."""
+    return config.intermediate_size if config.model_type == "mixtral" else config.moe_intermediate_size
+
+
 def sparse_moe(config: PretrainedConfig, tp: TensorParallel) -> SparseMoE:
     if config.model_type == "mixtral":  # top-k weights always renormalised
-        num_experts, renormalize, width = config.num_local_experts, True, config.intermediate_size
+        num_experts, renormalize = config.num_local_experts, True
     else:
         num_experts, renormalize = config.num_experts, config.norm_topk_prob
-        width = config.moe_intermediate_size
     return SparseMoE(config.hidden_size, num_experts, config.num_experts_per_tok, renormalize,
-                     lambda: LlamaMLP(config, tp, width))
+                     lambda: LlamaMLP(config, tp, expert_width(config), reduce=False), tp)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -297,7 +303,8 @@ class LlamaForCausalLM(nn.Module):
         module_name, _, leaf = name.rpartition(".")
         parent, _, proj = module_name.rpartition(".")
         if self.tp.size > 1:
-            tensor = rank_slice(self.tp, self.config, proj, leaf, tensor)
+            width = expert_width(self.config) if ".experts." in name else self.config.intermediate_size
+            tensor = rank_slice(self.tp, self.config, proj, leaf, tensor, width)
         if proj in _FUSED:
             fused, shard = _FUSED[proj]
             target = self.get_parameter(f"{parent}.{fused}.{leaf}")
@@ -321,16 +328,16 @@ def embed_vocab_parallel(tp: TensorParallel, embedding: nn.Module, vocab_shard: 
     return tp.all_reduce(hidden)
 
 
-def rank_slice(tp: TensorParallel, config: PretrainedConfig, proj: str, leaf: str,
-               tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a full checkpoint tensor of projection `proj` (or the embedding) of a
-    dense decoder layer, as the layers built with `tp` hold it."""
+def rank_slice(tp: TensorParallel, config: PretrainedConfig, proj: str, leaf: str, tensor: torch.Tensor,
+               mlp_width: int) -> torch.Tensor:
+    """This rank's part of a full checkpoint tensor of projection `proj` (or the embedding), as
+    the layers built with `tp` hold it; mlp_width: the intermediate size of the MLP it belongs to."""
     d, heads = head_dim_of(config), tp.head_slice(config.num_attention_heads, config.num_key_value_heads)
     rows = {"q_proj": (heads.q_start * d, (heads.q_start + heads.num_heads) * d),
             "k_proj": (heads.kv_start * d, (heads.kv_start + heads.num_kv_heads) * d),
             "v_proj": (heads.kv_start * d, (heads.kv_start + heads.num_kv_heads) * d),
-            "gate_proj": tp.width(config.intermediate_size),
-            "up_proj": tp.width(config.intermediate_size)}
+            "gate_proj": tp.width(mlp_width),
+            "up_proj": tp.width(mlp_width)}
     columns = {"o_proj": rows["q_proj"], "down_proj": rows["gate_proj"]}
     if proj in rows:
         start, end = rows[proj]

@@ -93,16 +93,18 @@ TWO_GPUS = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")])
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3", "mixtral", "qwen3_moe"])
 @pytest.mark.parametrize("device", ["cpu", TWO_GPUS])
 def test_uneven_heads_width_and_vocabulary(save_hf_model, device, arch):
     """6 query / 3 K/V heads, an MLP width of 160 (cut at 32s: 64 and 96) and 1,001 tokens (padded
-    to 1,002), with Qwen2's Q/K/V biases, Qwen3's QK norms (whole on every rank), or Gemma 3's
-    (and its tied, scaled embedding, a sliding-window layer beside a global one, and the norms
-    after attention and MLP, which take the all-reduced sum): every slice is uneven or padded.
-    On CUDA: NCCL."""
+    to 1,002), with Qwen2's Q/K/V biases, Qwen3's QK norms (whole on every rank), Gemma 3's (and
+    its tied, scaled embedding, a sliding-window layer beside a global one, and the norms after
+    attention and MLP, which take the all-reduced sum), or experts (Mixtral's 4 of width 160;
+    Qwen3-MoE's of width 48, cut 24 and 24, beside a dense layer of 160): every slice is uneven
+    or padded. On CUDA: NCCL."""
+    extra = {"mlp_only_layers": [0]} if arch == "qwen3_moe" else {}
     config = tiny_config(arch, num_attention_heads=6, num_key_value_heads=3, intermediate_size=160,
-                         vocab_size=1001, hidden_size=96)
+                         vocab_size=1001, hidden_size=96, **extra)
     _, path = save_hf_model(config)
     prompts = [[5, 17, 300, 999, 1000, 42], list(range(100, 260))]
     tokens, logprobs, _, _ = generate(prompts, model=path, device=device, **FLOAT32)
@@ -132,8 +134,7 @@ def test_speculative_decoding_over_two_ranks(save_hf_model, method):
     ("llama", {"num_key_value_heads": 1}, {}, "exceeds the model's 1 K/V heads"),
     ("llama", {}, {"enable_lora": True}, "enable_lora"),
     ("llama", {}, {"speculative": {"method": "self"}}, "speculative_method"),
-    ("mixtral", {}, {}, "mixture of experts"),
-], ids=["too-few-kv-heads", "lora", "self-speculation", "mixture-of-experts"])
+], ids=["too-few-kv-heads", "lora", "self-speculation"])
 def test_what_cannot_be_split_is_refused_before_any_process_starts(save_hf_model, arch, overrides, options, message):
     _, path = save_hf_model(tiny_config(arch, **overrides))
     with pytest.raises(ValueError, match=message):
