@@ -460,7 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     gateway.add_argument("--shutdown-grace-s", type=float, default=30.0)
     gateway.add_argument("--files-dir", default=None,
-                         help="where the Batch API keeps /v1/files (default: a temporary directory, gone at exit)")
+                         help="where the Batch API keeps /v1/files "
+                              "(default: a temporary directory, gone at exit)")
     gateway.add_argument("--quiet", action="store_true", help="no access log")
     _security_args(gateway)
     gateway.set_defaults(func=cmd_gateway)

@@ -182,7 +182,8 @@ def _rotary_and_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr,
         rstd = (1.0 / tl.sqrt(tl.sum(wide * wide, axis=1) / D + eps))[:, None]
         norm = tl.where(is_q, q_norm_ptr, k_norm_ptr)[:, None]  # each head's weight [D]
         weight = tl.load(norm + offs[None, :], mask=rotates[:, None], other=0.0).to(tl.float32)
-        partner_weight = tl.load(norm + partner_offs[None, :], mask=rotates[:, None], other=0.0).to(tl.float32)
+        partner_weight = tl.load(norm + partner_offs[None, :], mask=rotates[:, None], other=0.0)
+        partner_weight = partner_weight.to(tl.float32)
         x = tl.where(rotates[:, None], (wide * rstd * weight).to(x.dtype), x)  # v heads as they are
         partner = (partner * rstd * partner_weight).to(x.dtype).to(tl.float32)
     cos = tl.load(cos_ptr + token * stride_cos + offs)[None, :]

@@ -16,7 +16,8 @@ class ServerSettings:
     disconnect_poll_s: float = 0.25
     default_max_tokens: int = 2048  # a chat request that sets no max_tokens gets at most this many
     max_pin_ttl_s: float = 3600.0  # the longest `ttl` a /v1/cache pin may ask for
-    responses_store_bytes: int = 64 * 2**20  # stored /v1/responses answers (as JSON) beyond which the oldest go
+    # stored /v1/responses answers (as JSON) beyond which the oldest go
+    responses_store_bytes: int = 64 * 2**20
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: chat answers' thinking to reasoning_content
     tool_call_parser: str | None = None  # a tools.FORMATS name; None: the chat template's format, else hermes
     files_dir: str | None = None  # where /v1/files keeps the Batch API's files (None: a temporary directory)
@@ -35,15 +36,19 @@ class ServerSettings:
     prefill_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        counts = (self.max_queue, self.default_max_tokens, self.batch_concurrency, self.batch_concurrency_busy)
+        counts = (self.max_queue, self.default_max_tokens, self.batch_concurrency,
+                  self.batch_concurrency_busy)
         if min(counts) < 1 or self.max_pin_ttl_s <= 0:
-            raise ValueError("max_queue, default_max_tokens, max_pin_ttl_s and batch concurrencies must be positive")
+            raise ValueError("max_queue, default_max_tokens, max_pin_ttl_s and batch concurrencies "
+                             "must be positive")
         if self.responses_store_bytes < 0:
             raise ValueError("responses_store_bytes must be 0 (store nothing) or more")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, "
+                             f"got {self.reasoning_parser!r}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_FORMATS:
-            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_FORMATS)}, got {self.tool_call_parser!r}")
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_FORMATS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode, got {self.role!r}")
         if (self.role == "decode") != (self.prefill_url is not None):

@@ -18,7 +18,8 @@ from tests.server.conftest import start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
-OPTIONS = dict(max_model_len=1024, num_kv_blocks=64, max_num_batched_tokens=64)  # long prompts prefill in chunks
+# long prompts prefill in chunks
+OPTIONS = dict(max_model_len=1024, num_kv_blocks=64, max_num_batched_tokens=64)
 
 
 def generate(prompts, max_tokens: int = 16, **options) -> tuple[list[list[int]], list[list[float]],
@@ -45,7 +46,8 @@ def generate(prompts, max_tokens: int = 16, **options) -> tuple[list[list[int]],
 
 
 def assert_close(actual: list[list[float]], expected: list[list[float]], tolerance: float) -> None:
-    worst = max((abs(a - e) for row_a, row_e in zip(actual, expected) for a, e in zip(row_a, row_e)), default=0.0)
+    worst = max((abs(a - e) for row_a, row_e in zip(actual, expected) for a, e in zip(row_a, row_e)),
+                default=0.0)
     assert worst <= tolerance, f"logprobs differ by up to {worst}"
 
 
@@ -54,7 +56,8 @@ def assert_same_until_a_near_tie(actual: tuple, expected: tuple, tolerance: floa
     step whose two best tokens were within `tolerance` of each other (logprob margin) the runs may
     go different ways: rounding at other points (8-bit activations of the AVX2 kernels) can tip such
     a tie. Until there, logprobs agree within `tolerance`."""
-    for tokens, logprobs, (ref_tokens, ref_logprobs, margins) in zip(actual[0], actual[1], zip(*expected[:3])):
+    references = zip(*expected[:3])
+    for tokens, logprobs, (ref_tokens, ref_logprobs, margins) in zip(actual[0], actual[1], references):
         same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(ref_tokens))
         assert same == len(ref_tokens) or margins[same] <= tolerance, (tokens, ref_tokens, margins[same])
         assert_close([logprobs[:same]], [ref_logprobs[:same]], tolerance)
@@ -108,7 +111,8 @@ def test_uneven_heads_width_and_vocabulary(save_hf_model, device, arch):
     _, path = save_hf_model(config)
     prompts = [[5, 17, 300, 999, 1000, 42], list(range(100, 260))]
     tokens, logprobs, _, _ = generate(prompts, model=path, device=device, **FLOAT32)
-    tp_tokens, tp_logprobs, _, _ = generate(prompts, model=path, device=device, tensor_parallel_size=2, **FLOAT32)
+    tp_tokens, tp_logprobs, _, _ = generate(prompts, model=path, device=device, tensor_parallel_size=2,
+                                            **FLOAT32)
     assert tp_tokens == tokens
     assert_close(tp_logprobs, logprobs, 1e-3)
 
@@ -117,7 +121,8 @@ def test_uneven_heads_width_and_vocabulary(save_hf_model, device, arch):
 def test_speculative_decoding_over_two_ranks(save_hf_model, method):
     """Verification steps (k + 1 rows of a sequence) run on every rank; a draft model (here the
     model itself) runs on rank 0 alone, unsplit."""
-    _, path = save_hf_model(tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96))
+    config = tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
+    _, path = save_hf_model(config)
     prompts = [[5, 6, 7, 8] * 10, list(range(100, 140))]  # the first repeats: n-grams find drafts
     tokens, *_ = generate(prompts, max_tokens=24, model=path, **FLOAT32)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -135,7 +140,8 @@ def test_speculative_decoding_over_two_ranks(save_hf_model, method):
     ("llama", {}, {"enable_lora": True}, "enable_lora"),
     ("llama", {}, {"speculative": {"method": "self"}}, "speculative_method"),
 ], ids=["too-few-kv-heads", "lora", "self-speculation"])
-def test_what_cannot_be_split_is_refused_before_any_process_starts(save_hf_model, arch, overrides, options, message):
+def test_what_cannot_be_split_is_refused_before_any_process_starts(save_hf_model, arch, overrides, options,
+                                                                   message):
     _, path = save_hf_model(tiny_config(arch, **overrides))
     with pytest.raises(ValueError, match=message):
         LLM(path, tensor_parallel_size=2, **OPTIONS, **options)
@@ -144,8 +150,8 @@ def test_what_cannot_be_split_is_refused_before_any_process_starts(save_hf_model
 
 def test_the_server_serves_over_two_ranks_and_stops_its_worker():
     prompt = "The capital of France is"
-    server = start_server("--tensor-parallel-size", "2", "--max-model-len", "1024", "--kv-cache-memory-gb", "0.25",
-                          log_name="tensor-parallel")
+    server = start_server("--tensor-parallel-size", "2", "--max-model-len", "1024",
+                          "--kv-cache-memory-gb", "0.25", log_name="tensor-parallel")
     try:
         children = subprocess.run(["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True)
         worker_pids = [int(pid) for pid in children.stdout.split()  # not multiprocessing's resource tracker
