@@ -97,6 +97,7 @@ class TensorParallelWorkers:
 
 def _worker_main(config: EngineConfig, rank: int, size: int, port: int, threads: int, pipe: Connection) -> None:
     """One worker's life: join, load, build, then follow rank 0's steps until told to stop."""
+    from hyperserve.engine.lora_manager import LoRAManager
     from hyperserve.engine.model_runner import CAPTURE_GRAPHS, ModelRunner
     from hyperserve.models.loader import load_model
 
@@ -107,8 +108,11 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, threads:
             torch.cuda.set_device(rank)
         tp = TensorParallel.join(rank, size, port, config.model.device)
         model = load_model(config, tp)
+        # adapters are read here too, from a step's LoRARequest, the first time one runs
+        lora = (LoRAManager(model, config.lora, model.model.norm.weight.dtype) if config.lora.enable_lora
+                else None)
         num_blocks, num_window_blocks = pipe.recv()
-        runner = ModelRunner(model, config, num_blocks, num_window_blocks=num_window_blocks)
+        runner = ModelRunner(model, config, num_blocks, lora=lora, num_window_blocks=num_window_blocks)
     except EOFError:
         return
     except BaseException:

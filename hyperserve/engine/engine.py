@@ -505,8 +505,7 @@ def _check_tensor_parallel(config: EngineConfig, hf_config) -> None:
     size = config.parallel.tensor_parallel_size
     # refuses more ranks than K/V heads
     TensorParallel(0, size).head_slice(hf_config.num_attention_heads, hf_config.num_key_value_heads)
-    refused = {"enable_lora": config.lora.enable_lora,
-               "speculative_method=self": config.speculative.speculative_method == "self",
+    refused = {"speculative_method=self": config.speculative.speculative_method == "self",
                "disk_cache_dir": config.cache.disk_cache_dir is not None}
     names = [name for name, on in refused.items() if on]
     if names:

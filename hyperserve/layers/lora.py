@@ -12,6 +12,10 @@ take them too (FusedDecode). The runner sets the batch before each pass.
 Adapters are PEFT's format: adapter_config.json (r, lora_alpha, use_rslora, target_modules) and
 adapter_model.safetensors (`...layers.{i}.self_attn.q_proj.lora_A.weight` [r, in] and
 `lora_B.weight` [out, r]); scaling is lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA.
+
+Under tensor parallelism each rank reads the adapter itself and keeps its part, cut as the
+projection is: B's rows where the output is split (q, k, v, gate, up), A's columns where the input
+is (o, down), whose deltas then join the all-reduce of the base output.
 """
 
 from __future__ import annotations
@@ -138,6 +142,8 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int, dtype: t
         target = layers[layer].get_submodule(module_name)
         sizes = _shard_sizes(layers[layer], module_name)
         a, b = pair["A"], pair["B"]
+        if model.tp.size > 1:
+            a, b = _rank_part(model, name, a, b)
         if a.shape != (rank, target.in_features) or b.shape != (sizes[shard], rank):
             raise ValueError(f"adapter {request.lora_name!r}: layer {layer} {name} has A {tuple(a.shape)} "
                              f"and B {tuple(b.shape)}; this model needs ({rank}, {target.in_features}) and "
@@ -147,6 +153,18 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int, dtype: t
     if not adapter.weights:
         raise ValueError(f"adapter {request.lora_name!r} holds no LoRA weights")
     return adapter
+
+
+def _rank_part(model: nn.Module, name: str, a: torch.Tensor, b: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (A, B) of a PEFT module `name`: A's columns of an input split by rank (o, down),
+    else B's rows of the output's split (checked for fit after, as whole adapters are)."""
+    from hyperserve.models.llama import rank_slice
+
+    def part(tensor: torch.Tensor) -> torch.Tensor:
+        return rank_slice(model.tp, model.config, name, "weight", tensor, model.config.intermediate_size)
+
+    return (part(a), b) if name in ("o_proj", "down_proj") else (a, part(b))
 
 
 NATIVE_TILE = 64  # kLoRATile in kernels/cpu_ops.cpp

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from hyperserve import LLM, SamplingParams
+from hyperserve import LLM, LoRARequest, SamplingParams
 from hyperserve.layers.fused_decode import FusedDecode
 from hyperserve.layers.quantization import interleaves_q41
 from tests.conftest import FLOAT32, tiny_config
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow
 OPTIONS = dict(max_model_len=1024, num_kv_blocks=64, max_num_batched_tokens=64)
 
 
-def generate(prompts, max_tokens: int = 16, **options) -> tuple[list[list[int]], list[list[float]],
-                                                                list[list[float]], int]:
+def generate(prompts, max_tokens: int = 16, lora_request=None, **options
+             ) -> tuple[list[list[int]], list[list[float]], list[list[float]], int]:
     """Greedy tokens, their logprobs and each step's margin (best logprob less the second best) from
     one engine, and how many worker processes it ran;
     checks that every KV block came back and that closing the engine stopped its workers and gave
@@ -32,7 +32,7 @@ def generate(prompts, max_tokens: int = 16, **options) -> tuple[list[list[int]],
     threads = torch.get_num_threads()  # the ranks split the cores while they run
     with LLM(**{**OPTIONS, **options}) as llm:
         free = llm.engine.kv_cache.num_free_blocks
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
         assert llm.engine.kv_cache.num_free_blocks == free
         workers = list(llm.engine.workers.processes) if llm.engine.workers is not None else []
     assert not any(p.is_alive() for p in workers), "closing the engine stops its workers"
@@ -117,6 +117,29 @@ def test_uneven_heads_width_and_vocabulary(save_hf_model, device, arch):
     assert_close(tp_logprobs, logprobs, 1e-3)
 
 
+def test_lora_adapters_over_two_ranks(save_hf_model, tmp_path):
+    """Each rank reads the adapters and keeps its part (B's rows of q, k, v, gate and up; A's
+    columns of o and down, whose deltas join the all-reduce): a batch mixing two adapters and the
+    base model, over uneven splits, gives one process's tokens."""
+    from tests.engine.test_lora import make_adapter
+
+    config = tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96,
+                         intermediate_size=160)
+    _, path = save_hf_model(config)
+    make_adapter(path, tmp_path / "all", seed=1)
+    make_adapter(path, tmp_path / "some", seed=2, rank=8, targets=["q_proj", "v_proj", "down_proj"])
+    loras = [None, LoRARequest("all", 1, str(tmp_path / "all")), LoRARequest("some", 2, str(tmp_path / "some"))]
+    prompts = [[5, 17, 200, 99, 100, 42], list(range(100, 160)), [7, 8, 9] * 5]
+    tokens, logprobs, _, _ = generate(prompts, model=path, enable_lora=True, lora_request=loras, **FLOAT32)
+    base, *_ = generate(prompts, model=path, **FLOAT32)
+    assert base[1] != tokens[1] and base[2] != tokens[2], "the adapters should change the answers"
+    tp_tokens, tp_logprobs, _, workers = generate(prompts, model=path, enable_lora=True, lora_request=loras,
+                                                  tensor_parallel_size=2, **FLOAT32)
+    assert workers == 1
+    assert tp_tokens == tokens
+    assert_close(tp_logprobs, logprobs, 1e-3)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculative_decoding_over_two_ranks(save_hf_model, method):
     """Verification steps (k + 1 rows of a sequence) run on every rank; a draft model (here the
@@ -137,9 +160,8 @@ def test_speculative_decoding_over_two_ranks(save_hf_model, method):
 
 @pytest.mark.parametrize("arch,overrides,options,message", [
     ("llama", {"num_key_value_heads": 1}, {}, "exceeds the model's 1 K/V heads"),
-    ("llama", {}, {"enable_lora": True}, "enable_lora"),
     ("llama", {}, {"speculative": {"method": "self"}}, "speculative_method"),
-], ids=["too-few-kv-heads", "lora", "self-speculation"])
+], ids=["too-few-kv-heads", "self-speculation"])
 def test_what_cannot_be_split_is_refused_before_any_process_starts(save_hf_model, arch, overrides, options,
                                                                    message):
     _, path = save_hf_model(tiny_config(arch, **overrides))
