@@ -9,13 +9,16 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from hyperserve.beam_search import BeamSearchParams
     from hyperserve.layers.lora import LoRARequest
     from hyperserve.llm import LLM
     from hyperserve.outputs import CompletionOutput, RequestOutput
     from hyperserve.sampling_params import SamplingParams, StructuredOutputs
 
-__all__ = ["LLM", "CompletionOutput", "LoRARequest", "RequestOutput", "SamplingParams", "StructuredOutputs"]
-_MODULES = {"LLM": "hyperserve.llm", "CompletionOutput": "hyperserve.outputs", "LoRARequest": "hyperserve.layers.lora",
+__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "LoRARequest", "RequestOutput", "SamplingParams",
+           "StructuredOutputs"]
+_MODULES = {"LLM": "hyperserve.llm", "BeamSearchParams": "hyperserve.beam_search",
+            "CompletionOutput": "hyperserve.outputs", "LoRARequest": "hyperserve.layers.lora",
             "RequestOutput": "hyperserve.outputs", "SamplingParams": "hyperserve.sampling_params",
             "StructuredOutputs": "hyperserve.sampling_params"}
 __version__ = "0.1.0"

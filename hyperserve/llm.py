@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from hyperserve.beam_search import BeamSearch, BeamSearchParams, candidates_of
 from hyperserve.engine.engine import LLMEngine
 from hyperserve.layers.lora import LoRARequest
 from hyperserve.outputs import RequestOutput
@@ -69,6 +70,29 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return self._run(request_ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[RequestOutput]:
+        """Each prompt's beam_width best answers by beam search (hyperserve/beam_search.py), best
+        first, as one finished RequestOutput each; each round runs every prompt's beams in one batch."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        searches = [BeamSearch(self.engine.inputs.process_prompt(prompt)[1], params,
+                               frozenset(self.engine.eos_token_ids)) for prompt in prompts]
+        step = params.step_params()
+        with tqdm(total=params.max_tokens, desc="Beam search", unit="token", disable=not use_tqdm) as bar:
+            while active := [s for s in searches if not s.done]:
+                round_prompts = [p for s in active for p in s.round_prompts()]
+                outputs = iter(self.generate(round_prompts, step, use_tqdm=False, lora_request=lora_request))
+                for search in active:
+                    search.advance([candidates_of(next(outputs)) for _ in search.live])
+                bar.update(1)
+        return [s.output(str(next(self._ids)), self.tokenizer) for s in searches]
 
     def chat(
         self,

@@ -39,6 +39,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None  # beam search: the answer's summed log-probability
 
     @property
     def finished(self) -> bool:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from hyperserve.beam_search import BeamSearch, BeamSearchParams, candidates_of
 from hyperserve.common.errors import APIError, unavailable
 from hyperserve.engine.engine import EngineDeadError, PinLimitError
 from hyperserve.engine.input_processor import ContextLengthError
@@ -60,6 +61,7 @@ class Job:
     echo: list[str] | None = None  # completions with `echo`: each prompt's text, which its answers start with
     prompt_logprobs: bool = False  # the response carries vLLM's `prompt_logprobs`
     cache_salt: str = ""  # its tenant: what it shares cached KV and n-gram drafts with (cache_salt())
+    beam: BeamSearchParams | None = None  # answered by beam search, each round's beams a request
     finals: list[RequestOutput | None] = field(default_factory=list)
     streams: list[RequestStream] = field(default_factory=list)
 
@@ -128,7 +130,7 @@ class OpenAIServing:
         return Job("completion", new_id("cmpl"), request.model or self.model_name, prompts, params,
                    request.priority, bool(request.stream_options and request.stream_options.include_usage),
                    lora=lora, echo=echo, prompt_logprobs=request.prompt_logprobs is not None,
-                   cache_salt=salt)
+                   cache_salt=salt, beam=request.beam_search_params(params.max_tokens))
 
     async def prepare_chat(self, request: ChatCompletionRequest, scope: str | None = None) -> Job:
         """`scope`: as prepare_completion's."""
@@ -166,7 +168,8 @@ class OpenAIServing:
                    tool_calls=(CallParser.offered(offered, request.calls_only, self.tool_format)
                                if offered else None),
                    reasoning_parser=self.settings.reasoning_parser, lora=lora,
-                   prompt_logprobs=request.prompt_logprobs is not None, cache_salt=salt)
+                   prompt_logprobs=request.prompt_logprobs is not None, cache_salt=salt,
+                   beam=request.beam_search_params(params.max_tokens))
 
     async def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
         """The ids the request would run (longer than the context is fine: this only counts)."""
@@ -350,6 +353,8 @@ class OpenAIServing:
         self._admit()
         job.finals = [None] * len(job.prompts)
         job.streams = []
+        if job.beam is not None:
+            return  # its rounds are submitted as run() goes
         try:
             for i, prompt in enumerate(job.prompts):
                 job.streams.append(self._submit(f"{job.id}-{i}", prompt, job.params, job.priority,
@@ -377,6 +382,10 @@ class OpenAIServing:
 
     async def run(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, cumulative output) as the engine produces them, all prompts merged."""
+        if job.beam is not None:
+            async for item in self._run_beam_search(job):
+                yield item
+            return
         if len(job.streams) == 1:  # read directly: a task and a queue hop per token cost the event loop
             try:
                 while True:
@@ -410,6 +419,33 @@ class OpenAIServing:
             job.close()  # first and synchronously: under a cancelled scope every await raises again
             for task in tasks:
                 task.cancel()
+
+    async def _run_beam_search(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, its answers) of a beam-search job, in prompt order; every prompt searched
+        at once."""
+        tasks = [asyncio.create_task(self._beam_search(job, index)) for index in range(len(job.prompts))]
+        try:
+            for index, task in enumerate(tasks):
+                try:
+                    item = await task
+                except Exception as error:
+                    item = error
+                yield index, _received(job, index, item)
+        finally:
+            job.close()  # the running round's requests
+            for task in tasks:
+                task.cancel()
+
+    async def _beam_search(self, job: Job, index: int) -> RequestOutput:
+        search = BeamSearch(job.prompts[index], job.beam, frozenset(self.engine.engine.eos_token_ids))
+        step = job.beam.step_params()
+        while not search.done:
+            streams = [self._submit(f"{job.id}-{index}-{search.num_rounds}-{beam}", prompt, step, job.priority,
+                                    lora=job.lora, final_only=True, cache_salt=job.cache_salt)
+                       for beam, prompt in enumerate(search.round_prompts())]
+            job.streams.extend(streams)
+            search.advance([candidates_of(await _final(stream)) for stream in streams])
+        return search.output(f"{job.id}-{index}", self.engine.engine.tokenizer, job.params.skip_special_tokens)
 
     async def collect(self, job: Job) -> dict[str, Any]:
         async for _ in self.run(job):
@@ -562,6 +598,14 @@ class OpenAIServing:
             prompt = completion_logprobs(output.prompt_token_ids, output.prompt_logprobs, job.params.logprobs,
                                          self._decode_token)
             choice["logprobs"] = {key: prompt[key] + choice["logprobs"][key] for key in prompt}
+
+
+async def _final(stream: RequestStream) -> RequestOutput:
+    """A final_only request's one output (its error raised)."""
+    async for output in stream:
+        if output.finished:
+            return output
+    raise RuntimeError(f"request {stream.request_id} ended without an output")
 
 
 def _received(job: Job, index: int, item: RequestOutput | Exception) -> RequestOutput:

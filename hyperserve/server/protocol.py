@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from hyperserve.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from hyperserve.common.messages import message_text
 from hyperserve.sampling_params import SamplingParams, StructuredOutputs
 
@@ -77,6 +78,12 @@ class PredictedOutput(BaseModel):
         return message_text(self.content)
 
 
+# what a beam search cannot honour: its answers are the likeliest token sequences, scored whole
+_NOT_WITH_BEAM_SEARCH = ("stop", "stop_token_ids", "logprobs", "top_logprobs", "echo", "prompt_logprobs",
+                         "logit_bias", "allowed_token_ids", "min_tokens", "response_format", "guided_json",
+                         "guided_regex", "guided_choice", "guided_grammar", "prediction", "tools")
+
+
 class _SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions, with vLLM's extras."""
 
@@ -119,6 +126,9 @@ class _SamplingRequest(BaseModel):
     guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=4096)
     guided_grammar: str | None = None
     prediction: PredictedOutput | None = None
+    # vLLM's beam search: the n best answers of a search n beams wide (hyperserve/beam_search.py)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     @field_validator("logit_bias")
     @classmethod
@@ -134,6 +144,24 @@ class _SamplingRequest(BaseModel):
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported: ask for n samples and pick among them")
         return self
+
+    @model_validator(mode="after")
+    def _check_beam_search(self) -> _SamplingRequest:
+        if not self.use_beam_search:
+            return self
+        if self.n > MAX_BEAM_WIDTH:
+            raise ValueError(f"beam search takes n (its width) up to {MAX_BEAM_WIDTH}, got {self.n}")
+        fields = type(self).model_fields
+        given = [name for name in _NOT_WITH_BEAM_SEARCH if name in fields
+                 and getattr(self, name) != fields[name].get_default(call_default_factory=True)]
+        if given:
+            raise ValueError(f"beam search does not take {', '.join(given)}")
+        return self
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams | None:
+        if not self.use_beam_search:
+            return None
+        return BeamSearchParams(self.n, max_tokens, self.ignore_eos, self.length_penalty)
 
     def structured_outputs(self) -> StructuredOutputs | None:
         """The output constraint asked for; ValueError if more than one is."""

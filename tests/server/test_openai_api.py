@@ -70,6 +70,35 @@ def test_greedy_completion_equals_the_offline_engine(client, smollm2_tokenizer):
     assert r.choices[0].text == expected[0].outputs[0].text
 
 
+def test_beam_search_answers_as_the_offline_engine(client, smollm2_tokenizer):
+    """vLLM's use_beam_search: the n best answers of a search n beams wide, best first, as
+    LLM.beam_search gives them (streamed: all at once); what a beam search cannot honour is a 400.
+    The prompt shares no prefix with other tests', so that the server's rounds prefill as many rows
+    as the offline engine's (int4 computes a few rows with another kernel than many)."""
+    from hyperserve import LLM, BeamSearchParams
+
+    prompt = smollm2_tokenizer("The recipe for bread calls for").input_ids
+    llm = LLM(num_kv_blocks=64, max_model_len=1024)
+    expected = llm.beam_search([prompt], BeamSearchParams(3, 16), use_tqdm=False)[0].outputs
+    beams = {"use_beam_search": True}
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, n=3, stream=True,
+                                       stream_options={"include_usage": True}, extra_body=beams)
+    texts, usage = ["", "", ""], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+        usage = chunk.usage or usage
+    assert texts == [e.text for e in expected] and len(set(texts)) == 3
+    assert usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, n=2, extra_body=beams)
+    assert [c.index for c in chat.choices] == [0, 1] and "Paris" in chat.choices[0].message.content
+    assert chat.choices[0].message.content != chat.choices[1].message.content
+    with pytest.raises(openai.BadRequestError, match="beam search does not take stop, logprobs"):
+        client.completions.create(model=MODEL, prompt="Hi", n=2, stop=["x"], logprobs=1, extra_body=beams)
+    with pytest.raises(openai.BadRequestError, match="up to 10"):
+        client.completions.create(model=MODEL, prompt="Hi", n=11, extra_body=beams)
+
+
 def test_n_samples_and_seed_reproducibility(client):
     kwargs = dict(model=MODEL, messages=QUESTION, max_tokens=12, temperature=1.0, n=3, seed=11)
     first = client.chat.completions.create(**kwargs)
