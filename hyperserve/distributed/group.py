@@ -6,7 +6,9 @@ sum of the full output and one all-reduce per projection pair completes it. The 
 LM head are cut by vocabulary: a rank embeds the ids in its range (zero elsewhere, summed by an
 all-reduce) and computes its range of logits (gathered on every rank). K/V heads are split whole,
 each with its query heads, so every rank's KV pool holds only its own heads; the split may be
-uneven (SmolLM2's 3 K/V heads over 2 ranks: 2 and 1), but every rank needs at least one.
+uneven (SmolLM2's 3 K/V heads over 2 ranks: 2 and 1). With more ranks than K/V heads, each K/V
+head is replicated on size / num_kv_heads ranks, which split its query heads (as vLLM does: Gemma 3
+1B's one K/V head over 2 ranks, Qwen3-30B-A3B's 4 over 8).
 
 Tensors travel over a torch.distributed process group made for the engine (gloo on the CPU, NCCL
 on CUDA) rather than the global default group, so one process can hold several engines.
@@ -78,16 +80,23 @@ class TensorParallel:
         return torch.cat(parts, dim=-1)
 
     def head_slice(self, num_heads: int, num_kv_heads: int) -> HeadSlice:
-        if num_kv_heads < self.size:
-            raise ValueError(f"tensor_parallel_size={self.size} exceeds the model's {num_kv_heads} K/V heads: "
-                             "each rank needs at least one")
+        if num_kv_heads < self.size:  # each K/V head on several ranks, its query heads split among them
+            if self.size % num_kv_heads or num_heads % self.size:
+                raise ValueError(f"tensor_parallel_size={self.size} exceeds the model's {num_kv_heads} K/V "
+                                 f"heads: it must then be a multiple of them that divides the {num_heads} "
+                                 "query heads")
+            per_rank = num_heads // self.size
+            return HeadSlice(self.rank * per_rank, per_rank, self.rank * num_kv_heads // self.size, 1)
         kv_start, kv_end = split(num_kv_heads, self.size, self.rank)
         per_kv = num_heads // num_kv_heads
         return HeadSlice(kv_start * per_kv, (kv_end - kv_start) * per_kv, kv_start, kv_end - kv_start)
 
     def largest_kv_heads(self, num_kv_heads: int) -> int:
         """The K/V heads of the rank that holds the most: what sizes every rank's KV pool."""
-        return max(end - start for start, end in (split(num_kv_heads, self.size, r) for r in range(self.size)))
+        if num_kv_heads <= self.size:  # one each, replicated where there are fewer
+            return 1
+        return max(end - start for start, end in (split(num_kv_heads, self.size, rank)
+                                                  for rank in range(self.size)))
 
     def width(self, n: int) -> tuple[int, int]:
         """This rank's run [start, end) of the MLP's width n."""

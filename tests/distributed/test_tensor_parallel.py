@@ -117,6 +117,20 @@ def test_uneven_heads_width_and_vocabulary(save_hf_model, device, arch):
     assert_close(tp_logprobs, logprobs, 1e-3)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_more_ranks_than_kv_heads_replicate_them(save_hf_model, arch):
+    """One K/V head (Gemma 3 270M's and 1B's) on both ranks, each with 2 of the 4 query heads: each
+    rank's pool holds the head whole, and the o projection's partial sums add up as with split heads."""
+    config = tiny_config(arch, num_attention_heads=4, num_key_value_heads=1, intermediate_size=160,
+                         vocab_size=1001, hidden_size=64)
+    _, path = save_hf_model(config)
+    prompts = [[5, 17, 300, 999, 1000, 42], list(range(100, 260))]
+    tokens, logprobs, _, _ = generate(prompts, model=path, **FLOAT32)
+    tp_tokens, tp_logprobs, _, _ = generate(prompts, model=path, tensor_parallel_size=2, **FLOAT32)
+    assert tp_tokens == tokens
+    assert_close(tp_logprobs, logprobs, 1e-3)
+
+
 def test_lora_adapters_over_two_ranks(save_hf_model, tmp_path):
     """Each rank reads the adapters and keeps its part (B's rows of q, k, v, gate and up; A's
     columns of o and down, whose deltas join the all-reduce): a batch mixing two adapters and the
@@ -159,9 +173,10 @@ def test_speculative_decoding_over_two_ranks(save_hf_model, method):
 
 
 @pytest.mark.parametrize("arch,overrides,options,message", [
-    ("llama", {"num_key_value_heads": 1}, {}, "exceeds the model's 1 K/V heads"),
+    ("llama", {"num_attention_heads": 3, "num_key_value_heads": 1, "hidden_size": 48}, {},
+     "exceeds the model's 1 K/V heads: it must then be a multiple of them that divides the 3 query heads"),
     ("llama", {}, {"speculative": {"method": "self"}}, "speculative_method"),
-], ids=["too-few-kv-heads", "self-speculation"])
+], ids=["query-heads-that-do-not-split", "self-speculation"])
 def test_what_cannot_be_split_is_refused_before_any_process_starts(save_hf_model, arch, overrides, options,
                                                                    message):
     _, path = save_hf_model(tiny_config(arch, **overrides))
