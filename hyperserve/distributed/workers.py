@@ -121,7 +121,7 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, threads:
     pipe.send("ready")
     while True:
         try:
-            command = pipe.recv()  # a step's chunks, CAPTURE_GRAPHS, or None: stop
+            command = pipe.recv()  # (a pass's chunks, its layers), CAPTURE_GRAPHS, or None: stop
         except EOFError:  # rank 0 is gone
             return
         if command is None:
@@ -129,4 +129,5 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, threads:
         if command == CAPTURE_GRAPHS:
             runner.capture_graphs()
         else:
-            runner.forward(command)
+            chunks, num_layers = command  # num_layers: a self-draft's, the model's first layers
+            runner.forward(chunks, kv_caches=None if num_layers is None else runner.kv_caches[:num_layers])

@@ -505,11 +505,8 @@ def _check_tensor_parallel(config: EngineConfig, hf_config) -> None:
     size = config.parallel.tensor_parallel_size
     # refuses more ranks than K/V heads
     TensorParallel(0, size).head_slice(hf_config.num_attention_heads, hf_config.num_key_value_heads)
-    refused = {"speculative_method=self": config.speculative.speculative_method == "self",
-               "disk_cache_dir": config.cache.disk_cache_dir is not None}
-    names = [name for name, on in refused.items() if on]
-    if names:
-        raise ValueError(f"tensor_parallel_size > 1 does not run with {', '.join(names)} yet")
+    if config.cache.disk_cache_dir is not None:
+        raise ValueError("tensor_parallel_size > 1 does not run with disk_cache_dir yet")
     if config.model.device == "cuda" and size > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size={size} needs as many GPUs; "
                          f"this machine has {torch.cuda.device_count()}")

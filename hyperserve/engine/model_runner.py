@@ -384,8 +384,10 @@ class ModelRunner:
         """Logits [sum of num_logits, V] of a flattened batch of chunks; the target model and its
         KV by default, a draft model (and its own KV, or a prefix of the target's layers) otherwise."""
         model = model or self.model
-        if self.workers is not None and model is self.model and kv_caches is None:
-            self.workers.send(chunks)  # the other ranks run the same pass (and replay the same graph)
+        if self.workers is not None and model is self.model:
+            # the other ranks run the same pass (and replay the same graph); a self-draft's over the
+            # first layers, whose caches kv_caches then is
+            self.workers.send((chunks, None if kv_caches is None else len(kv_caches)))
         with_lora = self.lora is not None and model is self.model and any(c.lora for c in chunks)
         decode_only = (model is self.model and kv_caches is None and not with_lora
                        and all(len(c.token_ids) == c.num_logits == 1 for c in chunks))

@@ -154,10 +154,11 @@ def test_lora_adapters_over_two_ranks(save_hf_model, tmp_path):
     assert_close(tp_logprobs, logprobs, 1e-3)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "self"])
 def test_speculative_decoding_over_two_ranks(save_hf_model, method):
     """Verification steps (k + 1 rows of a sequence) run on every rank; a draft model (here the
-    model itself) runs on rank 0 alone, unsplit."""
+    model itself) runs on rank 0 alone, unsplit; a self-draft (the first of the two layers) on
+    every rank, as its layers are split."""
     config = tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
     _, path = save_hf_model(config)
     prompts = [[5, 6, 7, 8] * 10, list(range(100, 140))]  # the first repeats: n-grams find drafts
@@ -175,8 +176,8 @@ def test_speculative_decoding_over_two_ranks(save_hf_model, method):
 @pytest.mark.parametrize("arch,overrides,options,message", [
     ("llama", {"num_attention_heads": 3, "num_key_value_heads": 1, "hidden_size": 48}, {},
      "exceeds the model's 1 K/V heads: it must then be a multiple of them that divides the 3 query heads"),
-    ("llama", {}, {"speculative": {"method": "self"}}, "speculative_method"),
-], ids=["query-heads-that-do-not-split", "self-speculation"])
+    ("llama", {}, {"disk_cache_dir": "never-made"}, "disk_cache_dir"),
+], ids=["query-heads-that-do-not-split", "disk-tier"])
 def test_what_cannot_be_split_is_refused_before_any_process_starts(save_hf_model, arch, overrides, options,
                                                                    message):
     _, path = save_hf_model(tiny_config(arch, **overrides))
