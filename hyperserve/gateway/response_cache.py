@@ -1,7 +1,7 @@
 """Exact and semantic response caching.
 
-A request is cacheable when its answer is reproducible (temperature 0 or a fixed seed) or the
-client opts in. Two keys come from the normalised request and the caller's cache scope:
+A request is cacheable when its answer is reproducible (temperature 0, a fixed seed, or a beam
+search) or the client opts in. Two keys come from the normalised request and the caller's cache scope:
 - the exact key hashes everything that shapes the answer (model, messages with their tool calls,
   sampling parameters, response_format, tools and tool_choice);
 - the semantic namespace hashes the same minus the last user message (or prompt), whose
@@ -75,7 +75,8 @@ def _message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def is_deterministic(body: dict[str, Any]) -> bool:
-    return body.get("temperature", 1.0) == 0 or body.get("seed") is not None
+    return (body.get("temperature", 1.0) == 0 or body.get("seed") is not None
+            or body.get("use_beam_search") is True)
 
 
 def cache_key(kind: str, model: str, body: dict[str, Any], scope: str | None = None) -> CacheKey:

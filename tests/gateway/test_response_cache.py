@@ -7,7 +7,7 @@ import pytest
 
 from hyperserve.common.embedder import Embedder
 from hyperserve.gateway.cache_store import RedisStore, SQLiteStore
-from hyperserve.gateway.response_cache import ResponseCache, cache_key
+from hyperserve.gateway.response_cache import ResponseCache, cache_key, is_deterministic
 
 QUESTION = "What's the capital of France?"
 PARAPHRASE = "Tell me France's capital city"
@@ -45,6 +45,15 @@ def test_keys_ignore_transport_fields_and_whitespace_but_not_sampling():
     assert cache_key("chat", "other", _chat(QUESTION)).namespace != key.namespace
     assert cache_key("chat", "m", _chat(PARAPHRASE)).namespace == key.namespace
     assert key.text == QUESTION
+
+
+def test_greedy_seeded_and_beam_search_answers_are_cached_sampled_ones_not():
+    assert is_deterministic({"temperature": 0}) and is_deterministic({"seed": 3})
+    assert is_deterministic({"use_beam_search": True, "n": 2})
+    assert not is_deterministic({}) and not is_deterministic({"temperature": 0.7, "use_beam_search": False})
+    beams = cache_key("completion", "m", {"prompt": "Hi", "use_beam_search": True, "n": 2, "length_penalty": 1.0})
+    assert beams.exact != cache_key("completion", "m", {"prompt": "Hi", "use_beam_search": True, "n": 2,
+                                                        "length_penalty": 0.5}).exact
 
 
 def test_output_constraints_tools_and_tool_calls_are_part_of_the_key():
