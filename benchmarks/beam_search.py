@@ -39,7 +39,8 @@ def timed(function, *args, **kwargs) -> tuple[float, object]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--widths", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=4)
@@ -55,7 +56,8 @@ def main() -> None:
     prompts = [tokenizer(text).input_ids for text in PROMPTS[: args.prompts]]
     print(f"SmolLM2-135M-Instruct, {len(prompts)} prompts, up to {args.max_tokens} tokens each. "
           f"{cpu_header(torch.get_num_threads())}")
-    print("\n| beam width | HyperServe s | transformers s | transformers / HyperServe | HyperServe greedy s |")
+    print("\n| beam width | HyperServe s | transformers s | transformers / HyperServe "
+          "| HyperServe greedy s |")
     print("|---|---|---|---|---|")
     for width in args.widths:
         params = BeamSearchParams(width, args.max_tokens)
@@ -67,8 +69,9 @@ def main() -> None:
             hf = 0.0
             for prompt in prompts:  # one at a time: transformers pads a batch, which changes its answers
                 with torch.no_grad():
-                    hf += timed(model.generate, torch.tensor([prompt]), num_beams=width, num_return_sequences=width,
-                                do_sample=False, max_new_tokens=args.max_tokens, early_stopping=False)[0]
+                    hf += timed(model.generate, torch.tensor([prompt]), num_beams=width,
+                                num_return_sequences=width, do_sample=False, max_new_tokens=args.max_tokens,
+                                early_stopping=False)[0]
             best["hf"] = min(best["hf"], hf)
         print(f"| {width} | {best['ours']:.2f} | {best['hf']:.2f} | {best['hf'] / best['ours']:.2f} | "
               f"{best['greedy']:.2f} |", flush=True)

@@ -63,7 +63,8 @@ class Beam:
 class BeamSearch:
     """One prompt's search (see the module's docstring)."""
 
-    def __init__(self, prompt_ids: list[int], params: BeamSearchParams, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, prompt_ids: list[int], params: BeamSearchParams,
+                 eos_token_ids: frozenset[int]) -> None:
         self.prompt_ids, self.params = prompt_ids, params
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.live: list[Beam] = [Beam()]
@@ -84,7 +85,8 @@ class BeamSearch:
         if len(candidates) != len(self.live):
             raise ValueError(f"{len(self.live)} live beams but candidates for {len(candidates)}")
         width, penalty = self.params.beam_width, self.params.length_penalty
-        grown = [Beam(beam.token_ids + [token], beam.cumulative_logprob + logprob, token in self.eos_token_ids)
+        grown = [Beam(beam.token_ids + [token], beam.cumulative_logprob + logprob,
+                      token in self.eos_token_ids)
                  for beam, tokens in zip(self.live, candidates) for token, logprob in tokens.items()]
         # stable: among equal log-probabilities, the earlier beam's and its likelier token first
         kept = sorted(grown, key=lambda b: -b.cumulative_logprob)[: 2 * width]

@@ -42,6 +42,7 @@ from hyperserve.engine.scheduler import Scheduler, SchedulerOutput
 from hyperserve.engine.speculative import Speculator, build_proposer
 from hyperserve.engine.structured_output import GrammarCompiler
 from hyperserve.layers.lora import LoRARequest
+from hyperserve.layers.rotary import rope_position_limit
 from hyperserve.models import loader
 from hyperserve.models.llama import LlamaForCausalLM
 from hyperserve.models.registry import resolve_model
@@ -83,7 +84,7 @@ class LLMEngine:
         self.config = config
         source = resolve_model(config.model.model)
         self.hf_config = loader.load_config(source)
-        self.max_model_len = config.model.max_model_len or self.hf_config.max_position_embeddings
+        self.max_model_len = _max_model_len(config.model.max_model_len, self.hf_config)
         self.source = source
         self.workers = None
         if config.parallel.tensor_parallel_size > 1:
@@ -498,6 +499,22 @@ class LLMEngine:
             raise ValueError(f"draft model {name!r} does not share the target model's tokenizer")
         return loader.load_model(self.config, max_position=self.max_model_len, seed_offset=1,
                                  resolved=(source, config))
+
+
+def _max_model_len(asked: int | None, hf_config) -> int:
+    """The context: as asked, else the config's, within what its rope table is right for."""
+    limit = rope_position_limit(hf_config)
+    if asked is not None and limit is not None and asked > limit:
+        raise ValueError(f"max_model_len {asked} exceeds {limit}, the positions this model's LongRoPE runs "
+                         "here (its short factors: the long ones rotate every position differently once "
+                         f"a sequence is longer); start with max_model_len {limit} or less")
+    if asked is not None:
+        return asked
+    if limit is not None and limit < hf_config.max_position_embeddings:
+        logger.info("max_model_len %d: this model's LongRoPE runs here up to its "
+                    "original_max_position_embeddings", limit)
+        return limit
+    return hf_config.max_position_embeddings
 
 
 def _check_tensor_parallel(config: EngineConfig, hf_config) -> None:

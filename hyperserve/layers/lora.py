@@ -32,11 +32,13 @@ from torch import nn
 
 from hyperserve.common.lora_folders import is_file
 
-# PEFT's module name -> (our module, shard of it)
+# PEFT's module name -> (our module, shard of it; None: every shard, the module fused in the model
+# as Phi-3's are, its B holding each shard's rows in turn)
 TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
            "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
            "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
-           "down_proj": ("mlp.down_proj", 0)}
+           "down_proj": ("mlp.down_proj", 0), "qkv_proj": ("self_attn.qkv_proj", None),
+           "gate_up_proj": ("mlp.gate_up_proj", None)}
 WRAPPED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 _KEY = re.compile(r".*layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight")
 
@@ -144,12 +146,15 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int, dtype: t
         a, b = pair["A"], pair["B"]
         if model.tp.size > 1:
             a, b = _rank_part(model, name, a, b)
-        if a.shape != (rank, target.in_features) or b.shape != (sizes[shard], rank):
+        rows = sum(sizes) if shard is None else sizes[shard]
+        if a.shape != (rank, target.in_features) or b.shape != (rows, rank):
             raise ValueError(f"adapter {request.lora_name!r}: layer {layer} {name} has A {tuple(a.shape)} "
                              f"and B {tuple(b.shape)}; this model needs ({rank}, {target.in_features}) and "
-                             f"({sizes[shard]}, {rank}): it was trained for another base model")
+                             f"({rows}, {rank}): it was trained for another base model")
         shards = adapter.weights.setdefault((layer, module_name), [None] * len(sizes))
-        shards[shard] = (a.to(dtype).contiguous(), (b.float() * scaling).to(dtype).contiguous())
+        a = a.to(dtype).contiguous()
+        for index, part in [(shard, b)] if shard is not None else enumerate(b.split(sizes)):
+            shards[index] = (a, (part.float() * scaling).to(dtype).contiguous())
     if not adapter.weights:
         raise ValueError(f"adapter {request.lora_name!r} holds no LoRA weights")
     return adapter

@@ -18,6 +18,25 @@ def rope_inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[t
     return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
 
 
+def rope_position_limit(config: PretrainedConfig) -> int | None:
+    """The positions its rope table is right for, where that is fewer than the config's: LongRoPE
+    (Phi-3) rotates by its short factors up to original_max_position_embeddings and by its long
+    ones, for every position, once a sequence is longer, which a cache of rotated keys cannot follow."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type") == "longrope":
+        return params["original_max_position_embeddings"]
+    return None
+
+
+def check_rope(config: PretrainedConfig) -> None:
+    """ValueError for a rotation the layers cannot run: over part of each head (Phi-4-mini's)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} (rotary embeddings over part of each head) "
+                         "is not supported yet")
+
+
 class RotaryEmbedding(torch.nn.Module):
     """Rotates q and k by their absolute positions (the rotate-half layout of HF Llama)."""
 

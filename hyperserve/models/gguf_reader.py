@@ -49,12 +49,13 @@ _GGUF_NAMES = {
 }
 
 
-# Gemma 3 has four norms per layer; its ffn_norm is the one before the MLP
+# Gemma 3 has four norms per layer; its ffn_norm is the one before the MLP. Phi-3's q/k/v and
+# gate/up projections come fused, as ours are (its ffn_up is gate then up)
 _GGUF_NAMES_BY_ARCHITECTURE = {"gemma3_text": {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
-}}
+}, "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 
 _FOUR_BIT_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"})
 _FIVE_TO_EIGHT_BIT_GGUF_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"})

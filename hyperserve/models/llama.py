@@ -1,7 +1,7 @@
 """The Llama family decoder: Llama 2/3, Mistral (sliding window), Qwen2 (QKV bias), Qwen3 (QK
 norms), SmolLM2, SmolLM3 (layers without rotary), Granite (its multipliers folded into the weights
-as they load), and the mixture-of-experts members Mixtral and Qwen3-MoE (layers/moe.py in place of
-the MLP).
+as they load), Phi-3 and Phi-4 (whose checkpoints fuse q/k/v and gate/up as these layers do), and
+the mixture-of-experts members Mixtral and Qwen3-MoE (layers/moe.py in place of the MLP).
 
 Inputs are flat: every scheduled token of every sequence in one [T] tensor with its position, no
 padding. Q/K/V and gate/up projections are fused into one matmul each; `load_weight` takes
@@ -339,6 +339,12 @@ def rank_slice(tp: TensorParallel, config: PretrainedConfig, proj: str, leaf: st
             "gate_proj": tp.width(mlp_width),
             "up_proj": tp.width(mlp_width)}
     columns = {"o_proj": rows["q_proj"], "down_proj": rows["gate_proj"]}
+    if proj in ("qkv_proj", "gate_up_proj"):  # fused in the checkpoint (Phi-3): each part's slice, joined
+        parts = ("q_proj", "k_proj", "v_proj") if proj == "qkv_proj" else ("gate_proj", "up_proj")
+        sizes = ([config.num_attention_heads * d] + [config.num_key_value_heads * d] * 2 if proj == "qkv_proj"
+                 else [mlp_width] * 2)
+        return torch.cat([rank_slice(tp, config, part, leaf, piece, mlp_width)
+                          for part, piece in zip(parts, tensor.split(sizes))])
     if proj in rows:
         start, end = rows[proj]
         return tensor[start:end]

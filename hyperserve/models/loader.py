@@ -36,6 +36,7 @@ from hyperserve.layers.quantization import (
     quantize_linears,
     quantize_model,
 )
+from hyperserve.layers.rotary import check_rope
 from hyperserve.models import gemma3, gguf_reader
 from hyperserve.models.gemma3 import Gemma3ForCausalLM
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
@@ -68,6 +69,7 @@ def load_config(source: ModelSource) -> PretrainedConfig:
         raise ValueError(
             f"architecture {config.model_type!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
         )
+    check_rope(config)
     return config
 
 
@@ -90,8 +92,12 @@ def _complete_gguf_config(config: PretrainedConfig, index: dict) -> PretrainedCo
     Qwen3's head size (it does not map attention.key_length), Qwen3-MoE's expert width (nor
     expert_feed_forward_length), whether the LM head is the embedding (no output.weight); and
     Mixtral, which llama.cpp writes as a `llama` with experts and transformers reads as a dense
-    Llama."""
+    Llama. A Phi-3 GGUF with LongRoPE factors (rope_factors_*, which transformers does not map) is
+    refused rather than rotated by the default rope."""
     shapes = {t["name"]: t["shape"] for t in index["tensors"]}
+    if any(name.startswith("rope_factors") for name in shapes):
+        raise ValueError("this GGUF's LongRoPE factors (rope_factors_long, rope_factors_short) are not "
+                         "read from GGUFs yet: serve the model's Hugging Face directory instead")
     if "blk.0.attn_k.weight" in shapes:
         config.head_dim = shapes["blk.0.attn_k.weight"][0] // config.num_key_value_heads
     experts = next((shape for name, shape in shapes.items() if name.endswith("ffn_down_exps.weight")), None)

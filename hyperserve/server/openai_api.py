@@ -440,12 +440,13 @@ class OpenAIServing:
         search = BeamSearch(job.prompts[index], job.beam, frozenset(self.engine.engine.eos_token_ids))
         step = job.beam.step_params()
         while not search.done:
-            streams = [self._submit(f"{job.id}-{index}-{search.num_rounds}-{beam}", prompt, step, job.priority,
-                                    lora=job.lora, final_only=True, cache_salt=job.cache_salt)
+            streams = [self._submit(f"{job.id}-{index}-{search.num_rounds}-{beam}", prompt, step,
+                                    job.priority, lora=job.lora, final_only=True, cache_salt=job.cache_salt)
                        for beam, prompt in enumerate(search.round_prompts())]
             job.streams.extend(streams)
             search.advance([candidates_of(await _final(stream)) for stream in streams])
-        return search.output(f"{job.id}-{index}", self.engine.engine.tokenizer, job.params.skip_special_tokens)
+        tokenizer = self.engine.engine.tokenizer
+        return search.output(f"{job.id}-{index}", tokenizer, job.params.skip_special_tokens)
 
     async def collect(self, job: Job) -> dict[str, Any]:
         async for _ in self.run(job):

@@ -96,15 +96,15 @@ TWO_GPUS = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")])
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3", "mixtral", "qwen3_moe", "phi3"])
 @pytest.mark.parametrize("device", ["cpu", TWO_GPUS])
 def test_uneven_heads_width_and_vocabulary(save_hf_model, device, arch):
     """6 query / 3 K/V heads, an MLP width of 160 (cut at 32s: 64 and 96) and 1,001 tokens (padded
     to 1,002), with Qwen2's Q/K/V biases, Qwen3's QK norms (whole on every rank), Gemma 3's (and
     its tied, scaled embedding, a sliding-window layer beside a global one, and the norms after
-    attention and MLP, which take the all-reduced sum), or experts (Mixtral's 4 of width 160;
-    Qwen3-MoE's of width 48, cut 24 and 24, beside a dense layer of 160): every slice is uneven
-    or padded. On CUDA: NCCL."""
+    attention and MLP, which take the all-reduced sum), experts (Mixtral's 4 of width 160;
+    Qwen3-MoE's of width 48, cut 24 and 24, beside a dense layer of 160), or Phi-3's q/k/v and
+    gate/up fused in the checkpoint: every slice is uneven or padded. On CUDA: NCCL."""
     extra = {"mlp_only_layers": [0]} if arch == "qwen3_moe" else {}
     config = tiny_config(arch, num_attention_heads=6, num_key_value_heads=3, intermediate_size=160,
                          vocab_size=1001, hidden_size=96, **extra)
@@ -142,7 +142,8 @@ def test_lora_adapters_over_two_ranks(save_hf_model, tmp_path):
     _, path = save_hf_model(config)
     make_adapter(path, tmp_path / "all", seed=1)
     make_adapter(path, tmp_path / "some", seed=2, rank=8, targets=["q_proj", "v_proj", "down_proj"])
-    loras = [None, LoRARequest("all", 1, str(tmp_path / "all")), LoRARequest("some", 2, str(tmp_path / "some"))]
+    loras = [None, LoRARequest("all", 1, str(tmp_path / "all")),
+             LoRARequest("some", 2, str(tmp_path / "some"))]
     prompts = [[5, 17, 200, 99, 100, 42], list(range(100, 160)), [7, 8, 9] * 5]
     tokens, logprobs, _, _ = generate(prompts, model=path, enable_lora=True, lora_request=loras, **FLOAT32)
     base, *_ = generate(prompts, model=path, **FLOAT32)

@@ -247,3 +247,25 @@ def test_adapters_on_a_mixture_of_experts_match_peft_and_expert_mlps_are_refused
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False,
                          lora_request=LoRARequest(f"refused{i}", 2 + i, str(path)))
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.pool.num_blocks
+
+
+def test_adapters_of_phi3s_fused_projections_match_peft(save_hf_model, tmp_path):
+    """Phi-3 fuses q/k/v and gate/up in its checkpoint, so PEFT adapts qkv_proj and gate_up_proj
+    whole: each part of B goes to its own shard, and the answers equal PEFT's merged model."""
+    _, base = save_hf_model(tiny_config("phi3"))
+    merged = make_adapter(str(base), tmp_path / "adapter", seed=5,
+                          targets=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    llm = LLM(model=str(base), **ENGINE)
+    request = LoRARequest("phi", 1, str(tmp_path / "adapter"))
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
+    base_tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=request)
+    assert [o.outputs[0].token_ids for o in outputs] != base_tokens, "the adapter should change the answers"
+    for prompt, output in zip(PROMPTS, outputs):
+        completion = output.outputs[0]
+        reference = _logprobs(merged, prompt + completion.token_ids)
+        for step, (token, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            expected = reference[len(prompt) - 1 + step]
+            assert token == int(expected.argmax()), f"step {step}"
+            for token_id, entry in entries.items():
+                assert entry.logprob == pytest.approx(float(expected[token_id]), abs=2e-4)

@@ -51,9 +51,9 @@ def test_greedy_seeded_and_beam_search_answers_are_cached_sampled_ones_not():
     assert is_deterministic({"temperature": 0}) and is_deterministic({"seed": 3})
     assert is_deterministic({"use_beam_search": True, "n": 2})
     assert not is_deterministic({}) and not is_deterministic({"temperature": 0.7, "use_beam_search": False})
-    beams = cache_key("completion", "m", {"prompt": "Hi", "use_beam_search": True, "n": 2, "length_penalty": 1.0})
-    assert beams.exact != cache_key("completion", "m", {"prompt": "Hi", "use_beam_search": True, "n": 2,
-                                                        "length_penalty": 0.5}).exact
+    body = {"prompt": "Hi", "use_beam_search": True, "n": 2, "length_penalty": 1.0}
+    shorter = {**body, "length_penalty": 0.5}
+    assert cache_key("completion", "m", body).exact != cache_key("completion", "m", shorter).exact
 
 
 def test_output_constraints_tools_and_tool_calls_are_part_of_the_key():

@@ -26,6 +26,12 @@ ARCHS = {
     "granite": {},  # embedding, residual, attention and logits multipliers
     "granite-tied": {"tie_word_embeddings": True},
     "smollm3": {},  # a layer that rotates, then one that does not
+    "phi3": {"sliding_window": 8},  # fused q/k/v and gate/up projections in the checkpoint
+    # LongRoPE's short factors (the context stays within original_max_position_embeddings) and its
+    # attention factor, from max_position_embeddings / original = 4
+    "phi3-rope_longrope": {"original_max_position_embeddings": 128, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.25 * i for i in range(8)], "long_factor": [2.0 + i for i in range(8)]}},
     "gemma3": {},  # a sliding-window layer (8 tokens) and a global one, QK norms, four norms per layer
 }
 
@@ -61,6 +67,19 @@ def test_logprobs_match_transformers(name, max_num_batched_tokens, device, save_
     llm = LLM(model=path, num_kv_blocks=64, block_size=4, max_model_len=128, device=device, dtype="float32",
               max_num_batched_tokens=max_num_batched_tokens)
     _check_against_transformers(llm, hf_model, abs_tol=2e-4)
+
+
+def test_longrope_runs_where_its_short_factors_hold_and_partial_rotary_is_refused(save_hf_model, tmp_path):
+    """Beyond original_max_position_embeddings LongRoPE rotates every position by other factors,
+    which a cache of rotated keys cannot follow: the context stops there, by default and when asked
+    for more. A rotation over part of each head (Phi-4-mini's) is refused, not run wrong."""
+    _, path = save_hf_model(tiny_config("phi3", **ARCHS["phi3-rope_longrope"]))
+    assert LLM(model=path, num_kv_blocks=8, dtype="float32").engine.max_model_len == 128
+    with pytest.raises(ValueError, match="max_model_len 256 exceeds 128"):
+        LLM(model=path, num_kv_blocks=8, dtype="float32", max_model_len=256)
+    tiny_config("phi3", partial_rotary_factor=0.5).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5"):
+        LLM(model=str(tmp_path), load_format="random", num_kv_blocks=8)
 
 
 @needs_triton

@@ -166,7 +166,7 @@ def _write_gguf(hf_model, path, tokenizer_gguf, quant: str | None = "Q8_0") -> N
     config = hf_model.config
     kind = None if quant is None else gguf.GGMLQuantizationType[quant]
     moe = config.model_type in ("qwen3_moe", "mixtral")
-    arch = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}[config.model_type]
+    arch = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3"}[config.model_type]
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -174,8 +174,9 @@ def _write_gguf(hf_model, path, tokenizer_gguf, quant: str | None = "Q8_0") -> N
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if moe:
@@ -195,7 +196,7 @@ def _write_gguf(hf_model, path, tokenizer_gguf, quant: str | None = "Q8_0") -> N
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
              "mlp.gate": "ffn_gate_inp", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
+             "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
     def permuted(array, heads):  # llama.cpp's row order of each head's rotary halves (the loader undoes it)
         halves = array.reshape(heads, 2, array.shape[0] // heads // 2, array.shape[-1])
@@ -238,12 +239,13 @@ def _write_gguf(hf_model, path, tokenizer_gguf, quant: str | None = "Q8_0") -> N
     writer.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "phi3"])
 def test_qwen3_gguf_matches_transformers_on_its_dequantized_weights(arch, smollm2_source, tmp_path,
                                                                     monkeypatch):
-    """A Qwen3 and a Qwen3-MoE GGUF as llama.cpp writes them (Q8_0, stacked experts, QK norms, an
-    untied head): our model from the GGUF against transformers' own GGUF loading of the same file,
-    and our reading of its saved config against the config's own class."""
+    """A Qwen3, a Qwen3-MoE and a Phi-3 GGUF as llama.cpp writes them (Q8_0, stacked experts, QK
+    norms, Phi-3's fused q/k/v and gate/up, an untied head): our model from the GGUF against
+    transformers' own GGUF loading of the same file, and our reading of its saved config against
+    the config's own class."""
     from transformers import AutoModelForCausalLM
 
     from tests.models.test_llama import _check_against_transformers
@@ -266,6 +268,15 @@ def test_qwen3_gguf_matches_transformers_on_its_dequantized_weights(arch, smollm
     assert_config_reads_as(llm.engine.hf_config, gguf_config_by_class(tmp_path / "model.gguf"))
     assert llm.engine.tokenizer.decode(llm.engine.tokenizer("Hello world").input_ids) == "Hello world"
     _check_against_transformers(llm, reference, abs_tol=2e-4)
+
+
+def test_a_phi3_gguf_with_longrope_factors_is_refused_not_rotated_by_the_default_rope():
+    from hyperserve.models import loader
+
+    tensors = [{"name": "token_embd.weight", "shape": [256, 64]},
+               {"name": "rope_factors_short.weight", "shape": [8]}]
+    with pytest.raises(ValueError, match="LongRoPE factors"):
+        loader._complete_gguf_config(tiny_config("phi3"), {"tensors": tensors})
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels could not be built here")

@@ -90,7 +90,8 @@ def test_beam_search_answers_as_the_offline_engine(client, smollm2_tokenizer):
         usage = chunk.usage or usage
     assert texts == [e.text for e in expected] and len(set(texts)) == 3
     assert usage.completion_tokens == sum(len(e.token_ids) for e in expected)
-    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, n=2, extra_body=beams)
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, n=2,
+                                          extra_body=beams)
     assert [c.index for c in chat.choices] == [0, 1] and "Paris" in chat.choices[0].message.content
     assert chat.choices[0].message.content != chat.choices[1].message.content
     with pytest.raises(openai.BadRequestError, match="beam search does not take stop, logprobs"):
