@@ -75,11 +75,9 @@ def _logprobs(hf_model, ids: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([ids])).logits[0].log_softmax(-1)
 
 
-@pytest.mark.parametrize("name", ["a0", "a1", "a2", "a3"])
-def test_each_adapter_matches_peft_merged_in_transformers(llm, adapters, name):
-    request, merged = adapters[name]
-    params = SamplingParams(temperature=0, max_tokens=10, logprobs=5, ignore_eos=True)
-    for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False, lora_request=request)):
+def assert_matches_merged(outputs, merged) -> None:
+    """Each of PROMPTS' greedy answers and top log-probabilities are PEFT's merged model's."""
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
         completion = output.outputs[0]
         reference = _logprobs(merged, prompt + completion.token_ids)
         for step, (token, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
@@ -87,6 +85,13 @@ def test_each_adapter_matches_peft_merged_in_transformers(llm, adapters, name):
             assert token == int(expected.argmax()), f"step {step}"
             for token_id, entry in entries.items():
                 assert entry.logprob == pytest.approx(float(expected[token_id]), abs=2e-4)
+
+
+@pytest.mark.parametrize("name", ["a0", "a1", "a2", "a3"])
+def test_each_adapter_matches_peft_merged_in_transformers(llm, adapters, name):
+    request, merged = adapters[name]
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=5, ignore_eos=True)
+    assert_matches_merged(llm.generate(PROMPTS, params, use_tqdm=False, lora_request=request), merged)
 
 
 def test_a_batch_mixing_eight_adapters_and_the_base_equals_each_alone(llm, adapters):
@@ -227,14 +232,7 @@ def test_adapters_on_a_mixture_of_experts_match_peft_and_expert_mlps_are_refused
     llm = LLM(model=str(base), **ENGINE)
     request = LoRARequest("moe", 1, str(tmp_path / "adapter"))
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
-    for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False, lora_request=request)):
-        completion = output.outputs[0]
-        reference = _logprobs(merged, prompt + completion.token_ids)
-        for step, (token, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
-            expected = reference[len(prompt) - 1 + step]
-            assert token == int(expected.argmax()), f"step {step}"
-            for token_id, entry in entries.items():
-                assert entry.logprob == pytest.approx(float(expected[token_id]), abs=2e-4)
+    assert_matches_merged(llm.generate(PROMPTS, params, use_tqdm=False, lora_request=request), merged)
     routed = tmp_path / "routed"
     routed.mkdir()
     (routed / "adapter_config.json").write_text((tmp_path / "adapter" / "adapter_config.json").read_text())
@@ -261,11 +259,4 @@ def test_adapters_of_phi3s_fused_projections_match_peft(save_hf_model, tmp_path)
     base_tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     outputs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=request)
     assert [o.outputs[0].token_ids for o in outputs] != base_tokens, "the adapter should change the answers"
-    for prompt, output in zip(PROMPTS, outputs):
-        completion = output.outputs[0]
-        reference = _logprobs(merged, prompt + completion.token_ids)
-        for step, (token, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
-            expected = reference[len(prompt) - 1 + step]
-            assert token == int(expected.argmax()), f"step {step}"
-            for token_id, entry in entries.items():
-                assert entry.logprob == pytest.approx(float(expected[token_id]), abs=2e-4)
+    assert_matches_merged(outputs, merged)
