@@ -79,6 +79,13 @@ class TensorParallel:
         self.group.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=-1)
 
+    def kv_head_ranges(self, num_heads: int, num_kv_heads: int) -> list[tuple[int, int]]:
+        """Every rank's [start, end) of the model's K/V heads, rank 0's first (replicated heads: the
+        same range on several ranks)."""
+        slices = [TensorParallel(rank, self.size).head_slice(num_heads, num_kv_heads)
+                  for rank in range(self.size)]
+        return [(s.kv_start, s.kv_start + s.num_kv_heads) for s in slices]
+
     def head_slice(self, num_heads: int, num_kv_heads: int) -> HeadSlice:
         if num_kv_heads < self.size:  # each K/V head on several ranks, its query heads split among them
             if self.size % num_kv_heads or num_heads % self.size:

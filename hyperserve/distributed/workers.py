@@ -3,9 +3,11 @@
 Each worker loads its slice of the model, allocates a KV pool of its own heads with rank 0's
 block count, and then runs every forward pass that rank 0 runs, on the chunks rank 0 sends it
 (the same block tables: the scheduler and the block pool live on rank 0 only), and on CUDA
-captures its decode graphs when rank 0 captures its own. Commands come over
-a pipe, which waits without a timeout while the server idles and ends the worker when rank 0's
-process exits; tensors go over the group's collectives.
+captures its decode graphs when rank 0 captures its own. Between passes it hands rank 0 its heads
+of KV blocks, or fills its heads of blocks from rank 0's (the disk tier and KV transfer move
+whole blocks). Commands come over a pipe, which waits without a timeout while the server idles
+and ends the worker when rank 0's process exits; a pass's tensors go over the group's
+collectives, blocks over the pipe.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import traceback
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import torch
@@ -27,6 +30,21 @@ WORKER_START_TIMEOUT_S = 600  # loading a large model's slice
 
 class WorkerError(RuntimeError):
     """A tensor-parallel worker failed to start or stopped."""
+
+
+@dataclass
+class ReadBlocks:
+    """Rank 0's request for a worker's heads of these KV blocks (ModelRunner.read_blocks)."""
+
+    block_ids: list[int]
+
+
+@dataclass
+class WriteBlocks:
+    """A worker's heads of these KV blocks, to fill them with."""
+
+    block_ids: list[int]
+    tensors: dict[str, torch.Tensor]
 
 
 class TensorParallelWorkers:
@@ -65,11 +83,24 @@ class TensorParallelWorkers:
                 raise WorkerError(f"tensor-parallel rank {rank} failed to start:\n{reply}")
 
     def send(self, command: object) -> None:
-        for rank, pipe in enumerate(self.pipes, start=1):
-            try:
-                pipe.send(command)
-            except (BrokenPipeError, EOFError, OSError) as error:
-                raise WorkerError(f"tensor-parallel rank {rank} has stopped") from error
+        for rank in range(1, len(self.pipes) + 1):
+            self._send(rank, command)
+
+    def read_blocks(self, block_ids: list[int]) -> list[dict[str, torch.Tensor]]:
+        """Each worker's heads of these blocks (on the CPU), rank 1's first."""
+        self.send(ReadBlocks(block_ids))
+        return [self._receive(rank, pipe) for rank, pipe in enumerate(self.pipes, start=1)]
+
+    def write_blocks(self, block_ids: list[int], parts: list[dict[str, torch.Tensor]]) -> None:
+        """parts[i]: rank i + 1's heads of these blocks."""
+        for rank, tensors in enumerate(parts, start=1):
+            self._send(rank, WriteBlocks(block_ids, {name: t.cpu() for name, t in tensors.items()}))
+
+    def _send(self, rank: int, command: object) -> None:
+        try:
+            self.pipes[rank - 1].send(command)
+        except (BrokenPipeError, EOFError, OSError) as error:
+            raise WorkerError(f"tensor-parallel rank {rank} has stopped") from error
 
     def close(self) -> None:
         for pipe in self.pipes:
@@ -92,7 +123,7 @@ class TensorParallelWorkers:
         try:
             return pipe.recv()
         except EOFError:
-            raise WorkerError(f"tensor-parallel rank {rank} exited while starting (see its log)") from None
+            raise WorkerError(f"tensor-parallel rank {rank} has stopped (see its log)") from None
 
 
 def _worker_main(config: EngineConfig, rank: int, size: int, port: int, threads: int, pipe: Connection) -> None:
@@ -121,12 +152,17 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, threads:
     pipe.send("ready")
     while True:
         try:
-            command = pipe.recv()  # (a pass's chunks, its layers), CAPTURE_GRAPHS, or None: stop
+            command = pipe.recv()  # (a pass's chunks, its layers), blocks to read or write,
+            # CAPTURE_GRAPHS, or None: stop
         except EOFError:  # rank 0 is gone
             return
         if command is None:
             return
-        if command == CAPTURE_GRAPHS:
+        if isinstance(command, ReadBlocks):
+            pipe.send({name: t.cpu() for name, t in runner.read_blocks(command.block_ids).items()})
+        elif isinstance(command, WriteBlocks):
+            runner.write_blocks(command.block_ids, command.tensors)
+        elif command == CAPTURE_GRAPHS:
             runner.capture_graphs()
         else:
             chunks, num_layers = command  # num_layers: a self-draft's, the model's first layers

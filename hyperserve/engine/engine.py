@@ -157,7 +157,7 @@ class LLMEngine:
                     if spec.speculative_method else None)
         self.speculator = Speculator(spec, proposer, verify_cost, self.kv_cache, self.max_model_len)
         self._groups: dict[str, _Group] = {}
-        self.kv_transfer = KVTransfer(self.kv_cache, self.runner, self.workers is not None)
+        self.kv_transfer = KVTransfer(self.kv_cache, self.runner)
         return_freed_heap()
         self._num_failed_steps = 0
 
@@ -522,8 +522,6 @@ def _check_tensor_parallel(config: EngineConfig, hf_config) -> None:
     size = config.parallel.tensor_parallel_size
     # refuses more ranks than K/V heads
     TensorParallel(0, size).head_slice(hf_config.num_attention_heads, hf_config.num_key_value_heads)
-    if config.cache.disk_cache_dir is not None:
-        raise ValueError("tensor_parallel_size > 1 does not run with disk_cache_dir yet")
     if config.model.device == "cuda" and size > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size={size} needs as many GPUs; "
                          f"this machine has {torch.cuda.device_count()}")

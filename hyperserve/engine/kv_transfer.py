@@ -28,8 +28,8 @@ class KVTransferStats:
 
 
 class KVTransfer:
-    def __init__(self, kv_cache: KVCacheManager, runner: ModelRunner, tensor_parallel: bool) -> None:
-        self.kv_cache, self.runner, self.tensor_parallel = kv_cache, runner, tensor_parallel
+    def __init__(self, kv_cache: KVCacheManager, runner: ModelRunner) -> None:
+        self.kv_cache, self.runner = kv_cache, runner
         self.stats = KVTransferStats()
 
     def unsupported(self) -> str | None:
@@ -38,8 +38,6 @@ class KVTransfer:
             return "prefix caching is off"
         if len(self.kv_cache.groups) > 1 or self.kv_cache.groups[0].window is not None:
             return "sliding-window attention keeps its own KV layout"
-        if self.tensor_parallel:
-            return "tensor parallelism splits the KV over processes"
         return None
 
     def prefix_hashes(self, token_ids: list[int], cache_salt: str = "") -> list[bytes]:

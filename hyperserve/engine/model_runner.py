@@ -18,6 +18,7 @@ by batch size; three are compiled at start (one sequence, two, and more than QUA
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -55,6 +56,7 @@ from hyperserve.layers.quantization import QUANTIZED_MAX_ROWS
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
 
 CAPTURE_GRAPHS = "capture_graphs"  # rank 0's word to the other ranks: capture with me now
+HEADS_DIM = 3  # of read_blocks' tensors: [blocks, layers, block_size, K/V heads, ...]
 
 # Decodes whose context lengths differ by more than this factor attend in separate batches.
 DECODE_GROUP_SPREAD = 1.25
@@ -234,17 +236,44 @@ class ModelRunner:
                 for layer in range(hf_config.num_hidden_layers)]
 
     def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
-        """Every layer's K and V (and scales) of these blocks: [blocks, layers, block_size, ...]."""
+        """Every layer's K and V (and scales) of these blocks, of all the model's K/V heads (under
+        tensor parallelism gathered from every rank): [blocks, layers, block_size, heads, ...]."""
         blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         per_layer = [cache.read_blocks(blocks) for cache in self.kv_caches]
-        return {name: torch.stack([layer[name] for layer in per_layer], dim=1) for name in per_layer[0]}
+        local = {name: torch.stack([layer[name] for layer in per_layer], dim=1) for name in per_layer[0]}
+        if self.workers is None:
+            return local
+        parts = [local, *self.workers.read_blocks(block_ids)]
+        whole = {}
+        for name, tensor in local.items():
+            shape = list(tensor.shape)
+            shape[HEADS_DIM] = self.model.config.num_key_value_heads
+            whole[name] = tensor.new_empty(shape)
+            for (start, end), part in zip(self._kv_head_ranges, parts):
+                whole[name].narrow(HEADS_DIM, start, end - start).copy_(part[name])
+        return whole
 
     def write_blocks(self, block_ids: list[int], tensors: dict[str, torch.Tensor]) -> None:
-        """Fill these blocks from tensors as read_blocks gives them: two copies per layer, whatever
-        the number of blocks (writing them one by one stalled a step by tens of ms)."""
+        """Fill these blocks from tensors as read_blocks gives them (each rank its heads): two
+        copies per layer, whatever the number of blocks (one by one stalled a step by tens of ms)."""
+        if self.workers is not None:
+            parts = [{name: t.narrow(HEADS_DIM, start, end - start) for name, t in tensors.items()}
+                     for start, end in self._kv_head_ranges]
+            tensors = parts[0]
+            self._write_local(block_ids, tensors)  # first: a block that does not fit fails here alone
+            self.workers.write_blocks(block_ids, parts[1:])
+            return
+        self._write_local(block_ids, tensors)
+
+    def _write_local(self, block_ids: list[int], tensors: dict[str, torch.Tensor]) -> None:
         blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for layer, cache in enumerate(self.kv_caches):
             cache.write_blocks(blocks, {name: t[:, layer] for name, t in tensors.items()})
+
+    @functools.cached_property
+    def _kv_head_ranges(self) -> list[tuple[int, int]]:
+        config = self.model.config
+        return self.model.tp.kv_head_ranges(config.num_attention_heads, config.num_key_value_heads)
 
     def read_block(self, block_id: int) -> dict[str, torch.Tensor]:
         """One block, stacked over layers: the disk tier's unit."""

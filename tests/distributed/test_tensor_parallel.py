@@ -174,11 +174,46 @@ def test_speculative_decoding_over_two_ranks(save_hf_model, method):
     assert [o.outputs[0].token_ids for o in outputs] == tokens
 
 
+def test_kv_blocks_move_whole_between_two_ranks_and_one_process(save_hf_model, tmp_path):
+    """read_blocks gathers every rank's heads of a block (here 2 and 1 of 3), write_blocks gives each
+    rank its own: blocks computed over two ranks are one process's, they serve one process through
+    the disk tier (and after a restart), and one process's blocks serve the two ranks
+    (disaggregated prefill)."""
+    _, path = save_hf_model(tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96))
+    options = dict(model=path, num_kv_blocks=64, block_size=16, max_model_len=1024, **FLOAT32)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first, second = list(range(3, 90)), list(range(100, 187))  # 5 full blocks and 7 tokens each
+
+    def answer(llm: LLM, prompt: list[int]):
+        return llm.generate([prompt], params, use_tqdm=False)[0]
+
+    def blocks(llm: LLM, prompt: list[int]) -> tuple[list[bytes], dict[str, torch.Tensor]]:
+        hashes = llm.engine.kv_transfer.prefix_hashes(prompt)
+        ids = [llm.engine.kv_cache.pool.lookup(h) for h in hashes]
+        return hashes, llm.engine.kv_transfer.read_blocks(ids)
+
+    with LLM(**options, tensor_parallel_size=2, disk_cache_dir=str(tmp_path)) as split, LLM(**options) as single:
+        expected = {tuple(p): answer(single, p).outputs[0].token_ids for p in (first, second)}
+        assert answer(split, first).outputs[0].token_ids == expected[tuple(first)]
+        hashes, gathered = blocks(split, first)
+        _, own = blocks(single, first)
+        assert len(hashes) == 5 and gathered.keys() == own.keys()
+        assert all(torch.allclose(gathered[name], own[name], atol=1e-5) for name in own)
+        for block_hash, block_id in zip(hashes, [split.engine.kv_cache.pool.lookup(h) for h in hashes]):
+            split.engine.kv_cache.lower_tier.spill(block_id, block_hash)
+        second_hashes, second_blocks = blocks(single, second)
+        assert split.engine.kv_transfer.import_prefix(second_hashes, second_blocks) == 5
+        taken = answer(split, second)
+        assert taken.metrics.num_cached_tokens == 5 * 16 and taken.outputs[0].token_ids == expected[tuple(second)]
+    with LLM(**options, disk_cache_dir=str(tmp_path)) as restarted:
+        read = answer(restarted, first)
+        assert read.metrics.num_disk_cached_tokens == 5 * 16 and read.outputs[0].token_ids == expected[tuple(first)]
+
+
 @pytest.mark.parametrize("arch,overrides,options,message", [
     ("llama", {"num_attention_heads": 3, "num_key_value_heads": 1, "hidden_size": 48}, {},
      "exceeds the model's 1 K/V heads: it must then be a multiple of them that divides the 3 query heads"),
-    ("llama", {}, {"disk_cache_dir": "never-made"}, "disk_cache_dir"),
-], ids=["query-heads-that-do-not-split", "disk-tier"])
+], ids=["query-heads-that-do-not-split"])
 def test_what_cannot_be_split_is_refused_before_any_process_starts(save_hf_model, arch, overrides, options,
                                                                    message):
     _, path = save_hf_model(tiny_config(arch, **overrides))
