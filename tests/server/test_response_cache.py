@@ -28,9 +28,11 @@ def cached_server(tmp_path_factory, files_dir):
     before = temporary_directories()
     server = start_server("--semantic-cache", "--response-cache-path", str(path), "--kv-cache-memory-gb",
                           "0.5", "--files-dir", str(files_dir), log_name="semantic-cache")
-    assert len(temporary_directories() - before) == 1  # the engine's socket's: the files go to files_dir
-    yield server
-    stop_server(server)
+    try:
+        assert len(temporary_directories() - before) == 1  # the engine's socket's: the files go to files_dir
+        yield server
+    finally:  # stopped even where the assertion fails: a failing fixture must not leave a server running
+        stop_server(server)
     assert temporary_directories() == before  # a SIGTERM-stopped server leaves none behind
 
 
