@@ -159,6 +159,9 @@ class FusedDecode:
             return "a quantized KV cache"
         if model.tp.size > 1:
             return "tensor parallelism (the layer's output needs an all-reduce before the residual add)"
+        rotaries = [layer.self_attn.rotary for layer in model.model.layers]
+        if any(rotary is not None and rotary.rotary_dim != rotary.head_dim for rotary in rotaries):
+            return "a rotation over part of each head (partial_rotary_factor)"
         if not (isinstance(model.model.embed_tokens, Q8Embedding) and isinstance(model.lm_head, Q8Head)):
             return "an embedding or LM head not in Q8_0"
         for layer in model.model.layers:

@@ -138,9 +138,10 @@ def rotated_attention(attn: nn.Module, cos_sin, qkv: torch.Tensor, kv_cache: KVC
                       qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None) -> torch.Tensor | None:
     """On CUDA, q and k rotated (after their per-head norms, where given) and the new K/V written by
     one Triton kernel straight from qkv, then attention over the cache: [T, H, D]. None where that
-    kernel does not apply (off CUDA, or heads whose width is not a power of two). `attn` is a
-    model's attention module (its heads, backend and scale)."""
-    if not (on_triton(qkv) and attn.head_dim & (attn.head_dim - 1) == 0):
+    kernel does not apply (off CUDA, heads whose width is not a power of two, or a rotation over
+    part of each head). `attn` is a model's attention module (its heads, rotary, backend and scale)."""
+    if not (on_triton(qkv) and attn.head_dim & (attn.head_dim - 1) == 0
+            and attn.rotary.rotary_dim == attn.head_dim):
         return None
     from hyperserve.layers.triton_elementwise import rotary_and_cache
 

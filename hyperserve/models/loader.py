@@ -36,7 +36,6 @@ from hyperserve.layers.quantization import (
     quantize_linears,
     quantize_model,
 )
-from hyperserve.layers.rotary import check_rope
 from hyperserve.models import gemma3, gguf_reader
 from hyperserve.models.gemma3 import Gemma3ForCausalLM
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
@@ -69,7 +68,6 @@ def load_config(source: ModelSource) -> PretrainedConfig:
         raise ValueError(
             f"architecture {config.model_type!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
         )
-    check_rope(config)
     return config
 
 

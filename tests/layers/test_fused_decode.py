@@ -93,6 +93,14 @@ def test_int8_experts_match_the_pytorch_layers(save_hf_model, arch):
     assert (fused - plain).abs().max() <= 1e-3 * plain.abs().max()
 
 
+def test_a_rotation_over_part_of_each_head_runs_the_pytorch_layers(save_hf_model):
+    """The native layers rotate whole heads: Phi-4-mini's partial_rotary_factor is theirs to refuse."""
+    for partial, fused in ((0.5, False), (1.0, True)):
+        _, path = save_hf_model(tiny_config("phi3", partial_rotary_factor=partial))
+        llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01)
+        assert (llm.engine.runner.fused_decode is not None) == fused
+
+
 def test_attention_over_contexts_of_several_spans_matches_the_pytorch_layers(save_hf_model, q41_layout):
     """The fused attention cuts a context into spans of 256 positions (kAttentionSpan), each its own
     task, and combines them: contexts of 600 and 300 tokens, in blocks of 24 that spans cut through,
