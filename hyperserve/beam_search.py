@@ -19,13 +19,15 @@ BeamSearch is the state of one prompt's search, plain Python over token ids; the
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from hyperserve.outputs import CompletionOutput, RequestOutput
 from hyperserve.sampling_params import SamplingParams
 
 MAX_BEAM_WIDTH = SamplingParams.MAX_LOGPROBS // 2  # each beam's 2 x width candidates are its top logprobs
+# length ** length_penalty stays a finite, non-zero float for any context length (transformers'
+# users pick within [-2, 2])
+MAX_LENGTH_PENALTY = 10.0
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,9 @@ class BeamSearchParams:
             raise ValueError(f"beam_width (n) must be in 1..{MAX_BEAM_WIDTH}, got {self.beam_width}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not math.isfinite(self.length_penalty):
-            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
+        if not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:
+            raise ValueError(f"length_penalty must be in [{-MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], "
+                             f"got {self.length_penalty}")
 
     def step_params(self) -> SamplingParams:
         """A round's request: one token, and the beam's 2 x width most likely as its logprobs."""

@@ -80,11 +80,16 @@ def test_beam_search_matches_transformers(base, tmp_path, eos_at, length_penalty
         assert free[0][0] not in [c.token_ids for c in outputs[0].outputs]
 
 
-def test_beam_width_is_bounded_by_the_logprobs_a_request_returns():
+def test_beam_width_and_length_penalty_are_bounded():
+    """The width by the logprobs a request returns; the length penalty where length ** it stays a
+    finite, non-zero float (1e6 overflowed a score, -1e6 divided by zero: a 500 before)."""
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(11, 8)
     with pytest.raises(ValueError, match="max_tokens"):
         BeamSearchParams(2, 0)
+    for penalty in (1e6, -1e6, float("nan")):
+        with pytest.raises(ValueError, match="length_penalty"):
+            BeamSearchParams(2, 8, length_penalty=penalty)
 
 
 def test_a_search_stops_once_no_live_beam_can_beat_its_hypotheses():

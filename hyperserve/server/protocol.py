@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from hyperserve.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
+from hyperserve.beam_search import MAX_BEAM_WIDTH, MAX_LENGTH_PENALTY, BeamSearchParams
 from hyperserve.common.messages import message_text
 from hyperserve.sampling_params import SamplingParams, StructuredOutputs
 
@@ -128,7 +128,7 @@ class _SamplingRequest(BaseModel):
     prediction: PredictedOutput | None = None
     # vLLM's beam search: the n best answers of a search n beams wide (hyperserve/beam_search.py)
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: float = Field(default=1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
 
     @field_validator("logit_bias")
     @classmethod

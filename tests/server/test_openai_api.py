@@ -98,6 +98,8 @@ def test_beam_search_answers_as_the_offline_engine(client, smollm2_tokenizer):
         client.completions.create(model=MODEL, prompt="Hi", n=2, stop=["x"], logprobs=1, extra_body=beams)
     with pytest.raises(openai.BadRequestError, match="up to 10"):
         client.completions.create(model=MODEL, prompt="Hi", n=11, extra_body=beams)
+    with pytest.raises(openai.BadRequestError, match="length_penalty"):
+        client.completions.create(model=MODEL, prompt="Hi", n=2, extra_body={**beams, "length_penalty": -1e6})
 
 
 def test_n_samples_and_seed_reproducibility(client):
