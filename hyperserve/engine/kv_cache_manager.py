@@ -332,6 +332,10 @@ class KVCacheManager:
                 group.pool.free(block_ids[::-1])
         return pin is not None
 
+    def next_pin_expiry(self) -> float | None:
+        """When the first pin expires (time.time()'s clock); None without pins."""
+        return min((pin.expires_at for pin in self.pins.values()), default=None)
+
     def expire_pins(self, now: float) -> None:
         for pin_id in [p for p, pin in self.pins.items() if pin.expires_at <= now]:
             self.unpin(pin_id)

@@ -159,9 +159,13 @@ class AsyncEngine:
         engine = self.engine
         while True:
             block = not engine.has_unfinished_requests()
+            # idle, it still wakes when a pin expires, so that its blocks go back to the pool (and
+            # the KV use the metrics report falls) without waiting for the next request
+            expiry = engine.kv_cache.next_pin_expiry() if block else None
+            timeout = None if expiry is None else max(0.0, expiry - time.time()) + 0.01
             try:
                 while True:
-                    command = self._commands.get(block=block, timeout=None)
+                    command = self._commands.get(block=block, timeout=timeout)
                     if command is None:
                         return
                     self._apply(command)
