@@ -151,6 +151,7 @@ def tiny_config(arch: str, **overrides):
         MixtralConfig,
         Phi3Config,
         Qwen2Config,
+        Qwen2MoeConfig,
         Qwen3Config,
         Qwen3MoeConfig,
         SmolLM3Config,
@@ -177,6 +178,9 @@ def tiny_config(arch: str, **overrides):
         common.update(no_rope_layers=[1, 0], pad_token_id=None, bos_token_id=1, eos_token_id=2)
     if arch == "phi3":  # token ids inside the tiny vocabulary (Phi-3's pad and EOS are 32000)
         common.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if arch == "qwen2_moe":  # 4 experts, 2 a token, and a shared expert every token runs
+        common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=96)
     if arch == "qwen3_moe":  # the same; a Qwen3-MoE layer may stay dense
         common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
                       head_dim=16)
@@ -184,7 +188,7 @@ def tiny_config(arch: str, **overrides):
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
                "gemma3": Gemma3TextConfig, "qwen3": Qwen3Config, "mixtral": MixtralConfig,
                "qwen3_moe": Qwen3MoeConfig, "granite": GraniteConfig, "smollm3": SmolLM3Config,
-               "phi3": Phi3Config}
+               "phi3": Phi3Config, "qwen2_moe": Qwen2MoeConfig}
     return classes[arch](**common)
 
 

@@ -9,6 +9,9 @@ into their tokens' rows. Experts are ordinary MLPs of Linear projections, so wei
 (layers/quantization.py) applies to them as to a dense MLP; the router stays in float, since a
 rounded score can change which experts a token runs.
 
+Qwen2-MoE adds a shared expert that every token runs, its output scaled by a gate of its own
+(sigmoid of one score per token) and added to the routed experts'.
+
 Under tensor parallelism every rank holds every expert's run of the MLP's width and the whole
 router: the ranks route alike (their inputs are the same all-reduced rows), each expert's output
 is a partial sum, and one all-reduce of the mixture's output adds them up.
@@ -39,8 +42,10 @@ class Router(nn.Module):
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 make_expert: Callable[[], nn.Module], tp: TensorParallel | None = None) -> None:
-        """make_expert: an MLP whose output is this rank's part of the sum (with `tp`)."""
+                 make_expert: Callable[[], nn.Module], tp: TensorParallel | None = None,
+                 shared_expert: nn.Module | None = None) -> None:
+        """make_expert: an MLP whose output is this rank's part of the sum (with `tp`), as is
+        shared_expert's (Qwen2-MoE's, which every token runs)."""
         super().__init__()
         self.tp = tp or TensorParallel()
         if not 1 <= top_k <= num_experts:
@@ -48,6 +53,8 @@ class SparseMoE(nn.Module):
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = Router(hidden_size, num_experts)
         self.experts = nn.ModuleList(make_expert() for _ in range(num_experts))
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = Router(hidden_size, 1) if shared_expert is not None else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, top_k] float32, expert ids [T, top_k]) of each token's chosen experts."""
@@ -68,4 +75,6 @@ class SparseMoE(nn.Module):
                 tokens = chosen // self.top_k
                 weighted = expert(x[tokens]) * weights.view(-1)[chosen, None]  # [n, hidden] float32
                 out.index_add_(0, tokens, weighted.to(x.dtype))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out)

@@ -28,7 +28,7 @@ from hyperserve.layers.moe import SparseMoE
 from hyperserve.layers.rotary import RotaryEmbedding
 
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")
-QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe")  # sliding window only with use_sliding_window
+QWEN_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # sliding window only with use_sliding_window
 
 # HF projection name -> (our fused parameter, shard index)
 _FUSED = {
@@ -92,7 +92,8 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
         ]
-        bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+        bias = (config.model_type == "qwen2" or getattr(config, "qkv_bias", False)  # Qwen2-MoE's
+                or getattr(config, "attention_bias", False))
         self.qkv_proj = Linear(config.hidden_size, sum(self.shard_sizes), bias=bias)
         self.o_proj = Linear(
             self.num_heads * self.head_dim, config.hidden_size,
@@ -172,13 +173,19 @@ def is_sparse_layer(config: PretrainedConfig, index: int) -> bool:
     """Whether layer `index` routes its tokens to experts (Qwen3-MoE may keep some layers dense)."""
     if config.model_type == "mixtral":
         return True
-    if config.model_type != "qwen3_moe" or config.num_experts == 0 or index in (config.mlp_only_layers or []):
+    if (config.model_type not in ("qwen2_moe", "qwen3_moe") or config.num_experts == 0
+            or index in (config.mlp_only_layers or [])):
         return False
     return (index + 1) % config.decoder_sparse_step == 0
 
 
-def expert_width(config: PretrainedConfig) -> int:
-    """An expert MLP's intermediate size."""
+def expert_width(config: PretrainedConfig, name: str = ".experts.") -> int:
+    """The intermediate size of the MLP a checkpoint tensor `name` belongs to: a routed expert's,
+    Qwen2-MoE's shared expert's, or the dense MLP's."""
+    if ".shared_expert." in name:
+        return config.shared_expert_intermediate_size
+    if ".experts." not in name:
+        return config.intermediate_size
     return config.intermediate_size if config.model_type == "mixtral" else config.moe_intermediate_size
 
 
@@ -187,8 +194,11 @@ def sparse_moe(config: PretrainedConfig, tp: TensorParallel) -> SparseMoE:
         num_experts, renormalize = config.num_local_experts, True
     else:
         num_experts, renormalize = config.num_experts, config.norm_topk_prob
+    shared = None
+    if config.model_type == "qwen2_moe":
+        shared = LlamaMLP(config, tp, config.shared_expert_intermediate_size, reduce=False)
     return SparseMoE(config.hidden_size, num_experts, config.num_experts_per_tok, renormalize,
-                     lambda: LlamaMLP(config, tp, expert_width(config), reduce=False), tp)
+                     lambda: LlamaMLP(config, tp, expert_width(config), reduce=False), tp, shared)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -304,8 +314,7 @@ class LlamaForCausalLM(nn.Module):
         module_name, _, leaf = name.rpartition(".")
         parent, _, proj = module_name.rpartition(".")
         if self.tp.size > 1:
-            width = expert_width(self.config) if ".experts." in name else self.config.intermediate_size
-            tensor = rank_slice(self.tp, self.config, proj, leaf, tensor, width)
+            tensor = rank_slice(self.tp, self.config, proj, leaf, tensor, expert_width(self.config, name))
         if proj in _FUSED:
             fused, shard = _FUSED[proj]
             target = self.get_parameter(f"{parent}.{fused}.{leaf}")

@@ -91,8 +91,12 @@ def _complete_gguf_config(config: PretrainedConfig, index: dict) -> PretrainedCo
     expert_feed_forward_length), whether the LM head is the embedding (no output.weight); and
     Mixtral, which llama.cpp writes as a `llama` with experts and transformers reads as a dense
     Llama. A Phi-3 GGUF with LongRoPE factors (rope_factors_*, which transformers does not map) is
-    refused rather than rotated by the default rope."""
+    refused rather than rotated by the default rope, and a Qwen2-MoE one, whose shared expert is
+    not mapped."""
     shapes = {t["name"]: t["shape"] for t in index["tensors"]}
+    if config.model_type == "qwen2_moe":
+        raise ValueError("Qwen2-MoE GGUFs (their shared expert's tensors) are not read yet: serve the "
+                         "model's Hugging Face directory instead")
     if any(name.startswith("rope_factors") for name in shapes):
         raise ValueError("this GGUF's LongRoPE factors (rope_factors_long, rope_factors_short) are not "
                          "read from GGUFs yet: serve the model's Hugging Face directory instead")

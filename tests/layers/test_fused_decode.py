@@ -93,12 +93,16 @@ def test_int8_experts_match_the_pytorch_layers(save_hf_model, arch):
     assert (fused - plain).abs().max() <= 1e-3 * plain.abs().max()
 
 
-def test_a_rotation_over_part_of_each_head_runs_the_pytorch_layers(save_hf_model):
-    """The native layers rotate whole heads: Phi-4-mini's partial_rotary_factor is theirs to refuse."""
-    for partial, fused in ((0.5, False), (1.0, True)):
-        _, path = save_hf_model(tiny_config("phi3", partial_rotary_factor=partial))
-        llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01)
-        assert (llm.engine.runner.fused_decode is not None) == fused
+@pytest.mark.parametrize(("arch", "overrides", "fused"), [
+    ("phi3", {"partial_rotary_factor": 0.5}, False),  # Phi-4-mini's: the native layers rotate whole heads
+    ("phi3", {}, True),
+    # the native mixture has no shared expert
+    ("qwen2_moe", {"moe_intermediate_size": 64, "shared_expert_intermediate_size": 64}, False),
+])
+def test_layers_the_native_path_cannot_run_are_left_to_pytorch(save_hf_model, arch, overrides, fused):
+    _, path = save_hf_model(tiny_config(arch, **overrides))
+    llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01)
+    assert (llm.engine.runner.fused_decode is not None) == fused
 
 
 def test_attention_over_contexts_of_several_spans_matches_the_pytorch_layers(save_hf_model, q41_layout):

@@ -23,6 +23,7 @@ ARCHS = {
     "mixtral": {},  # 4 experts, 2 a token
     "qwen3_moe": {"mlp_only_layers": [0]},  # a dense layer, then a sparse one
     "qwen3_moe-unnormalized": {"norm_topk_prob": False},
+    "qwen2_moe": {"mlp_only_layers": [0]},  # a dense layer, then experts beside a gated shared one
     "granite": {},  # embedding, residual, attention and logits multipliers
     "granite-tied": {"tie_word_embeddings": True},
     "smollm3": {},  # a layer that rotates, then one that does not
