@@ -126,13 +126,15 @@ class TensorParallelWorkers:
             raise WorkerError(f"tensor-parallel rank {rank} has stopped (see its log)") from None
 
 
-def _worker_main(config: EngineConfig, rank: int, size: int, port: int, threads: int, pipe: Connection) -> None:
+def _worker_main(config: EngineConfig, rank: int, size: int, port: int, threads: int,
+                 pipe: Connection) -> None:
     """One worker's life: join, load, build, then follow rank 0's steps until told to stop."""
     from hyperserve.engine.lora_manager import LoRAManager
     from hyperserve.engine.model_runner import CAPTURE_GRAPHS, ModelRunner
     from hyperserve.models.loader import load_model
 
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(threads)
     try:
         if config.model.device == "cuda":

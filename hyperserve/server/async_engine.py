@@ -112,8 +112,8 @@ class AsyncEngine:
                 raise RuntimeError("the engine is shutting down")
             self._streams[request_id] = (asyncio.get_running_loop(), outputs)
             self._pending += 1
-        self._commands.put(_Add(request_id, prompt_ids, params, priority, time.time(), pin_ttl_s, lora_request,
-                                final_only, cache_salt))
+        self._commands.put(_Add(request_id, prompt_ids, params, priority, time.time(), pin_ttl_s,
+                                lora_request, final_only, cache_salt))
         return RequestStream(self, request_id, outputs)
 
     async def call(self, function: Callable[[LLMEngine], object]) -> object:
@@ -207,9 +207,9 @@ class AsyncEngine:
                 self.engine.pin_prefix(command.request_id, command.prompt_ids, command.pin_ttl_s,
                                        command.cache_salt)
             else:
-                self.engine.add_request(command.request_id, command.prompt_ids, command.params, command.priority,
-                                        command.arrival_time, command.lora_request, command.final_only,
-                                        command.cache_salt)
+                self.engine.add_request(command.request_id, command.prompt_ids, command.params,
+                                        command.priority, command.arrival_time, command.lora_request,
+                                        command.final_only, command.cache_salt)
         except Exception as error:  # ValueError: the client's mistake; anything else fails this request only
             if not isinstance(error, ValueError):
                 logger.exception("adding request %s failed", command.request_id)

@@ -43,7 +43,8 @@ def _text_parts(content: str | list[dict[str, Any]]) -> str | list[dict[str, Any
     return content
 
 
-TextContent = Annotated[str | list[dict[str, Any]], AfterValidator(_text_parts)]  # a message's, a prediction's
+# a message's content, and a prediction's
+TextContent = Annotated[str | list[dict[str, Any]], AfterValidator(_text_parts)]
 
 
 class JsonSchemaFormat(BaseModel):

@@ -180,7 +180,8 @@ def test_kv_blocks_move_whole_between_two_ranks_and_one_process(save_hf_model, t
     rank its own: blocks computed over two ranks are one process's, they serve one process through
     the disk tier (and after a restart), and one process's blocks serve the two ranks
     (disaggregated prefill)."""
-    _, path = save_hf_model(tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96))
+    config = tiny_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
+    _, path = save_hf_model(config)
     options = dict(model=path, num_kv_blocks=64, block_size=16, max_model_len=1024, **FLOAT32)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     first, second = list(range(3, 90)), list(range(100, 187))  # 5 full blocks and 7 tokens each
@@ -193,7 +194,8 @@ def test_kv_blocks_move_whole_between_two_ranks_and_one_process(save_hf_model, t
         ids = [llm.engine.kv_cache.pool.lookup(h) for h in hashes]
         return hashes, llm.engine.kv_transfer.read_blocks(ids)
 
-    with LLM(**options, tensor_parallel_size=2, disk_cache_dir=str(tmp_path)) as split, LLM(**options) as single:
+    with (LLM(**options, tensor_parallel_size=2, disk_cache_dir=str(tmp_path)) as split,
+          LLM(**options) as single):
         expected = {tuple(p): answer(single, p).outputs[0].token_ids for p in (first, second)}
         assert answer(split, first).outputs[0].token_ids == expected[tuple(first)]
         hashes, gathered = blocks(split, first)
@@ -205,10 +207,12 @@ def test_kv_blocks_move_whole_between_two_ranks_and_one_process(save_hf_model, t
         second_hashes, second_blocks = blocks(single, second)
         assert split.engine.kv_transfer.import_prefix(second_hashes, second_blocks) == 5
         taken = answer(split, second)
-        assert taken.metrics.num_cached_tokens == 5 * 16 and taken.outputs[0].token_ids == expected[tuple(second)]
+        assert taken.metrics.num_cached_tokens == 5 * 16
+        assert taken.outputs[0].token_ids == expected[tuple(second)]
     with LLM(**options, disk_cache_dir=str(tmp_path)) as restarted:
         read = answer(restarted, first)
-        assert read.metrics.num_disk_cached_tokens == 5 * 16 and read.outputs[0].token_ids == expected[tuple(first)]
+        assert read.metrics.num_disk_cached_tokens == 5 * 16
+        assert read.outputs[0].token_ids == expected[tuple(first)]
 
 
 @pytest.mark.parametrize("arch,overrides,options,message", [
