@@ -98,12 +98,9 @@ class TensorParallel:
         per_kv = num_heads // num_kv_heads
         return HeadSlice(kv_start * per_kv, (kv_end - kv_start) * per_kv, kv_start, kv_end - kv_start)
 
-    def largest_kv_heads(self, num_kv_heads: int) -> int:
+    def largest_kv_heads(self, num_heads: int, num_kv_heads: int) -> int:
         """The K/V heads of the rank that holds the most: what sizes every rank's KV pool."""
-        if num_kv_heads <= self.size:  # one each, replicated where there are fewer
-            return 1
-        return max(end - start for start, end in (split(num_kv_heads, self.size, rank)
-                                                  for rank in range(self.size)))
+        return max(end - start for start, end in self.kv_head_ranges(num_heads, num_kv_heads))
 
     def width(self, n: int) -> tuple[int, int]:
         """This rank's run [start, end) of the MLP's width n."""

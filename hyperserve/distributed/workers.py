@@ -33,6 +33,15 @@ class WorkerError(RuntimeError):
 
 
 @dataclass
+class Forward:
+    """A forward pass of rank 0's (ModelRunner.forward): its chunks, over the first num_layers
+    layers for a self-draft (None: all)."""
+
+    chunks: list
+    num_layers: int | None = None
+
+
+@dataclass
 class ReadBlocks:
     """Rank 0's request for a worker's heads of these KV blocks (ModelRunner.read_blocks)."""
 
@@ -141,9 +150,7 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, threads:
             torch.cuda.set_device(rank)
         tp = TensorParallel.join(rank, size, port, config.model.device)
         model = load_model(config, tp)
-        # adapters are read here too, from a step's LoRARequest, the first time one runs
-        lora = (LoRAManager(model, config.lora, model.model.norm.weight.dtype) if config.lora.enable_lora
-                else None)
+        lora = LoRAManager.of(model, config.lora)  # adapters are read here too, as a pass first runs one
         num_blocks, num_window_blocks = pipe.recv()
         runner = ModelRunner(model, config, num_blocks, lora=lora, num_window_blocks=num_window_blocks)
     except EOFError:
@@ -154,18 +161,17 @@ def _worker_main(config: EngineConfig, rank: int, size: int, port: int, threads:
     pipe.send("ready")
     while True:
         try:
-            command = pipe.recv()  # (a pass's chunks, its layers), blocks to read or write,
-            # CAPTURE_GRAPHS, or None: stop
+            command = pipe.recv()  # Forward, ReadBlocks, WriteBlocks, CAPTURE_GRAPHS, or None: stop
         except EOFError:  # rank 0 is gone
             return
         if command is None:
             return
-        if isinstance(command, ReadBlocks):
+        if isinstance(command, Forward):
+            layers = None if command.num_layers is None else runner.kv_caches[: command.num_layers]
+            runner.forward(command.chunks, kv_caches=layers)
+        elif isinstance(command, ReadBlocks):
             pipe.send({name: t.cpu() for name, t in runner.read_blocks(command.block_ids).items()})
         elif isinstance(command, WriteBlocks):
             runner.write_blocks(command.block_ids, command.tensors)
         elif command == CAPTURE_GRAPHS:
             runner.capture_graphs()
-        else:
-            chunks, num_layers = command  # num_layers: a self-draft's, the model's first layers
-            runner.forward(chunks, kv_caches=None if num_layers is None else runner.kv_caches[:num_layers])

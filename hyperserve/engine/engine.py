@@ -126,8 +126,7 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.start(num_blocks, num_window_blocks)
         # before the runner, which looks through the LoRA wrappers for its fused int4 decode
-        self.lora = (LoRAManager(model, config.lora, model.model.norm.weight.dtype) if config.lora.enable_lora
-                     else None)
+        self.lora = LoRAManager.of(model, config.lora)
         self.eos_token_ids = loader.load_eos_token_ids(source, self.hf_config, self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size,
                                         self._grammar_eos_token_id())

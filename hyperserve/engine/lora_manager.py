@@ -29,6 +29,11 @@ logger = logging.getLogger("hyperserve.lora")
 
 
 class LoRAManager:
+    @classmethod
+    def of(cls, model: torch.nn.Module, config: LoRAConfig) -> LoRAManager | None:
+        """The manager of a model's adapters, in its dtype; None where LoRA is off."""
+        return cls(model, config, model.model.norm.weight.dtype) if config.enable_lora else None
+
     def __init__(self, model: torch.nn.Module, config: LoRAConfig, dtype: torch.dtype) -> None:
         self.model, self.config, self.dtype = model, config, dtype
         self.batch = LoRABatch(model.model.norm.weight.device)

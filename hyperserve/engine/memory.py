@@ -39,7 +39,8 @@ def num_kv_blocks(model: LlamaForCausalLM, config: EngineConfig, hf_config, max_
         budget = cuda_kv_cache_budget(model, config, max_model_len)
     else:
         budget = CPU_KV_CACHE_BYTES
-    heads = model.tp.largest_kv_heads(hf_config.num_key_value_heads)  # per rank, as the budget is
+    # per rank, as the budget is
+    heads = model.tp.largest_kv_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads)
     per_block = loader.kv_bytes_per_token(hf_config, config.model.torch_dtype, cache.kv_cache_dtype,
                                           heads) * cache.block_size
     return budget // per_block

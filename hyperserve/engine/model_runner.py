@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from hyperserve.config import EngineConfig
-from hyperserve.distributed.workers import TensorParallelWorkers
+from hyperserve.distributed.workers import Forward, TensorParallelWorkers
 from hyperserve.engine.cuda_graphs import DecodeGraphs
 from hyperserve.engine.kv_cache_manager import KVCacheManager
 from hyperserve.engine.lora_manager import LoRAManager
@@ -416,7 +416,7 @@ class ModelRunner:
         if self.workers is not None and model is self.model:
             # the other ranks run the same pass (and replay the same graph); a self-draft's over the
             # first layers, whose caches kv_caches then is
-            self.workers.send((chunks, None if kv_caches is None else len(kv_caches)))
+            self.workers.send(Forward(chunks, None if kv_caches is None else len(kv_caches)))
         with_lora = self.lora is not None and model is self.model and any(c.lora for c in chunks)
         decode_only = (model is self.model and kv_caches is None and not with_lora
                        and all(len(c.token_ids) == c.num_logits == 1 for c in chunks))

@@ -100,8 +100,6 @@ class FusedDecode:
                 cos, signed_sin = rotary.cos_sin_for(torch.arange(rotary.max_position), torch.float32)
                 tables[id(rotary)] = cos.squeeze(1).contiguous(), signed_sin.squeeze(1).contiguous()
         self.rotary_tables = list(tables.values())
-        if any(getattr(layer.mlp, "shared_expert", None) is not None for layer in model.model.layers):
-            return "a shared expert (Qwen2-MoE)"
         rotaries = [layer.self_attn.rotary for layer in model.model.layers]
         self.rotary_index = [None if r is None else list(tables).index(id(r)) for r in rotaries]
         self.windows = [model.sliding_window if windowed else 0 for windowed in model.window_layers]

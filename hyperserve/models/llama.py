@@ -179,14 +179,17 @@ def is_sparse_layer(config: PretrainedConfig, index: int) -> bool:
     return (index + 1) % config.decoder_sparse_step == 0
 
 
-def expert_width(config: PretrainedConfig, name: str = ".experts.") -> int:
-    """The intermediate size of the MLP a checkpoint tensor `name` belongs to: a routed expert's,
+def expert_width(config: PretrainedConfig) -> int:
+    """A routed expert's intermediate size."""
+    return config.intermediate_size if config.model_type == "mixtral" else config.moe_intermediate_size
+
+
+def mlp_width(config: PretrainedConfig, name: str) -> int:
+    """The intermediate size of the MLP checkpoint tensor `name` belongs to: a routed expert's,
     Qwen2-MoE's shared expert's, or the dense MLP's."""
     if ".shared_expert." in name:
         return config.shared_expert_intermediate_size
-    if ".experts." not in name:
-        return config.intermediate_size
-    return config.intermediate_size if config.model_type == "mixtral" else config.moe_intermediate_size
+    return expert_width(config) if ".experts." in name else config.intermediate_size
 
 
 def sparse_moe(config: PretrainedConfig, tp: TensorParallel) -> SparseMoE:
@@ -314,7 +317,7 @@ class LlamaForCausalLM(nn.Module):
         module_name, _, leaf = name.rpartition(".")
         parent, _, proj = module_name.rpartition(".")
         if self.tp.size > 1:
-            tensor = rank_slice(self.tp, self.config, proj, leaf, tensor, expert_width(self.config, name))
+            tensor = rank_slice(self.tp, self.config, proj, leaf, tensor, mlp_width(self.config, name))
         if proj in _FUSED:
             fused, shard = _FUSED[proj]
             target = self.get_parameter(f"{parent}.{fused}.{leaf}")
