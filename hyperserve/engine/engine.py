@@ -521,6 +521,12 @@ def _check_tensor_parallel(config: EngineConfig, hf_config) -> None:
     size = config.parallel.tensor_parallel_size
     # refuses more ranks than K/V heads
     TensorParallel(0, size).head_slice(hf_config.num_attention_heads, hf_config.num_key_value_heads)
+    cache = config.cache
+    if config.model.device == "cuda" and cache.num_kv_blocks is None and cache.kv_cache_memory_gb is None:
+        # the step that measures what gpu_memory_utilization leaves runs on rank 0 alone, and its
+        # all-reduces would wait for the other ranks until their timeout
+        raise ValueError("tensor parallelism on CUDA sizes each rank's KV pool from kv_cache_memory_gb "
+                         "(per rank) or num_kv_blocks for now, not from gpu_memory_utilization: give one")
     if config.model.device == "cuda" and size > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size={size} needs as many GPUs; "
                          f"this machine has {torch.cuda.device_count()}")

@@ -99,8 +99,8 @@ def profile_step(model: LlamaForCausalLM, config: EngineConfig, num_tokens: int,
     sampler's softmax and sort over them."""
     device, block_size = torch.device(config.model.device), config.cache.block_size
     hf = model.config
-    caches = [KVCache.allocate(-(-num_tokens // block_size), block_size, hf.num_key_value_heads, head_dim_of(hf),
-                               config.model.torch_dtype, config.cache.kv_cache_dtype, device)
+    caches = [KVCache.allocate(-(-num_tokens // block_size), block_size, hf.num_key_value_heads,
+                               head_dim_of(hf), config.model.torch_dtype, config.cache.kv_cache_dtype, device)
               for _ in range(hf.num_hidden_layers)]
     starts = range(0, num_tokens, max_model_len)
     spans = [PrefillSpan(start, min(start + max_model_len, num_tokens), None, None) for start in starts]
@@ -124,11 +124,13 @@ def cuda_kv_cache_budget(model: LlamaForCausalLM, config: EngineConfig, max_mode
     outside_torch = total - free - torch.cuda.memory_reserved(device)
     utilization = config.cache.gpu_memory_utilization
     budget = int(total * utilization) - peak - outside_torch
-    logger.info("GPU memory %.1f GiB x %.2f: weights and peak activations %.2f GiB, outside PyTorch %.2f GiB, "
-                "KV pool %.2f GiB", total / 2**30, utilization, peak / 2**30, outside_torch / 2**30, budget / 2**30)
+    logger.info("GPU memory %.1f GiB x %.2f: weights and peak activations %.2f GiB, outside PyTorch "
+                "%.2f GiB, KV pool %.2f GiB", total / 2**30, utilization, peak / 2**30, outside_torch / 2**30,
+                budget / 2**30)
     if budget <= 0:
         raise ValueError(f"no GPU memory is left for the KV pool at gpu_memory_utilization={utilization}: "
-                         "raise it, lower max_num_batched_tokens, or quantize the weights (quantization='fp8')")
+                         "raise it, lower max_num_batched_tokens, or quantize the weights "
+                         "(quantization='fp8')")
     return budget
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import subprocess
+from contextlib import nullcontext
 
 import httpx
 import pytest
@@ -213,6 +214,23 @@ def test_kv_blocks_move_whole_between_two_ranks_and_one_process(save_hf_model, t
         read = answer(restarted, first)
         assert read.metrics.num_disk_cached_tokens == 5 * 16
         assert read.outputs[0].token_ids == expected[tuple(first)]
+
+
+def test_a_cuda_pool_sized_by_gpu_memory_utilization_is_refused_under_tensor_parallelism():
+    """Its measuring step would run on rank 0 alone and wait for the others: a clear error, before
+    any process starts (checked without a GPU: the check comes before the device count's)."""
+    from hyperserve.config import EngineConfig
+    from hyperserve.engine.engine import _check_tensor_parallel
+
+    config = tiny_config("llama")
+    refused = EngineConfig.from_kwargs(model="unused", device="cuda", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="kv_cache_memory_gb"):
+        _check_tensor_parallel(refused, config)
+    sized = EngineConfig.from_kwargs(model="unused", device="cuda", tensor_parallel_size=2,
+                                     kv_cache_memory_gb=1)
+    enough = torch.cuda.device_count() >= 2
+    with nullcontext() if enough else pytest.raises(ValueError, match="needs as many GPUs"):
+        _check_tensor_parallel(sized, config)
 
 
 @pytest.mark.parametrize("arch,overrides,options,message", [
