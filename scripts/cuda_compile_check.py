@@ -37,9 +37,10 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 def types_of(fn, **pointers: str) -> dict[str, str]:
-    """Triton types of fn's arguments: pointers to bfloat16 unless `pointers` says otherwise, `eps`
-    and `scale` float32, every other scalar (sizes, strides) int32."""
-    return {name: pointers.get(name, "*bf16") if name.endswith("_ptr") else "fp32" if name in ("eps", "scale")
+    """Triton types of fn's arguments: pointers to bfloat16 unless `pointers` says otherwise, `eps`,
+    `scale` and `softcap` float32, every other scalar (sizes, strides) int32."""
+    floats = ("eps", "scale", "softcap")
+    return {name: pointers.get(name, "*bf16") if name.endswith("_ptr") else "fp32" if name in floats
             else "i32" for name in fn.arg_names}
 
 
@@ -113,25 +114,30 @@ def elementwise_variants():
            dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True), dict(num_warps=4))
 
 
+def attention_pointers(cache: str) -> dict[str, str]:
+    """The attention kernels' pointer types for a cache of Triton type `cache`."""
+    return dict(k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                block_tables_ptr="*i32", context_lens_ptr="*i32", query_starts_ptr="*i32", query_lens_ptr="*i32",
+                context_starts_ptr="*i32", partial_out_ptr="*fp32", partial_lse_ptr="*fp32")
+
+
 def attention_variants():
     """The paged decode (split) and prefill kernels at Llama-3-8B's heads (32 query, 8 KV, 128
     wide, 16-token blocks) as the engine launches them, bfloat16 and fp8 caches; prefill with one
-    head a tile and with a KV group's four packed into it (short spans)."""
+    head a tile and with a KV group's four packed into it (short spans); and at Gemma 2 2B's (8
+    query, 4 KV, 256 wide), its scores soft-capped and windowed."""
     from hyperserve.layers import triton_attention as kernels
 
     tl = triton.language
+    decode, prefill = kernels._decode_split_kernel, kernels._prefill_kernel
     for cache in ("bf16", "fp8e4nv"):
         quantized = cache != "bf16"
-        pointers = dict(k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", k_scale_ptr="*fp32",
-                        v_scale_ptr="*fp32", block_tables_ptr="*i32", context_lens_ptr="*i32",
-                        query_starts_ptr="*i32", query_lens_ptr="*i32", context_starts_ptr="*i32",
-                        partial_out_ptr="*fp32", partial_lse_ptr="*fp32")
-        decode, prefill = kernels._decode_split_kernel, kernels._prefill_kernel
+        pointers = attention_pointers(cache)
         yield (f"decode split {cache} cache ({kernels.TILE_TOKENS} tokens a step)", True, decode,
                types_of(decode, **{k: v for k, v in pointers.items() if k in decode.arg_names}),
                dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
                     BLOCKS_PER_TILE=kernels.TILE_TOKENS // 16, NUM_SPLITS=16, QUANTIZED=quantized,
-                    WINDOWED=False,
+                    WINDOWED=False, SOFTCAPPED=False,
                     DOT_DTYPE=tl.float32 if quantized else tl.bfloat16, PRECISION="tf32"), dict(num_warps=4))
         tiles = kernels.prefill_tiles(2, 128)
         for pack in (1, 4):
@@ -139,10 +145,23 @@ def attention_variants():
                    f"{tiles.block_n})", True, prefill,
                    types_of(prefill, **{k: v for k, v in pointers.items() if k in prefill.arg_names}),
                    dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=tiles.block_m,
-                        BLOCK_N=tiles.block_n, QUANTIZED=quantized, WINDOWED=False,
+                        BLOCK_N=tiles.block_n, QUANTIZED=quantized, WINDOWED=False, SOFTCAPPED=False,
                         DOT_DTYPE=tl.bfloat16,  # quantized K/V are scaled, then cast to it
                         PRECISION="tf32", PACK=pack, QUERY_ROWS=tiles.block_m // pack),
                    dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+    pointers = attention_pointers("bf16")
+    yield ("decode split bf16 cache, Gemma 2 (256 wide, soft-capped)", True, decode,
+           types_of(decode, **{k: v for k, v in pointers.items() if k in decode.arg_names}),
+           dict(GROUP=2, BLOCK_G=16, HEAD_DIM=256, BLOCK_D=256, BLOCK_SIZE=16,
+                BLOCKS_PER_TILE=kernels.TILE_TOKENS // 16, NUM_SPLITS=16, QUANTIZED=False, WINDOWED=True,
+                SOFTCAPPED=True, DOT_DTYPE=tl.bfloat16, PRECISION="tf32"), dict(num_warps=4))
+    tiles = kernels.prefill_tiles(2, 256)
+    yield (f"prefill bf16 cache, Gemma 2 (256 wide, soft-capped; {tiles.block_m} x {tiles.block_n})", True,
+           prefill, types_of(prefill, **{k: v for k, v in pointers.items() if k in prefill.arg_names}),
+           dict(GROUP=2, HEAD_DIM=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                QUANTIZED=False, WINDOWED=True, SOFTCAPPED=True, DOT_DTYPE=tl.bfloat16, PRECISION="tf32",
+                PACK=1, QUERY_ROWS=tiles.block_m),
+           dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
 
 
 KERNELS = {"gemv": lambda: gemv_variants(False), "gemv-folds": lambda: gemv_variants(True),

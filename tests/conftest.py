@@ -144,6 +144,7 @@ def assert_config_reads_as(ours, reference) -> None:
 def tiny_config(arch: str, **overrides):
     """A small random-weight config of one of the supported architectures."""
     from transformers import (
+        Gemma2Config,
         Gemma3TextConfig,
         GraniteConfig,
         LlamaConfig,
@@ -167,6 +168,11 @@ def tiny_config(arch: str, **overrides):
         common.update(head_dim=16, query_pre_attn_scalar=16, tie_word_embeddings=True, sliding_window=8,
                       layer_types=["sliding_attention", "full_attention"])
         common.update(overrides)
+    if arch == "gemma2":  # the same two kinds of layer, scores and logits capped where tanh bends
+        common.update(head_dim=16, query_pre_attn_scalar=16, tie_word_embeddings=True, sliding_window=8,
+                      attn_logit_softcapping=2.0, final_logit_softcapping=10.0,
+                      layer_types=["sliding_attention", "full_attention"])
+        common.update(overrides)
     if arch == "qwen3":
         common.update(head_dim=16)
     if arch == "mixtral":  # 4 experts, 2 a token
@@ -186,7 +192,7 @@ def tiny_config(arch: str, **overrides):
                       head_dim=16)
     common.update(overrides)
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
-               "gemma3": Gemma3TextConfig, "qwen3": Qwen3Config, "mixtral": MixtralConfig,
+               "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "qwen3": Qwen3Config, "mixtral": MixtralConfig,
                "qwen3_moe": Qwen3MoeConfig, "granite": GraniteConfig, "smollm3": SmolLM3Config,
                "phi3": Phi3Config, "qwen2_moe": Qwen2MoeConfig}
     return classes[arch](**common)

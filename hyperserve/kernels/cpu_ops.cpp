@@ -163,7 +163,7 @@ TORCH_LIBRARY(hyperserve, m) {
   m.def("decode_layer(Tensor(a!) hidden, Tensor[] weights, Tensor cos, Tensor signed_sin, Tensor(b!) key_cache, "
         "Tensor(c!) value_cache, Tensor slots, Tensor block_tables, Tensor lengths, int block_size, int num_heads, "
         "int num_kv_heads, float eps, float scale, Tensor[] lora, Tensor lora_rows, int sliding_window=0, "
-        "bool gelu=False) -> ()");
+        "bool gelu=False, float softcap=0.) -> ()");
   m.def("decode_layers(Tensor(a!) hidden, Tensor[] weights, Tensor cos, Tensor signed_sin, Tensor(b!)[] key_caches, "
         "Tensor(c!)[] value_caches, Tensor slots, Tensor block_tables, Tensor lengths, int block_size, int num_heads, "
         "int num_kv_heads, float eps, float scale) -> ()");

@@ -313,15 +313,19 @@ void run_decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tenso
   add_output(9);
 }
 
-// decode_layer as an op: checks the batch, then runs the layer. sliding_window: the layer's (0: none).
+// decode_layer as an op: checks the batch, then runs the layer. sliding_window: the layer's (0: none);
+// softcap: its cap on the attention scores (0: none).
 void decode_layer(at::Tensor hidden, at::TensorList weights, const at::Tensor& cos, const at::Tensor& signed_sin,
                   at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& slots, const at::Tensor& block_tables,
                   const at::Tensor& lengths, int64_t block_size, int64_t num_heads, int64_t num_kv_heads, double eps,
-                  double scale, at::TensorList lora, const at::Tensor& lora_rows, int64_t sliding_window, bool gelu) {
+                  double scale, at::TensorList lora, const at::Tensor& lora_rows, int64_t sliding_window, bool gelu,
+                  double softcap) {
   TORCH_CHECK(hidden.dim() == 2, "decode_layer: hidden must be contiguous float32 [rows, dim]");
   TORCH_CHECK(sliding_window >= 0, "decode_layer: sliding_window must be 0 (none) or positive");
+  TORCH_CHECK(softcap >= 0, "decode_layer: softcap must be 0 (none) or positive");
   DecodeBatch batch = checked_batch(slots, block_tables, lengths, hidden.size(0), block_size, key_cache.size(0));
   batch.window = sliding_window;
+  batch.softcap = static_cast<float>(softcap);
   LayerBuffers buffers;
   run_step([&] {
     run_decode_layer(hidden, weights, cos, signed_sin, key_cache, value_cache, batch, num_heads, num_kv_heads, eps,

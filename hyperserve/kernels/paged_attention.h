@@ -72,6 +72,7 @@ struct SlotCursor {
 struct PagedKV {  // one layer's cache, [slots, kv_heads, head_dim], and one sequence's block table
   int64_t block_size, num_kv_heads, head_dim;
   const int64_t* block_table;
+  float softcap = 0.f;  // scores capped to softcap * tanh(score / softcap) (Gemma 2); 0: not capped
 
   SlotCursor slots_from(int64_t t) const { return SlotCursor(block_table, block_size, t); }
 
@@ -82,6 +83,14 @@ struct PagedKV {  // one layer's cache, [slots, kv_heads, head_dim], and one seq
     for (int64_t t = begin; t < end; ++t) fn(t - begin, (slots.next() * num_kv_heads + kv_head) * head_dim);
   }
 };
+
+// Gemma 2's cap on n scores and on their largest, `best` (tanh keeps their order): s = cap * tanh(s / cap).
+// cap 0: none.
+inline void cap_scores(float* scores, int64_t n, float& best, float cap) {
+  if (cap <= 0.f) return;
+  for (int64_t i = 0; i < n; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
+  best = cap * std::tanh(best / cap);
+}
 
 // x[i] = exp(x[i] - shift) for i < n; returns their sum.
 float exp_shifted(float* x, int64_t n, float shift, bool avx2) {
@@ -208,6 +217,7 @@ AVX2 void attend_span_avx2(const float* q, const T* keys, const T* values, const
   for (int g = 0; g < G; ++g) {
     float* own = scores + g * kScorePitch;
     best[g] = hmax(largest[g]);
+    cap_scores(own, span, best[g], kv.softcap);
     total[g] = exp_scores(own, span, best[g]);
   }
   // 8 x kVectors output values per head at a time: G x kVectors sums, G weights and one value
@@ -392,6 +402,7 @@ AVX2 void attend_tile_avx2(const AttentionTile& tile, const T* keys, const T* va
     for (; t + 8 <= n; t += 8) largest = _mm256_max_ps(largest, _mm256_loadu_ps(own + t));
     float best = hmax(largest);
     for (; t < n; ++t) best = std::max(best, own[t]);
+    cap_scores(own, n, best, kv.softcap);
     tile.outs[m][d] = best;
     tile.outs[m][d + 1] = exp_scores(own, n, best);
     std::fill(own + n, own + tokens, 0.f);
@@ -431,7 +442,8 @@ void attend_with(Dot dot, Axpy axpy, const float* q, const T* keys, const T* val
   const int64_t d = kv.head_dim, length = end - begin;
   kv.for_each_token(begin, end, kv_head,
                     [&](int64_t i, int64_t offset) { scores[i] = dot(q, keys + offset, d); });
-  const float best = *std::max_element(scores, scores + length);
+  float best = *std::max_element(scores, scores + length);
+  cap_scores(scores, length, best, kv.softcap);
   const float total = exp_shifted(scores, length, best, avx2);
   std::fill(out, out + d, 0.f);
   kv.for_each_token(begin, end, kv_head,
@@ -468,6 +480,7 @@ struct DecodeBatch {  // per token: its slot, its sequence's block table and con
   const int64_t* lengths;
   int64_t max_blocks, block_size;
   int64_t window = 0;  // a sliding window: each token attends to its last `window` positions (0: all)
+  float softcap = 0.f;  // the attention scores' cap (Gemma 2's; 0: none)
 
   // The first position token r attends to.
   int64_t first(int64_t r) const { return window > 0 ? std::max<int64_t>(0, lengths[r] - window) : 0; }
@@ -562,7 +575,8 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
         const Task& task = tasks[i];
         const int64_t last = task.row + task.rows - 1;
         const int64_t from = task.span * kAttentionSpan;
-        const PagedKV kv{batch.block_size, num_kv_heads, head_dim, batch.block_tables + last * batch.max_blocks};
+        const PagedKV kv{batch.block_size, num_kv_heads, head_dim, batch.block_tables + last * batch.max_blocks,
+                         batch.softcap};
         if (task.rows > 1) {  // the tile's rows whose context reaches this span, each with all the heads
           queries.clear(), outs.clear(), tokens.clear();
           for (int64_t r = task.row; r <= last; ++r) {
@@ -609,7 +623,8 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
     std::vector<float> scores(*std::max_element(batch.lengths, batch.lengths + rows));
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / num_heads, h = i % num_heads;
-      const PagedKV kv{batch.block_size, num_kv_heads, head_dim, batch.block_tables + r * batch.max_blocks};
+      const PagedKV kv{batch.block_size, num_kv_heads, head_dim, batch.block_tables + r * batch.max_blocks,
+                       batch.softcap};
       attend<T>(qkv + r * width + h * head_dim, keys, values, kv, batch.first(r), batch.lengths[r],
                 h / (num_heads / num_kv_heads),
                 scores.data(), out + i * head_dim, vectorized);

@@ -224,8 +224,47 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         kv_written: bool = False,  # k and v are in the cache already (written with the rotation)
+        softcap: float | None = None,  # scores capped to cap * tanh(score / cap) (Gemma 2); None: not
     ) -> torch.Tensor:  # [T, H, D]
         ...
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap), Gemma 2's bound on attention scores and logits; x itself where cap is None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+SOFTCAP_QUERY_ROWS = 256  # queries scored at a time where SDPA cannot cap: their scores [H, rows, L] in float32
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+         scale: float, softcap: float | None) -> torch.Tensor:
+    """scaled_dot_product_attention of q [B, H, n, D] over k, v [B, Hkv, L, D] (H a multiple of Hkv),
+    mask broadcast to [B, H, n, L] (True = attend). With a softcap, which SDPA cannot apply, the
+    same in plain ops as transformers' eager attention (the cap and softmax in float32),
+    SOFTCAP_QUERY_ROWS queries at a time so that a long prompt's scores stay small. Its products
+    are in float32 on the CPU too: bfloat16 ones took 836 ms for 2,048 queries of Gemma 2 2B's
+    heads where float32 took 453 (this Intel Xeon, no AVX512-BF16), though they save decodes the
+    widening of K/V (1.5 against 3.6 ms at 4,096 tokens of context)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    num_kv_heads, num_queries, length = k.shape[1], q.shape[2], k.shape[2]
+    dtype = q.dtype if q.is_cuda else torch.float32  # the products'
+    grouped = q.to(dtype).unflatten(1, (num_kv_heads, -1))  # [B, Hkv, G, n, D]
+    keys, values = k.to(dtype).unsqueeze(2), v.to(dtype).unsqueeze(2)  # [B, Hkv, 1, L, D]
+    if is_causal:  # top-left aligned, as SDPA's
+        mask = torch.ones(num_queries, length, dtype=torch.bool, device=q.device).tril()
+    elif mask is not None and mask.dim() == 4:
+        mask = mask.unsqueeze(2)  # [B, 1, 1, n or 1, L]: the same for each head of a group
+    out = torch.empty(grouped.shape[:-1] + (v.shape[-1],), dtype=dtype, device=q.device)
+    for start in range(0, num_queries, SOFTCAP_QUERY_ROWS):
+        rows = slice(start, start + SOFTCAP_QUERY_ROWS)
+        scores = soft_cap((grouped[..., rows, :] @ keys.transpose(-1, -2)).float() * scale, softcap)
+        if mask is not None:
+            scores = scores.masked_fill(~(mask[..., rows, :] if mask.shape[-2] > 1 else mask), float("-inf"))
+        out[..., rows, :] = scores.softmax(-1).to(dtype) @ values
+    return out.flatten(1, 2).to(q.dtype)
 
 
 def allowed_keys(
@@ -253,30 +292,31 @@ class TorchPagedAttention:
     def __init__(self) -> None:
         self._workspace: dict[str, torch.Tensor] = {}
 
-    def __call__(self, q, k, v, kv_cache: KVCache, meta, scale, kv_written=False):
+    def __call__(self, q, k, v, kv_cache: KVCache, meta, scale, kv_written=False, softcap=None):
         if not kv_written:
             kv_cache.write(meta.slot_mapping, k, v)
         out = torch.empty_like(q)
         for group in meta.decodes:
             if group.rows is None:
-                out = self.decode(q, kv_cache, group, meta.sliding_window, scale)
+                out = self.decode(q, kv_cache, group, meta.sliding_window, scale, softcap)
             else:
-                out[group.rows] = self.decode(q[group.rows], kv_cache, group, meta.sliding_window, scale)
+                out[group.rows] = self.decode(q[group.rows], kv_cache, group, meta.sliding_window, scale, softcap)
         for span in meta.prefills:
-            out[span.start : span.end] = self.prefill(q, k, v, kv_cache, span, scale)
+            out[span.start : span.end] = self.prefill(q, k, v, kv_cache, span, scale, softcap)
         return out
 
     def decode(self, q: torch.Tensor, kv_cache: KVCache, group: DecodeGroup, sliding_window: int | None,
-               scale: float) -> torch.Tensor:
+               scale: float, softcap: float | None) -> torch.Tensor:
         """q [Bd, H, D] of the group's sequences -> their attention output [Bd, H, D]."""
         batch, num_heads = group.block_tables.shape[0], q.shape[1]
         kd, vd = kv_cache.gather(group.block_tables.flatten(), q.dtype, self._workspace)
         qd = q.unflatten(1, (kd.shape[1], num_heads // kd.shape[1]))  # [Bd, Hkv, G, D]
         kd = kd.view(batch, -1, *kd.shape[1:]).transpose(1, 2)  # [Bd, Hkv, L, D]
         vd = vd.view(batch, -1, *vd.shape[1:]).transpose(1, 2)
-        return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale).flatten(1, 2)
+        return sdpa(qd, kd, vd, group.mask, False, scale, softcap).flatten(1, 2)
 
-    def prefill(self, q, k, v, kv_cache: KVCache, span: PrefillSpan, scale: float) -> torch.Tensor:
+    def prefill(self, q, k, v, kv_cache: KVCache, span: PrefillSpan, scale: float,
+                softcap: float | None) -> torch.Tensor:
         """The span's rows of q attend to its context (or, with none, causally to each other)."""
         qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if span.context_blocks is None:
@@ -285,10 +325,8 @@ class TorchPagedAttention:
             length = span.mask.shape[1]
             kp, vp = kv_cache.gather(span.context_blocks, q.dtype, self._workspace)
             kp, vp = kp[:length], vp[:length]  # [L, Hkv, D]
-        op = F.scaled_dot_product_attention(
-            qp, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None],
-            attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=True,
-        )
+        op = sdpa(qp, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None], span.mask, span.mask is None, scale,
+                  softcap)
         return op[0].transpose(0, 1)
 
 
@@ -299,8 +337,8 @@ class TritonPagedAttention(TorchPagedAttention):
     ragged_decode = True
     paged_prefill = True
 
-    def __call__(self, q, k, v, kv_cache, meta, scale, kv_written=False):
-        out = super().__call__(q, k, v, kv_cache, meta, scale, kv_written)  # writes the new K/V first
+    def __call__(self, q, k, v, kv_cache, meta, scale, kv_written=False, softcap=None):
+        out = super().__call__(q, k, v, kv_cache, meta, scale, kv_written, softcap)  # writes the new K/V first
         batch = meta.prefill_batch
         if batch is None:
             return out
@@ -309,14 +347,15 @@ class TritonPagedAttention(TorchPagedAttention):
         return paged_prefill_attention(q, kv_cache.key, kv_cache.value, batch.block_tables,
                                        batch.query_starts, batch.query_lens, batch.context_starts,
                                        batch.max_query_len, kv_cache.block_size, scale, out,
-                                       meta.sliding_window, kv_cache.key_scale, kv_cache.value_scale)
+                                       meta.sliding_window, kv_cache.key_scale, kv_cache.value_scale,
+                                       softcap=softcap)
 
-    def decode(self, q, kv_cache, group, sliding_window, scale):
+    def decode(self, q, kv_cache, group, sliding_window, scale, softcap):
         from hyperserve.layers.triton_attention import paged_decode_attention
 
         return paged_decode_attention(q, kv_cache.key, kv_cache.value, group.block_tables, group.context_lens,
                                       kv_cache.block_size, scale, sliding_window, kv_cache.key_scale,
-                                      kv_cache.value_scale)
+                                      kv_cache.value_scale, softcap=softcap)
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")

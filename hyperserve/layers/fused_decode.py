@@ -1,7 +1,8 @@
-"""Steps of an int4 or int8 Llama-family or Gemma 3 model on the CPU, in native calls: one per step,
+"""Steps of an int4 or int8 Llama-family or Gemma model on the CPU, in native calls: one per step,
 or one per layer with LoRA, with layers that do not rotate (SmolLM3's, given cos 1 and sin 0), or
-with layers that differ (Gemma 3's: a sliding window on five layers of six, each kind with its own
-rotary table, norms of attention's and the MLP's outputs, a GELU-gated MLP).
+with layers that differ (Gemma's: a sliding window on some layers, each kind with its own rotary
+table in Gemma 3, norms of attention's and the MLP's outputs, a GELU-gated MLP, Gemma 2's capped
+attention scores).
 
 At a few tokens per step a decoder layer is ~20 small PyTorch ops whose dispatch costs more than
 their arithmetic: eager decoding of SmolLM2-135M spent half its time outside the matmuls.
@@ -37,7 +38,7 @@ from typing import NamedTuple
 import torch
 
 from hyperserve import kernels
-from hyperserve.layers.attention import KVCache
+from hyperserve.layers.attention import KVCache, soft_cap
 from hyperserve.layers.lora import LoRABatch, unwrapped
 from hyperserve.layers.moe import SparseMoE
 from hyperserve.layers.quantization import (
@@ -50,7 +51,7 @@ from hyperserve.layers.quantization import (
     Q8Linear,
     dense_dtype,
 )
-from hyperserve.models.gemma3 import Gemma3DecoderLayer
+from hyperserve.models.gemma import GemmaDecoderLayer
 
 logger = logging.getLogger("hyperserve.fused_decode")
 
@@ -89,6 +90,7 @@ class FusedDecode:
         self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
         self.embedding, self.head = model.model.embed_tokens, model.lm_head
         self.embedding_multiplier = model.embedding_multiplier
+        self.final_logit_softcap = model.final_logit_softcap
         self.final_norm = model.model.norm.weight.detach().float().contiguous()
         # each layer's rotary table as cos and signed sin of every position, [max_position, head_dim]
         # each: a step indexes them (two ops) rather than building them from the rotary table (eight,
@@ -103,12 +105,13 @@ class FusedDecode:
         rotaries = [layer.self_attn.rotary for layer in model.model.layers]
         self.rotary_index = [None if r is None else list(tables).index(id(r)) for r in rotaries]
         self.windows = [model.sliding_window if windowed else 0 for windowed in model.window_layers]
-        self.gelu = [isinstance(layer, Gemma3DecoderLayer) for layer in model.model.layers]
+        self.gelu = [isinstance(layer, GemmaDecoderLayer) for layer in model.model.layers]
+        self.softcaps = [layer.self_attn.softcap or 0.0 for layer in model.model.layers]  # Gemma 2's
         self.layers = [self._weights(layer) for layer in model.model.layers]
         self._all_layers = [w for layer in self.layers for w in layer]
         # one call for every layer where they are all alike: Llama's, each rotating by one table
         self.uniform = (self.rotary_index == [0] * len(self.layers) and not any(self.windows)
-                        and not any(self.gelu))
+                        and not any(self.gelu) and not any(self.softcaps))
         # weights in the interleaved layouts, on a CPU without a native dense type faster than the
         # 8-bit kernels
         packed = [w for w in self._all_layers if w.dtype == torch.uint8]
@@ -182,7 +185,7 @@ class FusedDecode:
         routing (top_k, renormalize) and every expert's gate_up and down; Gemma 3's dense layer then
         its norms of attention's and the MLP's outputs."""
         attn, mlp = layer.self_attn, layer.mlp
-        gemma = isinstance(layer, Gemma3DecoderLayer)
+        gemma = isinstance(layer, GemmaDecoderLayer)
         norm = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
         weights = [float32(layer.input_layernorm.weight), packed(unwrapped(attn.qkv_proj)),
                    packed(unwrapped(attn.o_proj)), float32(norm.weight)]
@@ -227,10 +230,12 @@ class FusedDecode:
             torch.ops.hyperserve.decode_layer(hidden, weights, *rotation, cache.key, cache.value,
                                               *(window_rows if window and window_rows is not None else rows),
                                               *heads, lora.native(index, layer) if with_lora else [],
-                                              lora.rows if with_lora else no_lora, window, self.gelu[index])
+                                              lora.rows if with_lora else no_lora, window, self.gelu[index],
+                                              self.softcaps[index])
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [S, vocab] of final hidden rows [S, hidden]: the final norm, then the head."""
+        """Float32 logits [S, vocab] of final hidden rows [S, hidden]: the final norm, the head, then
+        Gemma 2's cap."""
         normed = torch.ops.hyperserve.rms_norm(hidden, self.final_norm, self.eps)
-        return self.head(normed)[:, : self.vocab_size]
+        return soft_cap(self.head(normed)[:, : self.vocab_size], self.final_logit_softcap)

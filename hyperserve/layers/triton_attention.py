@@ -49,10 +49,16 @@ TILE_TOKENS = 64  # context tokens read per loop iteration: a power of two (whol
 
 
 @triton.jit
+def _soft_cap(x, cap):
+    """cap * tanh(x / cap) (Gemma 2's scores), tanh as 2 sigmoid(2 y) - 1."""
+    return cap * (2.0 * tl.sigmoid(2.0 * x / cap) - 1.0)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr,
     partial_out_ptr, partial_lse_ptr,
-    scale, sliding_window,
+    scale, sliding_window, softcap,
     stride_q_seq, stride_q_head,
     stride_cache_slot, stride_cache_head,
     stride_scale_slot,
@@ -60,7 +66,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     QUANTIZED: tl.constexpr,
-    WINDOWED: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -104,8 +110,10 @@ def _decode_split_kernel(
             scale_offsets = slots * stride_scale_slot + kv_head
             k = k * tl.load(k_scale_ptr + scale_offsets, mask=visible, other=0.0)[:, None]
             v = v * tl.load(v_scale_ptr + scale_offsets, mask=visible, other=0.0)[:, None]
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        scores = tl.where(visible[None, :], scores * scale, float("-inf"))  # [BLOCK_G, TILE]
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if SOFTCAPPED:
+            scores = _soft_cap(scores, softcap)
+        scores = tl.where(visible[None, :], scores, float("-inf"))  # [BLOCK_G, TILE]
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
@@ -180,6 +188,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [B, H, D]; may be a strided view (rows of a larger batch)
     tile_tokens: int | None = None,  # None: TILE_TOKENS
     num_warps: int = 4,
+    softcap: float | None = None,  # scores capped to softcap * tanh(score / softcap) (Gemma 2)
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[1]
@@ -197,13 +206,14 @@ def paged_decode_attention(
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, key_cache, value_cache, key_scale if quantized else key_cache,
         value_scale if quantized else value_cache, block_tables, context_lens, partial_out, partial_lse,
-        scale, sliding_window or 0,
+        scale, sliding_window or 0, softcap or 1.0,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1),
         key_scale.stride(0) if quantized else 0, block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCKS_PER_TILE=max(1, (tile_tokens or TILE_TOKENS) // block_size),
         NUM_SPLITS=num_splits, QUANTIZED=quantized, WINDOWED=sliding_window is not None,
-        DOT_DTYPE=dot, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        SOFTCAPPED=softcap is not None, DOT_DTYPE=dot, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
     )
     _merge_splits_kernel[(batch, num_heads)](
         partial_out, partial_lse, out, out.stride(0), out.stride(1),
@@ -217,12 +227,13 @@ def paged_decode_attention(
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
     block_tables_ptr, query_starts_ptr, query_lens_ptr, context_starts_ptr,
-    scale, sliding_window,
+    scale, sliding_window, softcap,
     stride_q_row, stride_q_head, stride_out_row, stride_out_head,
     stride_cache_slot, stride_cache_head, stride_scale_slot, stride_table_span,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr, WINDOWED: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACK: tl.constexpr, QUERY_ROWS: tl.constexpr,
+    SOFTCAPPED: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACK: tl.constexpr,
+    QUERY_ROWS: tl.constexpr,
 ):
     # a tile's BLOCK_M rows are QUERY_ROWS query rows times PACK heads of one KV group (PACK is 1,
     # or the group when every span fits one tile: then K/V are read once for the group's heads)
@@ -274,6 +285,8 @@ def _prefill_kernel(
             k = k.to(tl.float32) * k_scale[:, None]
             v = v.to(tl.float32) * v_scale[:, None]
         scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        if SOFTCAPPED:
+            scores = _soft_cap(scores, softcap)
         visible = in_range[None, :] & (key_pos[None, :] <= query_pos[:, None])
         if WINDOWED:
             visible &= query_pos[:, None] - key_pos[None, :] < sliding_window
@@ -341,6 +354,7 @@ def paged_prefill_attention(
     value_scale: torch.Tensor | None = None,
     tiles: PrefillTiles | None = None,  # None: prefill_tiles', or what fitted this GPU
     pack_heads: bool = True,  # False: one query head per tile even for short spans (to compare)
+    softcap: float | None = None,  # scores capped to softcap * tanh(score / softcap) (Gemma 2)
 ) -> torch.Tensor:
     """Row r of span s (position context_starts[s] + r) attends to the span's positions 0..that one
     (within the window): its cached context and its own earlier rows."""
@@ -361,13 +375,13 @@ def paged_prefill_attention(
             _prefill_kernel[(triton.cdiv(max_query_len, query_rows), num_spans, num_heads // pack)](
                 q, key_cache, value_cache, key_scale if quantized else key_cache,
                 value_scale if quantized else value_cache, out, block_tables, query_starts, query_lens,
-                context_starts, scale, sliding_window or 0,
+                context_starts, scale, sliding_window or 0, softcap or 1.0,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 key_cache.stride(0), key_cache.stride(1),
                 key_scale.stride(0) if quantized else 0, block_tables.stride(0),
                 GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
                 BLOCK_SIZE=block_size, BLOCK_M=chosen.block_m, BLOCK_N=chosen.block_n, QUANTIZED=quantized,
-                WINDOWED=sliding_window is not None, DOT_DTYPE=dot,
+                WINDOWED=sliding_window is not None, SOFTCAPPED=softcap is not None, DOT_DTYPE=dot,
                 PRECISION="ieee" if dot == tl.float32 else "tf32", PACK=pack, QUERY_ROWS=query_rows,
                 num_warps=chosen.num_warps, num_stages=chosen.num_stages,
             )

@@ -25,6 +25,8 @@ import transformers
 from tqdm import tqdm
 from transformers import PretrainedConfig
 
+from hyperserve.models.gemma import GEMMA_TYPES
+
 logger = logging.getLogger("hyperserve.gguf")
 
 _GGUF_NAMES = {
@@ -49,13 +51,15 @@ _GGUF_NAMES = {
 }
 
 
-# Gemma 3 has four norms per layer; its ffn_norm is the one before the MLP. Phi-3's q/k/v and
+# Gemma has four norms per layer; its ffn_norm is the one before the MLP. Phi-3's q/k/v and
 # gate/up projections come fused, as ours are (its ffn_up is gate then up)
-_GGUF_NAMES_BY_ARCHITECTURE = {"gemma3_text": {
+_GEMMA_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
-}, "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+}
+_GGUF_NAMES_BY_ARCHITECTURE = {"gemma2": _GEMMA_NAMES, "gemma3_text": _GEMMA_NAMES,
+                               "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 
 _FOUR_BIT_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"})
 _FIVE_TO_EIGHT_BIT_GGUF_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"})
@@ -94,17 +98,23 @@ def _read_gguf_index(path: Path) -> dict:
     reader = GGUFReader(path)
     fields = reader.fields
     architecture = fields["general.architecture"].contents() if "general.architecture" in fields else ""
-    used = f"{architecture}.expert_used_count"
+    def number(key: str) -> float | None:  # architecture.key, where the file has it
+        key = f"{architecture}.{key}"
+        return fields[key].contents() if key in fields else None
+
     return {
         "tensors": [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in reversed(t.shape)],
                      "offset": int(t.data_offset), "bytes": int(t.n_bytes)} for t in reader.tensors],
         "eos_token_ids": [int(fields[key].contents()) for key in _GGUF_EOS_KEYS if key in fields],
-        "experts_per_token": int(fields[used].contents()) if used in fields else None,
+        "experts_per_token": number("expert_used_count"),
+        # Gemma 2's caps, which transformers' GGUF config does not map
+        "attn_logit_softcapping": number("attn_logit_softcapping"),
+        "final_logit_softcapping": number("final_logit_softcapping"),
     }
 
 
 CONFIG_ATTRIBUTES = "config_attributes.json"
-_GGUF_METADATA_VERSION = 3  # of what save_gguf_metadata writes
+_GGUF_METADATA_VERSION = 4  # of what save_gguf_metadata writes
 
 
 @functools.lru_cache(maxsize=4)
@@ -174,7 +184,7 @@ def gguf_tensors(path: Path, config: PretrainedConfig, q80_rows: frozenset[str] 
 
     data = np.memmap(path, dtype=np.uint8, mode="r")
     permuted = config.model_type in ("llama", "mistral", "mixtral")  # llama.cpp permutes Q/K rows for these
-    gemma = config.model_type == "gemma3_text"
+    gemma = config.model_type in GEMMA_TYPES
     for tensor in tqdm(gguf_index(path)["tensors"], desc="Loading weights", unit="tensor", leave=False):
         name = _hf_name(tensor["name"], config.model_type)
         if name is None:

@@ -77,6 +77,8 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    softcap = None  # no cap on the attention scores (Gemma 2's attention has one: models/gemma.py)
+
     def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
                  tp: TensorParallel, use_rope: bool = True):
         """use_rope: False for SmolLM3's NoPE layers, whose q and k are not rotated."""
@@ -140,7 +142,8 @@ def rotated_attention(attn: nn.Module, cos_sin, qkv: torch.Tensor, kv_cache: KVC
     """On CUDA, q and k rotated (after their per-head norms, where given) and the new K/V written by
     one Triton kernel straight from qkv, then attention over the cache: [T, H, D]. None where that
     kernel does not apply (off CUDA, heads whose width is not a power of two, or a rotation over
-    part of each head). `attn` is a model's attention module (its heads, rotary, backend and scale)."""
+    part of each head). `attn` is a model's attention module (its heads, rotary, backend, scale and
+    softcap)."""
     if not (on_triton(qkv) and attn.head_dim & (attn.head_dim - 1) == 0
             and attn.rotary.rotary_dim == attn.head_dim):
         return None
@@ -148,7 +151,7 @@ def rotated_attention(attn: nn.Module, cos_sin, qkv: torch.Tensor, kv_cache: KVC
 
     q, k, v = rotary_and_cache(qkv, cos_sin, meta.slot_mapping, kv_cache, attn.num_heads, attn.num_kv_heads,
                                qk_norm)
-    return attn.backend(q, k, v, kv_cache, meta, attn.scale, kv_written=True)
+    return attn.backend(q, k, v, kv_cache, meta, attn.scale, kv_written=True, softcap=attn.softcap)
 
 
 class LlamaMLP(nn.Module):
@@ -266,8 +269,9 @@ class LlamaForCausalLM(nn.Module):
             return None
         return getattr(self.config, "sliding_window", None)
 
-    interleaves_full_attention = False  # every layer attends alike (Gemma 3's alternate)
-    embedding_multiplier: float | None = None  # the embeddings as looked up (Gemma 3 scales its own)
+    interleaves_full_attention = False  # every layer attends alike (Gemma's alternate)
+    embedding_multiplier: float | None = None  # the embeddings as looked up (Gemma scales its own)
+    final_logit_softcap: float | None = None  # logits as the head gives them (Gemma 2 caps its own)
 
     @property
     def window_layers(self) -> list[bool]:

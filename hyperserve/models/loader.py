@@ -36,8 +36,8 @@ from hyperserve.layers.quantization import (
     quantize_linears,
     quantize_model,
 )
-from hyperserve.models import gemma3, gguf_reader
-from hyperserve.models.gemma3 import Gemma3ForCausalLM
+from hyperserve.models import gemma, gguf_reader
+from hyperserve.models.gemma import GemmaForCausalLM
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
 from hyperserve.models.registry import SUPPORTED_ARCHITECTURES, ModelSource, resolve_model
 
@@ -90,9 +90,9 @@ def _complete_gguf_config(config: PretrainedConfig, index: dict) -> PretrainedCo
     Qwen3's head size (it does not map attention.key_length), Qwen3-MoE's expert width (nor
     expert_feed_forward_length), whether the LM head is the embedding (no output.weight); and
     Mixtral, which llama.cpp writes as a `llama` with experts and transformers reads as a dense
-    Llama. A Phi-3 GGUF with LongRoPE factors (rope_factors_*, which transformers does not map) is
-    refused rather than rotated by the default rope, and a Qwen2-MoE one, whose shared expert is
-    not mapped."""
+    Llama; Gemma's attention scale and caps (`_complete_gemma_config`). A Phi-3 GGUF with LongRoPE
+    factors (rope_factors_*, which transformers does not map) is refused rather than rotated by the
+    default rope, and a Qwen2-MoE one, whose shared expert is not mapped."""
     shapes = {t["name"]: t["shape"] for t in index["tensors"]}
     if config.model_type == "qwen2_moe":
         raise ValueError("Qwen2-MoE GGUFs (their shared expert's tensors) are not read yet: serve the "
@@ -112,7 +112,26 @@ def _complete_gguf_config(config: PretrainedConfig, index: dict) -> PretrainedCo
         config = MixtralConfig(**{**fields, "num_local_experts": experts[0], "intermediate_size": experts[-1],
                                   "num_experts_per_tok": index.get("experts_per_token") or 2})
     config.tie_word_embeddings = "output.weight" not in shapes
+    if config.model_type in gemma.GEMMA_TYPES:
+        _complete_gemma_config(config, index)
     return config
+
+
+# Gemma's 27B models, by their layer count (llama.cpp's rule): their queries scale by
+# (hidden_size / heads)^-0.5, every other size's by head_dim^-0.5
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+
+
+def _complete_gemma_config(config: PretrainedConfig, index: dict) -> None:
+    """Gemma's query_pre_attn_scalar, which a GGUF does not store (transformers' GGUF config leaves
+    it at 256, wrong for the 27B models), and Gemma 2's caps, where the file gives them."""
+    if config.num_hidden_layers == _GEMMA_27B_LAYERS[config.model_type]:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    else:
+        config.query_pre_attn_scalar = config.head_dim
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if index.get(name) is not None:
+            setattr(config, name, float(index[name]))
 
 
 def load_tokenizer(source: ModelSource, chat_template: str | None = None) -> PreTrainedTokenizerBase | None:
@@ -134,8 +153,8 @@ def load_tokenizer(source: ModelSource, chat_template: str | None = None) -> Pre
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
-    elif not tokenizer.chat_template and load_config(source).model_type == "gemma3_text":
-        tokenizer.chat_template = gemma3.CHAT_TEMPLATE  # Gemma's turn format, which its GGUF may lack
+    elif not tokenizer.chat_template and load_config(source).model_type in gemma.GEMMA_TYPES:
+        tokenizer.chat_template = gemma.CHAT_TEMPLATE  # Gemma's turn format, which its GGUF may lack
     return tokenizer
 
 
@@ -166,8 +185,9 @@ def load_eos_token_ids(source: ModelSource | None, config: PretrainedConfig,
     found: list[int | list[int] | None] = [getattr(config, "eos_token_id", None)]
     if tokenizer is not None:
         found.append(tokenizer.eos_token_id)
-        if config.model_type == "gemma3_text":  # a chat turn ends with <end_of_turn>, not <eos>
-            found.append(tokenizer.convert_tokens_to_ids(gemma3.END_OF_TURN))
+        end_of_turn = tokenizer.convert_tokens_to_ids(gemma.END_OF_TURN)
+        if config.model_type in gemma.GEMMA_TYPES and end_of_turn != tokenizer.unk_token_id:
+            found.append(end_of_turn)  # a chat turn ends with <end_of_turn>, not <eos>
     if source is not None and source.gguf_file:
         found += gguf_reader.gguf_index(source.path)["eos_token_ids"]
     elif source is not None and (source.directory / "generation_config.json").exists():
@@ -289,8 +309,8 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None, max_posit
     )
 
 
-def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM | Gemma3ForCausalLM]:
-    return Gemma3ForCausalLM if config.model_type == "gemma3_text" else LlamaForCausalLM
+def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM | GemmaForCausalLM]:
+    return GemmaForCausalLM if config.model_type in gemma.GEMMA_TYPES else LlamaForCausalLM
 
 
 _EMBEDDINGS = frozenset({"model.embed_tokens.weight", "lm_head.weight"})

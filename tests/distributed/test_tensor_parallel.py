@@ -97,13 +97,15 @@ TWO_GPUS = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")])
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3", "mixtral", "qwen3_moe", "qwen2_moe", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "qwen2_moe",
+                                  "phi3"])
 @pytest.mark.parametrize("device", ["cpu", TWO_GPUS])
 def test_uneven_heads_width_and_vocabulary(save_hf_model, device, arch):
     """6 query / 3 K/V heads, an MLP width of 160 (cut at 32s: 64 and 96) and 1,001 tokens (padded
     to 1,002), with Qwen2's Q/K/V biases, Qwen3's QK norms (whole on every rank), Gemma 3's (and
     its tied, scaled embedding, a sliding-window layer beside a global one, and the norms after
-    attention and MLP, which take the all-reduced sum), experts (Mixtral's 4 of width 160;
+    attention and MLP, which take the all-reduced sum), Gemma 2's capped scores and logits (the
+    logits capped after the ranks' vocabularies are gathered), experts (Mixtral's 4 of width 160;
     Qwen3-MoE's of width 48, cut 24 and 24, beside a dense layer of 160; Qwen2-MoE's beside a
     shared expert of width 96, cut 48 and 48, and its gate, whole), or Phi-3's q/k/v and
     gate/up fused in the checkpoint: every slice is uneven or padded. On CUDA: NCCL."""

@@ -1,11 +1,12 @@
-"""KVCache's block reads and writes, as the disk tier and KV transfers between engines use them."""
+"""KVCache's block reads and writes, as the disk tier and KV transfers between engines use them;
+the portable backend's capped attention."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hyperserve.layers.attention import KVCache
+from hyperserve.layers.attention import KVCache, sdpa
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
@@ -21,3 +22,35 @@ def test_blocks_read_and_written_back_keep_every_byte(kv_cache_dtype):
     assert all(torch.equal(back[name].view(torch.uint8), read[name].view(torch.uint8)) for name in read)
     untouched = cache.read_blocks(torch.tensor([1, 2]))
     assert all(torch.equal(untouched[name].view(torch.uint8), read[name].view(torch.uint8)) for name in read)
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "prompt after context", "decodes"])
+def test_capped_attention_matches_transformers_eager_attention(mask_kind):
+    """SDPA cannot cap scores, so `sdpa` computes Gemma 2's capped attention in plain ops, a few hundred
+    queries at a time: against transformers' Gemma 2 eager attention over 600 queries (three
+    chunks), causal, a prompt after 100 tokens of context (an [n, L] mask), and decodes of
+    different context lengths (a [B, 1, 1, L] mask, each query head's group of one)."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = {"causal": (1, 4, 2, 600, 600), "prompt after context": (1, 4, 2, 600, 700),
+              "decodes": (3, 2, 2, 2, 40)}
+    batch, heads, kv_heads, queries, keys = shapes[mask_kind]
+    q = torch.randn(batch, heads, queries, 16, generator=generator) * 3
+    k, v = (torch.randn(batch, kv_heads, keys, 16, generator=generator) * 3 for _ in range(2))
+    if mask_kind == "decodes":
+        allowed = torch.arange(keys) < torch.tensor([40, 25, 7])[:, None]  # [B, L]
+        mask = allowed[:, None, None, :]
+    else:
+        allowed = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
+        mask = None if mask_kind == "causal" else allowed
+    out = sdpa(q, k, v, mask, mask_kind == "causal", 0.25, softcap=2.0)
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    additive = additive[:, None, None, :] if mask_kind == "decodes" else additive
+    expected, _ = eager_attention_forward(SimpleNamespace(num_key_value_groups=heads // kv_heads, training=False),
+                                          q, k, v, additive, scaling=0.25, softcap=2.0)
+    assert torch.allclose(out, expected.transpose(1, 2), atol=1e-5)
+    uncapped = sdpa(q, k, v, mask, mask_kind == "causal", 0.25, softcap=None)
+    assert not torch.allclose(out, uncapped, atol=1e-2)  # the cap bends these scores

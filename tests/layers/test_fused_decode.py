@@ -124,16 +124,19 @@ def test_attention_over_contexts_of_several_spans_matches_the_pytorch_layers(sav
     ("gemma3", "int4", 16),  # a windowed layer and a global one, each with its own rotary table
     ("gemma3", "int8", 16),  # Q8_0 projections
     ("gemma3", "int8", 64),  # the span kernel: windows that start inside a span and skip whole ones
+    ("gemma2", "int8", 16),  # capped attention scores and logits, one rotary table for both kinds
+    ("gemma2", "int4", 64),  # the same in the span kernel
 ])
 def test_a_sliding_window_and_gemmas_layers_match_the_pytorch_layers(save_hf_model, arch, quantization,
                                                                      head_dim, q41_layout):
     """Rows whose context passes the window attend to its last positions only: contexts of 20 and 40
     against a window of 8, or of 600 and 300 against 300 where a row's window starts inside one span
     of 256 positions and skips the span before it. Gemma 3 adds the norms of attention's and the
-    MLP's outputs, GELU, scaled embeddings and a rotary table per kind of layer. Q8_0 takes 16-bit
-    activations, as the int4 rows layout does (tolerances as above)."""
+    MLP's outputs, GELU, scaled embeddings and a rotary table per kind of layer; Gemma 2 caps the
+    attention scores and the logits. Q8_0 takes 16-bit activations, as the int4 rows layout does
+    (tolerances as above)."""
     spans = head_dim == 64
-    extra = dict(head_dim=head_dim, max_position_embeddings=1024) if arch == "gemma3" else {}
+    extra = dict(head_dim=head_dim, max_position_embeddings=1024) if arch.startswith("gemma") else {}
     _, path = save_hf_model(tiny_config(arch, sliding_window=300 if spans else 8, **extra))
     llm = LLM(model=path, quantization=quantization, dtype="float32", kv_cache_memory_gb=0.05,
               block_size=24 if spans else 16)

@@ -1,4 +1,4 @@
-"""Our Llama-family and Gemma 3 models against transformers on the same weights: logits at prefill
+"""Our Llama-family and Gemma models against transformers on the same weights: logits at prefill
 and decode."""
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ ARCHS = {
         "short_factor": [1.0 + 0.25 * i for i in range(8)], "long_factor": [2.0 + i for i in range(8)]}},
     "phi3-partial_rotary": {"partial_rotary_factor": 0.5},  # Phi-4-mini's (0.75): half of each head turns
     "gemma3": {},  # a sliding-window layer (8 tokens) and a global one, QK norms, four norms per layer
+    "gemma2": {},  # the same layers without QK norms, attention scores and logits soft-capped
 }
 
 
@@ -82,7 +83,7 @@ def test_longrope_runs_where_its_short_factors_hold(save_hf_model):
 
 
 @needs_triton
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gemma2"])  # Gemma 2: capped scores
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_triton_backend_matches_transformers(name, kv_cache_dtype, device, save_hf_model):
@@ -101,14 +102,15 @@ def test_triton_backend_matches_transformers(name, kv_cache_dtype, device, save_
 
 
 @needs_triton
-@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "gemma2"])
 def test_qk_norms_in_the_rotary_kernel_match_transformers(name, save_hf_model, monkeypatch):
     """Qwen3's and Gemma 3's per-head QK norms, the rotation and the K/V write in one Triton kernel,
     as on CUDA (here under the interpreter, with the models' other Triton kernels): prefill chunks
-    of 7 and decodes, Gemma's windowed layer included."""
-    from hyperserve.models import gemma3, llama
+    of 7 and decodes, Gemma's windowed layer included; Gemma 2 without the norms, its scores capped
+    in the attention kernels."""
+    from hyperserve.models import gemma, llama
 
-    for module in (llama, gemma3):
+    for module in (llama, gemma):
         monkeypatch.setattr(module, "on_triton", lambda x: True)
     hf_model, path = save_hf_model(tiny_config(name, **ARCHS[name]))
     llm = LLM(model=path, num_kv_blocks=32, block_size=16, max_model_len=128, dtype="float32",
@@ -117,21 +119,21 @@ def test_qk_norms_in_the_rotary_kernel_match_transformers(name, save_hf_model, m
 
 
 @needs_triton
-@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "gemma2"])
 @pytest.mark.parametrize("device", DEVICES[1:])
 def test_triton_kernels_in_bfloat16_match_pytorchs_ops(name, device, save_hf_model, monkeypatch):
     """The half-precision paths of the models' Triton kernels (norms and adds, gated activations,
     QK norms with the rotation and K/V write, the six-kernel layers) against the same model with
     PyTorch's ops in their place, both in bfloat16 on CUDA."""
     from hyperserve.layers import gemv_decode
-    from hyperserve.models import gemma3, llama
+    from hyperserve.models import gemma, llama
 
     _, path = save_hf_model(tiny_config(name, **ARCHS[name]))
     prompts = random_prompts()
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
     results = []
     for kernels in (True, False):
-        for module in (llama, gemma3):
+        for module in (llama, gemma):
             monkeypatch.setattr(module, "on_triton", lambda x, kernels=kernels: kernels and x.is_cuda)
         monkeypatch.setattr(gemv_decode, "ENABLED", kernels)
         llm = LLM(model=path, num_kv_blocks=32, block_size=16, max_model_len=128, device=device,

@@ -156,17 +156,21 @@ def test_gguf_metadata_is_parsed_once_into_files_that_read_back_the_same(smollm2
 
 
 def _write_gguf(hf_model, path, tokenizer_gguf, quant: str | None = "Q8_0") -> None:
-    """hf_model (Qwen3, Qwen3-MoE or Mixtral) as llama.cpp's converter writes it: its names, its
-    metadata, the experts stacked per layer, weights in `quant` (a GGML type gguf's numpy quantizer
-    writes) or float32 (norms and the router in float32), Mixtral as a `llama` with experts and its
-    Q/K rows permuted, and the tokenizer of `tokenizer_gguf`."""
+    """hf_model (Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, Phi-3 or Gemma 2) as llama.cpp's converter
+    writes it: its names, its metadata, the experts stacked per layer (Qwen2-MoE's shared expert
+    beside them, its gate a vector), weights in `quant` (a GGML type gguf's numpy quantizer writes)
+    or float32 (norms, biases and the routers in float32), Mixtral as a `llama` with experts and its
+    Q/K rows permuted, Gemma's norms as 1 + w and its head as the embedding alone, and the
+    tokenizer of `tokenizer_gguf`."""
     import gguf
     from gguf.quants import quantize
 
     config = hf_model.config
     kind = None if quant is None else gguf.GGMLQuantizationType[quant]
-    moe = config.model_type in ("qwen3_moe", "mixtral")
-    arch = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3"}[config.model_type]
+    moe = config.model_type in ("qwen3_moe", "qwen2_moe", "mixtral")
+    arch = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "phi3": "phi3",
+            "gemma2": "gemma2"}[config.model_type]
+    gemma = arch == "gemma2"
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -179,11 +183,17 @@ def _write_gguf(hf_model, path, tokenizer_gguf, quant: str | None = "Q8_0") -> N
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if gemma:
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_float32("gemma2.attn_logit_softcapping", config.attn_logit_softcapping)
+        writer.add_float32("gemma2.final_logit_softcapping", config.final_logit_softcapping)
     if moe:
         writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(getattr(config, "moe_intermediate_size",
                                                       config.intermediate_size))
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     reader = gguf.GGUFReader(tokenizer_gguf)
     writer.add_tokenizer_model(reader.fields["tokenizer.ggml.model"].contents())
     writer.add_token_list(reader.fields["tokenizer.ggml.tokens"].contents())
@@ -196,7 +206,12 @@ def _write_gguf(hf_model, path, tokenizer_gguf, quant: str | None = "Q8_0") -> N
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
              "mlp.gate": "ffn_gate_inp", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+             "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+             "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+             "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+    if gemma:
+        names.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                      "post_feedforward_layernorm": "post_ffw_norm"})
 
     def permuted(array, heads):  # llama.cpp's row order of each head's rotary halves (the loader undoes it)
         halves = array.reshape(heads, 2, array.shape[0] // heads // 2, array.shape[-1])
@@ -223,12 +238,18 @@ def _write_gguf(hf_model, path, tokenizer_gguf, quant: str | None = "Q8_0") -> N
                 else:
                     writer.add_tensor(tensor_name, part.copy())
             continue
+        if gemma and "norm" in name:
+            array = array + 1
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
         if name == "lm_head.weight":
             gguf_name = "output.weight"
         else:
-            module = name.removeprefix("model.").removesuffix(".weight")
+            module, _, leaf = name.removeprefix("model.").rpartition(".")  # leaf: weight or bias
             module = module.split(".", 2)[2] if layer is not None else module
-            gguf_name = f"{names[module]}.weight" if layer is None else f"blk.{layer}.{names[module]}.weight"
+            gguf_name = f"{names[module]}.{leaf}" if layer is None else f"blk.{layer}.{names[module]}.{leaf}"
+        if gguf_name.endswith("ffn_gate_inp_shexp.weight"):
+            array = array[0]  # [1, hidden] -> [hidden], as llama.cpp stores it
         if kind is not None and array.ndim == 2 and "ffn_gate_inp" not in gguf_name:
             writer.add_tensor(gguf_name, quantize(array, kind), raw_dtype=kind)
         else:
@@ -239,13 +260,14 @@ def _write_gguf(hf_model, path, tokenizer_gguf, quant: str | None = "Q8_0") -> N
     writer.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "phi3", "gemma2"])
 def test_qwen3_gguf_matches_transformers_on_its_dequantized_weights(arch, smollm2_source, tmp_path,
                                                                     monkeypatch):
-    """A Qwen3, a Qwen3-MoE and a Phi-3 GGUF as llama.cpp writes them (Q8_0, stacked experts, QK
-    norms, Phi-3's fused q/k/v and gate/up, an untied head): our model from the GGUF against
-    transformers' own GGUF loading of the same file, and our reading of its saved config against
-    the config's own class."""
+    """A Qwen3, a Qwen3-MoE, a Qwen2-MoE, a Phi-3 and a Gemma 2 GGUF as llama.cpp writes them (Q8_0,
+    stacked experts, QK norms, Qwen2-MoE's shared expert and Q/K/V biases, Phi-3's fused q/k/v and
+    gate/up, an untied head; Gemma 2's norms as 1 + w, its window and caps in the metadata): our
+    model from the GGUF against transformers' own GGUF loading of the same file, and our reading of
+    its saved config against the config's own class."""
     from transformers import AutoModelForCausalLM
 
     from tests.models.test_llama import _check_against_transformers
@@ -277,6 +299,19 @@ def test_a_phi3_gguf_with_longrope_factors_is_refused_not_rotated_by_the_default
                {"name": "rope_factors_short.weight", "shape": [8]}]
     with pytest.raises(ValueError, match="LongRoPE factors"):
         loader._complete_gguf_config(tiny_config("phi3"), {"tensors": tensors})
+
+
+@pytest.mark.parametrize(("arch", "layers", "scalar"), [
+    ("gemma2", 26, 16), ("gemma2", 46, 24), ("gemma3", 62, 24), ("gemma3", 26, 16)])
+def test_gemma_ggufs_scale_queries_by_head_size_but_the_27b_models_by_width_per_head(arch, layers, scalar):
+    """A GGUF does not store query_pre_attn_scalar: as llama.cpp, the 27B models (46 layers in Gemma
+    2, 62 in Gemma 3) take hidden_size / heads (144 and 168 in theirs), the others head_dim."""
+    from hyperserve.models import loader
+
+    config = tiny_config(arch, num_hidden_layers=layers, hidden_size=96, num_attention_heads=4, layer_types=None,
+                         query_pre_attn_scalar=256)  # 256: transformers' default, what a GGUF reads as
+    config = loader._complete_gguf_config(config, {"tensors": [{"name": "token_embd.weight", "shape": [256, 96]}]})
+    assert config.query_pre_attn_scalar == scalar
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels could not be built here")

