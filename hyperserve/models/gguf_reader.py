@@ -48,6 +48,10 @@ _GGUF_NAMES = {
     "ffn_gate_exps": "mlp.experts.gate_proj",  # [E, I, H]: split per expert by loader._per_expert
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # Qwen2-MoE's: [hidden], our gate's one row
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 
 

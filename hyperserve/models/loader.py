@@ -87,24 +87,23 @@ def _saved_config(directory: Path) -> PretrainedConfig:
 
 def _complete_gguf_config(config: PretrainedConfig, index: dict) -> PretrainedConfig:
     """What transformers' GGUF config leaves at its class defaults, read from the tensors' shapes:
-    Qwen3's head size (it does not map attention.key_length), Qwen3-MoE's expert width (nor
-    expert_feed_forward_length), whether the LM head is the embedding (no output.weight); and
-    Mixtral, which llama.cpp writes as a `llama` with experts and transformers reads as a dense
-    Llama; Gemma's attention scale and caps (`_complete_gemma_config`). A Phi-3 GGUF with LongRoPE
-    factors (rope_factors_*, which transformers does not map) is refused rather than rotated by the
-    default rope, and a Qwen2-MoE one, whose shared expert is not mapped."""
+    Qwen3's head size (it does not map attention.key_length), Qwen3-MoE's and Qwen2-MoE's expert
+    widths (nor expert_feed_forward_length and its shared expert's), whether the LM head is the
+    embedding (no output.weight); and Mixtral, which llama.cpp writes as a `llama` with experts and
+    transformers reads as a dense Llama; Gemma's attention scale and caps (`_complete_gemma_config`).
+    A Phi-3 GGUF with LongRoPE factors (rope_factors_*, which transformers does not map) is refused
+    rather than rotated by the default rope."""
     shapes = {t["name"]: t["shape"] for t in index["tensors"]}
-    if config.model_type == "qwen2_moe":
-        raise ValueError("Qwen2-MoE GGUFs (their shared expert's tensors) are not read yet: serve the "
-                         "model's Hugging Face directory instead")
     if any(name.startswith("rope_factors") for name in shapes):
         raise ValueError("this GGUF's LongRoPE factors (rope_factors_long, rope_factors_short) are not "
                          "read from GGUFs yet: serve the model's Hugging Face directory instead")
     if "blk.0.attn_k.weight" in shapes:
         config.head_dim = shapes["blk.0.attn_k.weight"][0] // config.num_key_value_heads
     experts = next((shape for name, shape in shapes.items() if name.endswith("ffn_down_exps.weight")), None)
-    if experts is not None and config.model_type == "qwen3_moe":
+    if experts is not None and config.model_type in ("qwen3_moe", "qwen2_moe"):
         config.moe_intermediate_size = experts[-1]  # [E, hidden, width]
+    if "blk.0.ffn_down_shexp.weight" in shapes:  # Qwen2-MoE's shared expert, [hidden, width]
+        config.shared_expert_intermediate_size = shapes["blk.0.ffn_down_shexp.weight"][-1]
     if experts is not None and config.model_type == "llama":
         fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
         from transformers import MixtralConfig

@@ -260,7 +260,7 @@ def _write_gguf(hf_model, path, tokenizer_gguf, quant: str | None = "Q8_0") -> N
     writer.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "phi3", "gemma2"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen2_moe", "phi3", "gemma2"])
 def test_qwen3_gguf_matches_transformers_on_its_dequantized_weights(arch, smollm2_source, tmp_path,
                                                                     monkeypatch):
     """A Qwen3, a Qwen3-MoE, a Qwen2-MoE, a Phi-3 and a Gemma 2 GGUF as llama.cpp writes them (Q8_0,
