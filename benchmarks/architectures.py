@@ -1,15 +1,22 @@
-"""Qwen3 and Qwen3-MoE decode and prefill: HyperServe against transformers on the same random weights.
+"""Decode and prefill of other architectures' shapes: HyperServe against transformers on the same
+random weights.
 
 A model of one of SHAPES is saved once with random weights: `qwen3-0.6b` (Qwen3-0.6B's shape:
-28 layers, hidden 1024, 16 query and 8 K/V heads of 128, QK norms, vocabulary 152k, tied) or
+28 layers, hidden 1024, 16 query and 8 K/V heads of 128, QK norms, vocabulary 152k, tied),
 `qwen3-moe` (12 layers, hidden 1024, 16 experts of width 512, 2 a token, vocabulary 32k: 0.40B
-parameters, 0.13B active a token). Each system then decodes 128 tokens after a 32-token prompt
-(1 stream, and 8 at once for HyperServe) and prefills one 512-token prompt; every prompt is new
-(no prefix-cache hits). Greedy, ignore_eos; medians of --rounds. `int4-layers` is int4 with the
-native decode layers turned off: the layer-by-layer PyTorch path, for comparison.
+parameters, 0.13B active a token), `gemma2-2b-8l` (8 of Gemma 2 2B's 26 layers: hidden 2304, 8
+query and 4 K/V heads of 256, capped scores and logits, vocabulary 32k in place of 256k) or
+`deepseek-v2-lite-4l` (4 of DeepSeek-V2-Lite's 27 layers, the first dense: its latent attention,
+16 of its 64 experts of width 1408, 6 a token, 2 shared; vocabulary 32k in place of 102k). Each
+system then decodes 128 tokens after a 32-token prompt (1 stream, and 8 at once for HyperServe)
+and prefills one 512-token prompt; every prompt is new (no prefix-cache hits). Greedy, ignore_eos;
+medians of --rounds. `int4-layers` is int4 with the native decode layers turned off: the
+layer-by-layer PyTorch path, for comparison (DeepSeek runs that path in int4 anyway).
 
     python benchmarks/architectures.py --shape qwen3-0.6b [--rounds 3] [--configs float32 int4 int4-layers]
     python benchmarks/architectures.py --shape qwen3-moe
+    python benchmarks/architectures.py --shape gemma2-2b-8l
+    python benchmarks/architectures.py --shape deepseek-v2-lite-4l --configs float32 int4
 """
 
 from __future__ import annotations
@@ -23,7 +30,14 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3Config, Qwen3MoeConfig  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    DeepseekV2Config,
+    Gemma2Config,
+    PretrainedConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from hyperserve import LLM, SamplingParams  # noqa: E402
 from hyperserve.layers.fused_decode import FusedDecode  # noqa: E402
@@ -38,6 +52,15 @@ SHAPES = {
                                         num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
                                         head_dim=64, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=512,
                                         norm_topk_prob=True, max_position_embeddings=2048, tie_word_embeddings=False),
+    "gemma2-2b-8l": lambda: Gemma2Config(
+        vocab_size=32000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+        max_position_embeddings=2048),
+    "deepseek-v2-lite-4l": lambda: DeepseekV2Config(
+        vocab_size=32000, hidden_size=2048, intermediate_size=10944, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=16, num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408,
+        first_k_dense_replace=1, max_position_embeddings=2048, tie_word_embeddings=False),
 }
 
 
@@ -121,9 +144,10 @@ def main() -> None:
         config = save_model(path, args.shape)
         total = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
         active = total
-        if args.shape == "qwen3-moe":
+        if args.shape in ("qwen3-moe", "deepseek-v2-lite-4l"):
             expert = 3 * config.hidden_size * config.moe_intermediate_size
-            active -= config.num_hidden_layers * expert * (config.num_experts - config.num_experts_per_tok)
+            sparse_layers = config.num_hidden_layers - getattr(config, "first_k_dense_replace", 0)
+            active -= sparse_layers * expert * (config.num_experts - config.num_experts_per_tok)
         rows = {"transformers (float32)": transformers_rates(path, args.rounds)}
         for name in args.configs:
             rows[f"HyperServe {name}"] = hyperserve_rates(path, name, args.rounds)

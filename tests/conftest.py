@@ -144,6 +144,8 @@ def assert_config_reads_as(ours, reference) -> None:
 def tiny_config(arch: str, **overrides):
     """A small random-weight config of one of the supported architectures."""
     from transformers import (
+        DeepseekV2Config,
+        DeepseekV3Config,
         Gemma2Config,
         Gemma3TextConfig,
         GraniteConfig,
@@ -173,6 +175,13 @@ def tiny_config(arch: str, **overrides):
                       attn_logit_softcapping=2.0, final_logit_softcapping=10.0,
                       layer_types=["sliding_attention", "full_attention"])
         common.update(overrides)
+    if arch in ("deepseek_v2", "deepseek_v3"):  # latent attention; a dense layer, then 4 experts beside a shared one
+        common.update(kv_lora_rank=32, q_lora_rank=None if arch == "deepseek_v2" else 24, qk_nope_head_dim=16,
+                      qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+                      n_shared_experts=1, moe_intermediate_size=48, first_k_dense_replace=1,
+                      routed_scaling_factor=1.5, num_key_value_heads=common["num_attention_heads"])
+        if arch == "deepseek_v3":  # 2 groups of 2 experts, a token's experts from the better group
+            common.update(n_group=2, topk_group=1)
     if arch == "qwen3":
         common.update(head_dim=16)
     if arch == "mixtral":  # 4 experts, 2 a token
@@ -194,7 +203,8 @@ def tiny_config(arch: str, **overrides):
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
                "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "qwen3": Qwen3Config, "mixtral": MixtralConfig,
                "qwen3_moe": Qwen3MoeConfig, "granite": GraniteConfig, "smollm3": SmolLM3Config,
-               "phi3": Phi3Config, "qwen2_moe": Qwen2MoeConfig}
+               "phi3": Phi3Config, "qwen2_moe": Qwen2MoeConfig, "deepseek_v2": DeepseekV2Config,
+               "deepseek_v3": DeepseekV3Config}
     return classes[arch](**common)
 
 
@@ -248,6 +258,9 @@ def save_hf_model(tmp_path):
                     p.normal_(0, 0.15 if "bias" not in name else 0.1)
                 elif "q_norm" in name or "k_norm" in name:  # not all ones, so that a norm's weight counts
                     p.uniform_(0.5, 1.5)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: it changes which experts run
+                    b.uniform_(-0.3, 0.3)
         model.save_pretrained(tmp_path)
         return model, str(tmp_path)
 

@@ -19,7 +19,7 @@ import torch
 from hyperserve.config import EngineConfig
 from hyperserve.layers.attention import AttentionMetadata, KVCache, PrefillSpan
 from hyperserve.models import loader
-from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
+from hyperserve.models.llama import LlamaForCausalLM, kv_layout
 from hyperserve.models.registry import resolve_model
 
 logger = logging.getLogger("hyperserve.memory")
@@ -40,7 +40,8 @@ def num_kv_blocks(model: LlamaForCausalLM, config: EngineConfig, hf_config, max_
     else:
         budget = CPU_KV_CACHE_BYTES
     # per rank, as the budget is
-    heads = model.tp.largest_kv_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads)
+    heads = (model.tp.largest_kv_heads(hf_config.num_attention_heads, hf_config.num_key_value_heads)
+             if model.tp.size > 1 else None)
     per_block = loader.kv_bytes_per_token(hf_config, config.model.torch_dtype, cache.kv_cache_dtype,
                                           heads) * cache.block_size
     return budget // per_block
@@ -99,8 +100,9 @@ def profile_step(model: LlamaForCausalLM, config: EngineConfig, num_tokens: int,
     sampler's softmax and sort over them."""
     device, block_size = torch.device(config.model.device), config.cache.block_size
     hf = model.config
-    caches = [KVCache.allocate(-(-num_tokens // block_size), block_size, hf.num_key_value_heads,
-                               head_dim_of(hf), config.model.torch_dtype, config.cache.kv_cache_dtype, device)
+    heads, width, shared = kv_layout(hf)
+    caches = [KVCache.allocate(-(-num_tokens // block_size), block_size, heads, width, config.model.torch_dtype,
+                               config.cache.kv_cache_dtype, device, shared)
               for _ in range(hf.num_hidden_layers)]
     starts = range(0, num_tokens, max_model_len)
     spans = [PrefillSpan(start, min(start + max_model_len, num_tokens), None, None) for start in starts]

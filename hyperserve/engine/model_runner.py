@@ -53,7 +53,7 @@ from hyperserve.layers.attention import (
 from hyperserve.layers.fused_decode import DecodeRows, FusedDecode
 from hyperserve.layers.lora import LoRARequest
 from hyperserve.layers.quantization import QUANTIZED_MAX_ROWS
-from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
+from hyperserve.models.llama import LlamaForCausalLM, kv_layout
 
 CAPTURE_GRAPHS = "capture_graphs"  # rank 0's word to the other ranks: capture with me now
 HEADS_DIM = 3  # of read_blocks' tensors: [blocks, layers, block_size, K/V heads, ...]
@@ -230,9 +230,9 @@ class ModelRunner:
                         and window_layers[layer])
             return self.num_window_blocks if windowed else self.num_blocks
 
-        heads = num_kv_heads or hf_config.num_key_value_heads
-        return [KVCache.allocate(num_blocks(layer) + 1, self.block_size, heads, head_dim_of(hf_config),
-                                 self.dtype, self.kv_cache_dtype, self.device)
+        heads, width, shared = kv_layout(hf_config)
+        return [KVCache.allocate(num_blocks(layer) + 1, self.block_size, num_kv_heads or heads, width,
+                                 self.dtype, self.kv_cache_dtype, self.device, shared)
                 for layer in range(hf_config.num_hidden_layers)]
 
     def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:

@@ -59,25 +59,33 @@ class KVCache:
 
     @classmethod
     def allocate(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 kv_cache_dtype: str, device: torch.device | str) -> KVCache:
+                 kv_cache_dtype: str, device: torch.device | str, shared: bool = False) -> KVCache:
+        """shared: K and V are one tensor (DeepSeek's latent vectors, each token's key and value)."""
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        stored = dtype if kv_cache_dtype == "auto" else KV_QUANTIZED[kv_cache_dtype][0]
+        key = _zeros(shape, stored, device)
+        value = key if shared else _zeros(shape, stored, device)
         if kv_cache_dtype == "auto":
-            return cls(_zeros(shape, dtype, device), _zeros(shape, dtype, device), block_size)
-        stored = KV_QUANTIZED[kv_cache_dtype][0]
-        return cls(*(_zeros(shape, stored, device) for _ in range(2)), block_size,
-                   *(_zeros(shape[:2], torch.float32, device) for _ in range(2)))
+            return cls(key, value, block_size)
+        key_scale = _zeros(shape[:2], torch.float32, device)
+        return cls(key, value, block_size, key_scale, key_scale if shared else _zeros(shape[:2], torch.float32, device))
 
     @property
     def quantized(self) -> bool:
         return self.key_scale is not None
 
+    @property
+    def shared(self) -> bool:
+        """K and V are one tensor: written, gathered, read and moved once."""
+        return self.value is self.key
+
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new tokens' K and V [T, Hkv, D] at their slots [T]."""
-        if not self.quantized:
-            self.key.index_put_((slots,), k)
-            self.value.index_put_((slots,), v)
-            return
-        for cache, scales, x in ((self.key, self.key_scale, k), (self.value, self.value_scale, v)):
+        """Store new tokens' K and V [T, Hkv, D] at their slots [T] (K alone where they are shared)."""
+        stored = [(self.key, self.key_scale, k)] + ([] if self.shared else [(self.value, self.value_scale, v)])
+        for cache, scales, x in stored:
+            if not self.quantized:
+                cache.index_put_((slots,), x)
+                continue
             codes, scale = _quantize_rows(x, cache.dtype)
             cache.index_put_((slots,), codes)
             scales.index_put_((slots,), scale)
@@ -88,12 +96,14 @@ class KVCache:
         raw gathers land in reused workspace buffers: a fresh tens-of-MB tensor per layer would be
         page-faulted in every time, which costs more than the copy itself."""
         k = _gather_blocks(self.key, blocks, self.block_size, workspace, "k")
+        if self.quantized:
+            k = k.to(dtype) * _gather_blocks(self.key_scale, blocks, self.block_size, None, "").unsqueeze(-1).to(dtype)
+        if self.shared:
+            return k, k
         v = _gather_blocks(self.value, blocks, self.block_size, workspace, "v")
-        if not self.quantized:
-            return k, v
-        k_scale = _gather_blocks(self.key_scale, blocks, self.block_size, None, "")
-        v_scale = _gather_blocks(self.value_scale, blocks, self.block_size, None, "")
-        return k.to(dtype) * k_scale.unsqueeze(-1).to(dtype), v.to(dtype) * v_scale.unsqueeze(-1).to(dtype)
+        if self.quantized:
+            v = v.to(dtype) * _gather_blocks(self.value_scale, blocks, self.block_size, None, "").unsqueeze(-1).to(dtype)
+        return k, v
 
     def read_blocks(self, blocks: torch.Tensor) -> dict[str, torch.Tensor]:
         """Whole blocks [N] -> each stored tensor's rows of them, [N, block_size, ...] (copies)."""
@@ -110,7 +120,9 @@ class KVCache:
             by_block.index_copy_(0, blocks, source)
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        names = ("key", "value", "key_scale", "value_scale") if self.quantized else ("key", "value")
+        names = ("key",) if self.shared else ("key", "value")
+        if self.quantized:
+            names += tuple(f"{name}_scale" for name in names)
         return {name: getattr(self, name) for name in names}
 
 
@@ -361,12 +373,17 @@ class TritonPagedAttention(TorchPagedAttention):
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
-def attention_backend(device: str, name: str = "auto", block_size: int = 16, head_dim: int = 64
-                      ) -> AttentionBackend:
+def attention_backend(device: str, name: str = "auto", block_size: int = 16, head_dim: int = 64,
+                      latent: bool = False) -> AttentionBackend:
     """The attention backend for a device: auto picks Triton's paged decode on CUDA when triton is
     installed and the block and head sizes fit its tiles, the portable backend otherwise. "triton"
-    on the CPU runs the kernels in Triton's interpreter (TRITON_INTERPRET=1): for tests, not speed."""
-    if name == "torch":
+    on the CPU runs the kernels in Triton's interpreter (TRITON_INTERPRET=1): for tests, not speed.
+    latent: DeepSeek's latent attention (every query head over one 576-wide K/V head), which the
+    Triton kernels are not tiled for: the portable backend."""
+    if latent and name == "triton":
+        raise ValueError("attention_backend='triton' does not run DeepSeek's latent attention yet: "
+                         "use 'auto' or 'torch'")
+    if name == "torch" or latent:
         return TorchPagedAttention()
     # the kernel's tiles: blocks of at least 16 tokens (tl.dot's smallest side), a power of two
     usable = (HAS_TRITON and block_size >= 16

@@ -163,7 +163,9 @@ class FusedDecode:
         if model.tp.size > 1:
             return "tensor parallelism (the layer's output needs an all-reduce before the residual add)"
         if any(getattr(layer.mlp, "shared_expert", None) is not None for layer in model.model.layers):
-            return "a shared expert (Qwen2-MoE)"
+            return "a shared expert (Qwen2-MoE, DeepSeek)"
+        if any(not hasattr(layer.self_attn, "qkv_proj") for layer in model.model.layers):
+            return "latent attention (DeepSeek)"
         rotaries = [layer.self_attn.rotary for layer in model.model.layers]
         if any(rotary is not None and rotary.rotary_dim != rotary.head_dim for rotary in rotaries):
             return "a rotation over part of each head (partial_rotary_factor)"

@@ -34,6 +34,7 @@ import torch
 
 from hyperserve.layers.attention import AttentionMetadata, KVCache
 from hyperserve.layers.linear import gemv_takes
+from hyperserve.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
     from hyperserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -50,9 +51,10 @@ def takes(model: LlamaForCausalLM, hidden: torch.Tensor) -> bool:
 def plain(layer: LlamaDecoderLayer) -> bool:
     """A Llama layer whose every step fits the six kernels: rotary on (Qwen3's QK norms then run in
     the rotary kernel), a dense MLP, projections that hand the GEMV their operands."""
-    from hyperserve.models.llama import LlamaDecoderLayer, LlamaMLP, RMSNorm
+    from hyperserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
-    if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
+    if (type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP
+            or type(layer.self_attn) is not LlamaAttention):  # DeepSeek's latent attention
         return False
     attn = layer.self_attn
     projections = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)

@@ -139,8 +139,10 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int, dtype: t
             raise ValueError(f"adapter {request.lora_name!r}: layer {layer} {name} does not fit this model "
                              f"({len(layers)} layers) or lacks lora_A or lora_B")
         if not _has(layers[layer], module_name):
-            raise ValueError(f"adapter {request.lora_name!r}: layer {layer}'s MLP is a mixture of experts, "
-                             f"whose {name} LoRA does not run yet (adapters of its attention do)")
+            what = ("attention is DeepSeek's latent attention" if module_name.startswith("self_attn.")
+                    else "MLP is a mixture of experts")
+            raise ValueError(f"adapter {request.lora_name!r}: layer {layer}'s {what}, whose {name} LoRA "
+                             "does not run yet")
         target = layers[layer].get_submodule(module_name)
         sizes = _shard_sizes(layers[layer], module_name)
         a, b = pair["A"], pair["B"]

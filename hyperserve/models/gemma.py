@@ -32,10 +32,10 @@ from hyperserve.distributed.group import TensorParallel
 from hyperserve.layers import on_triton
 from hyperserve.layers.attention import AttentionBackend, AttentionMetadata, KVCache, soft_cap
 from hyperserve.layers.linear import Linear
+from hyperserve.layers.norm import RMSNorm
 from hyperserve.layers.rotary import RotaryEmbedding
 from hyperserve.models.llama import (
     _FUSED,
-    RMSNorm,
     embed_vocab_parallel,
     head_dim_of,
     rank_slice,

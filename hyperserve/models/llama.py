@@ -1,7 +1,8 @@
 """The Llama family decoder: Llama 2/3, Mistral (sliding window), Qwen2 (QKV bias), Qwen3 (QK
 norms), SmolLM2, SmolLM3 (layers without rotary), Granite (its multipliers folded into the weights
-as they load), Phi-3 and Phi-4 (whose checkpoints fuse q/k/v and gate/up as these layers do), and
-the mixture-of-experts members Mixtral and Qwen3-MoE (layers/moe.py in place of the MLP).
+as they load), Phi-3 and Phi-4 (whose checkpoints fuse q/k/v and gate/up as these layers do), the
+mixture-of-experts members Mixtral, Qwen3-MoE and Qwen2-MoE (layers/moe.py in place of the MLP),
+and DeepSeek-V2 and V3 (their latent attention, models/deepseek.py, and experts).
 
 Inputs are flat: every scheduled token of every sequence in one [T] tensor with its position, no
 padding. Q/K/V and gate/up projections are fused into one matmul each; `load_weight` takes
@@ -25,7 +26,9 @@ from hyperserve.layers import gemv_decode, on_triton
 from hyperserve.layers.attention import AttentionBackend, AttentionMetadata, KVCache
 from hyperserve.layers.linear import Linear
 from hyperserve.layers.moe import SparseMoE
+from hyperserve.layers.norm import RMSNorm
 from hyperserve.layers.rotary import RotaryEmbedding
+from hyperserve.models.deepseek import LATENT_TYPES, LatentAttention, grouped_routing, latent_width
 
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 QWEN_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # sliding window only with use_sliding_window
@@ -38,42 +41,6 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-
-
-def _triton_rows(x: torch.Tensor) -> bool:
-    """Whether the norms' Triton kernels take x: half-precision rows [T, N] on CUDA."""
-    return on_triton(x) and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The norm of x; with a residual, (the norm of x + residual, x + residual), which on CUDA
-        is one Triton kernel (layers/triton_elementwise.py). In half precision it normalises in float32,
-        as transformers does."""
-        if _triton_rows(x):
-            from hyperserve.layers.triton_elementwise import add_rms_norm
-
-            normed, summed = add_rms_norm(x, residual, self.weight, self.eps)
-            return normed if residual is None else (normed, summed)
-        if residual is None:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        summed = x + residual
-        return F.rms_norm(summed, self.weight.shape, self.weight, self.eps), summed
-
-    def added_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual + the norm of x (Gemma 3 norms a block's output before its residual add): one
-        Triton kernel on CUDA."""
-        if _triton_rows(x):
-            from hyperserve.layers.triton_elementwise import rms_norm_add
-
-            return rms_norm_add(x, residual, self.weight, self.eps)
-        return residual + F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -173,9 +140,12 @@ class LlamaMLP(nn.Module):
 
 
 def is_sparse_layer(config: PretrainedConfig, index: int) -> bool:
-    """Whether layer `index` routes its tokens to experts (Qwen3-MoE may keep some layers dense)."""
+    """Whether layer `index` routes its tokens to experts (Qwen3-MoE may keep some layers dense,
+    DeepSeek its first first_k_dense_replace)."""
     if config.model_type == "mixtral":
         return True
+    if config.model_type in LATENT_TYPES:
+        return index >= config.first_k_dense_replace
     if (config.model_type not in ("qwen2_moe", "qwen3_moe") or config.num_experts == 0
             or index in (config.mlp_only_layers or [])):
         return False
@@ -187,32 +157,46 @@ def expert_width(config: PretrainedConfig) -> int:
     return config.intermediate_size if config.model_type == "mixtral" else config.moe_intermediate_size
 
 
+def shared_expert_width(config: PretrainedConfig) -> int | None:
+    """The intermediate size of the expert every token runs (Qwen2-MoE's; DeepSeek's n_shared_experts
+    as one MLP); None: none."""
+    if config.model_type in LATENT_TYPES:
+        return config.moe_intermediate_size * config.n_shared_experts if config.n_shared_experts else None
+    return config.shared_expert_intermediate_size if config.model_type == "qwen2_moe" else None
+
+
 def mlp_width(config: PretrainedConfig, name: str) -> int:
     """The intermediate size of the MLP checkpoint tensor `name` belongs to: a routed expert's,
-    Qwen2-MoE's shared expert's, or the dense MLP's."""
+    the shared expert's, or the dense MLP's."""
     if ".shared_expert." in name:
-        return config.shared_expert_intermediate_size
+        return shared_expert_width(config)
     return expert_width(config) if ".experts." in name else config.intermediate_size
 
 
 def sparse_moe(config: PretrainedConfig, tp: TensorParallel) -> SparseMoE:
+    grouped = None
     if config.model_type == "mixtral":  # top-k weights always renormalised
         num_experts, renormalize = config.num_local_experts, True
+    elif config.model_type in LATENT_TYPES:  # V2's weights never renormalised (as transformers')
+        num_experts, grouped = config.n_routed_experts, grouped_routing(config)
+        renormalize = config.model_type == "deepseek_v3" and config.norm_topk_prob
     else:
         num_experts, renormalize = config.num_experts, config.norm_topk_prob
-    shared = None
-    if config.model_type == "qwen2_moe":
-        shared = LlamaMLP(config, tp, config.shared_expert_intermediate_size, reduce=False)
+    shared_width = shared_expert_width(config)
+    shared = None if shared_width is None else LlamaMLP(config, tp, shared_width, reduce=False)
     return SparseMoE(config.hidden_size, num_experts, config.num_experts_per_tok, renormalize,
-                     lambda: LlamaMLP(config, tp, expert_width(config), reduce=False), tp, shared)
+                     lambda: LlamaMLP(config, tp, expert_width(config), reduce=False), tp, shared,
+                     gated_shared_expert=config.model_type == "qwen2_moe", grouped=grouped)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, rotary, backend, tp, index: int) -> None:
         super().__init__()
         rope = getattr(config, "no_rope_layers", None)  # SmolLM3: 1 where a layer rotates, 0 where not
-        self.self_attn = LlamaAttention(config, rotary, backend, tp,
-                                        use_rope=rope is None or bool(rope[index]))
+        if config.model_type in LATENT_TYPES:
+            self.self_attn = LatentAttention(config, rotary, backend, tp)
+        else:
+            self.self_attn = LlamaAttention(config, rotary, backend, tp, use_rope=rope is None or bool(rope[index]))
         self.mlp = sparse_moe(config, tp) if is_sparse_layer(config, index) else LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -318,6 +302,10 @@ class LlamaForCausalLM(nn.Module):
             return "model.embed_tokens.weight"  # tied: the embedding already holds it
         if self.config.model_type == "granite":
             tensor = tensor * granite_factor(self.config, name, self.tie_word_embeddings)
+        if ".self_attn." in name and self.config.model_type in LATENT_TYPES:
+            attention, _, leaf = name.partition(".self_attn.")
+            return f"{attention}.self_attn.{self.get_submodule(f'{attention}.self_attn').load_weight(leaf, tensor)}"
+        name = name.replace(".shared_experts.", ".shared_expert.")  # DeepSeek's
         module_name, _, leaf = name.rpartition(".")
         parent, _, proj = module_name.rpartition(".")
         if self.tp.size > 1:
@@ -402,3 +390,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_layout(config: PretrainedConfig) -> tuple[int, int, bool]:
+    """A layer's cache per token: (K/V heads, their width, whether K and V are one tensor).
+    DeepSeek's latent attention keeps one vector a token, its key and (its first kv_lora_rank
+    values) its value."""
+    if config.model_type in LATENT_TYPES:
+        return 1, latent_width(config), True
+    return config.num_key_value_heads, head_dim_of(config), False

@@ -38,7 +38,7 @@ from hyperserve.layers.quantization import (
 )
 from hyperserve.models import gemma, gguf_reader
 from hyperserve.models.gemma import GemmaForCausalLM
-from hyperserve.models.llama import LlamaForCausalLM, head_dim_of
+from hyperserve.models.llama import LlamaForCausalLM, head_dim_of, kv_layout
 from hyperserve.models.registry import SUPPORTED_ARCHITECTURES, ModelSource, resolve_model
 
 logger = logging.getLogger("hyperserve.loader")
@@ -298,7 +298,7 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None, max_posit
         hf_config,
         None if config.model.load_format == "random" else source,
         backend=attention_backend(config.model.device, config.model.attention_backend,
-                                  config.cache.block_size, head_dim_of(hf_config)),
+                                  config.cache.block_size, head_dim_of(hf_config), kv_layout(hf_config)[2]),
         max_position=max_position or config.model.max_model_len or hf_config.max_position_embeddings,
         dtype=config.model.torch_dtype,
         device=config.model.device,
@@ -344,8 +344,10 @@ def _load_checkpoint(model: LlamaForCausalLM, source: ModelSource, quantization:
                     packed[name] = tensor if tensor.dtype == torch.uint8 else pack_q80(tensor)
                     written[name] = rows[name]
                 continue
-            index = _layer_index(name) if quantization is not None else None
-            by_layer = index is not None and index < len(layers)
+            index = _layer_index(name)
+            if index is not None and index >= len(layers):
+                continue  # a layer past the decoder's (DeepSeek-V3's multi-token prediction): not served
+            by_layer = index is not None and quantization is not None
             if by_layer and index not in materialised:  # its first tensor
                 _materialise(layers[index], device)
                 materialised.add(index)
@@ -451,8 +453,8 @@ def _init_random(model: LlamaForCausalLM, config: PretrainedConfig, seed: int) -
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto",
                        num_kv_heads: int | None = None) -> int:
     """Bytes of K and V of one token over all layers (of num_kv_heads heads, by default all the
-    model's); a quantized cache adds a float32 scale per head."""
-    per_head = head_dim_of(config) * torch.empty((), dtype=dtype).element_size()
-    if kv_cache_dtype != "auto":
-        per_head = head_dim_of(config) + 4
-    return 2 * config.num_hidden_layers * (num_kv_heads or config.num_key_value_heads) * per_head
+    model's; one tensor for both where the model shares them); a quantized cache adds a float32
+    scale per head."""
+    heads, width, shared = kv_layout(config)
+    per_head = width * torch.empty((), dtype=dtype).element_size() if kv_cache_dtype == "auto" else width + 4
+    return (1 if shared else 2) * config.num_hidden_layers * (num_kv_heads or heads) * per_head

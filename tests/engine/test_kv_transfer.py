@@ -21,9 +21,10 @@ def answer(llm: LLM, prompt: list[int]):
     return llm.generate([prompt], params, use_tqdm=False)[0]
 
 
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])  # DeepSeek: its latent cache, one tensor a layer
 @pytest.mark.parametrize("device", DEVICES)
-def test_imported_blocks_give_the_answer_the_prefill_engine_gives(save_hf_model, device):
-    _, path = save_hf_model(tiny_config("llama"))
+def test_imported_blocks_give_the_answer_the_prefill_engine_gives(save_hf_model, device, arch):
+    _, path = save_hf_model(tiny_config(arch))
     prefill, decode = engines(path, device)
     prompt = list(range(3, 3 + 5 * BLOCK + 7))  # 5 full blocks and 7 tokens
     expected = answer(prefill, prompt)
@@ -31,6 +32,7 @@ def test_imported_blocks_give_the_answer_the_prefill_engine_gives(save_hf_model,
     assert len(hashes) == 5
     blocks = [prefill.engine.kv_cache.pool.lookup(h) for h in hashes]  # cached once the request finished
     tensors = prefill.engine.kv_transfer.read_blocks(blocks)
+    assert set(tensors) == ({"key"} if arch == "deepseek_v3" else {"key", "value"})
     assert decode.engine.kv_transfer.import_prefix(hashes, tensors) == 5
     assert decode.engine.kv_transfer.import_prefix(hashes, tensors) == 0, "blocks it holds are not taken twice"
     got = answer(decode, prompt)

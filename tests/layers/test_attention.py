@@ -54,3 +54,19 @@ def test_capped_attention_matches_transformers_eager_attention(mask_kind):
     assert torch.allclose(out, expected.transpose(1, 2), atol=1e-5)
     uncapped = sdpa(q, k, v, mask, mask_kind == "causal", 0.25, softcap=None)
     assert not torch.allclose(out, uncapped, atol=1e-2)  # the cap bends these scores
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_shared_cache_stores_reads_and_moves_its_one_tensor_once(kv_cache_dtype):
+    """DeepSeek's latent cache: K and V one tensor (and one scale), written and gathered once, and
+    blocks read and written as that tensor alone (half a separate cache's bytes on disk or the wire)."""
+    cache = KVCache.allocate(4, 4, 1, 8, torch.float32, kv_cache_dtype, "cpu", shared=True)
+    assert cache.shared and cache.value is cache.key and cache.value_scale is cache.key_scale
+    latent = torch.randn(3, 1, 8)
+    cache.write(torch.tensor([0, 5, 9]), latent, latent)
+    k, v = cache.gather(torch.tensor([0, 1, 2]), torch.float32)
+    assert k is v and torch.allclose(k[[0, 5, 9]], latent, atol=0.05 if kv_cache_dtype == "int8" else 0)
+    read = cache.read_blocks(torch.tensor([1]))
+    assert set(read) == ({"key"} if kv_cache_dtype == "auto" else {"key", "key_scale"})
+    cache.write_blocks(torch.tensor([3]), read)
+    assert torch.equal(cache.gather(torch.tensor([3]), torch.float32)[0], k[4:8])

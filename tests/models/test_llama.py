@@ -36,6 +36,15 @@ ARCHS = {
     "phi3-partial_rotary": {"partial_rotary_factor": 0.5},  # Phi-4-mini's (0.75): half of each head turns
     "gemma3": {},  # a sliding-window layer (8 tokens) and a global one, QK norms, four norms per layer
     "gemma2": {},  # the same layers without QK norms, attention scores and logits soft-capped
+    # latent attention with interleaved rotary rows; a dense layer, then softmax-routed experts beside
+    # a shared one, their weights scaled; V3: q through its own low-rank projection, sigmoid scores
+    # with a bias that chooses, experts of one group of two
+    "deepseek_v2": {},
+    "deepseek_v2-grouped": {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1},
+    "deepseek_v3": {},
+    "deepseek_v3-rope_yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                  "original_max_position_embeddings": 64, "mscale": 0.707,
+                                                  "mscale_all_dim": 0.707}},
 }
 
 
@@ -125,7 +134,7 @@ def test_triton_kernels_in_bfloat16_match_pytorchs_ops(name, device, save_hf_mod
     """The half-precision paths of the models' Triton kernels (norms and adds, gated activations,
     QK norms with the rotation and K/V write, the six-kernel layers) against the same model with
     PyTorch's ops in their place, both in bfloat16 on CUDA."""
-    from hyperserve.layers import gemv_decode
+    from hyperserve.layers import gemv_decode, norm
     from hyperserve.models import gemma, llama
 
     _, path = save_hf_model(tiny_config(name, **ARCHS[name]))
@@ -133,7 +142,7 @@ def test_triton_kernels_in_bfloat16_match_pytorchs_ops(name, device, save_hf_mod
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
     results = []
     for kernels in (True, False):
-        for module in (llama, gemma):
+        for module in (llama, gemma, norm):
             monkeypatch.setattr(module, "on_triton", lambda x, kernels=kernels: kernels and x.is_cuda)
         monkeypatch.setattr(gemv_decode, "ENABLED", kernels)
         llm = LLM(model=path, num_kv_blocks=32, block_size=16, max_model_len=128, device=device,
