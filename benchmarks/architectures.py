@@ -53,14 +53,15 @@ SHAPES = {
                                         head_dim=64, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=512,
                                         norm_topk_prob=True, max_position_embeddings=2048, tie_word_embeddings=False),
     "gemma2-2b-8l": lambda: Gemma2Config(
-        vocab_size=32000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
-        max_position_embeddings=2048),
+        vocab_size=32000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=4096, max_position_embeddings=2048),
     "deepseek-v2-lite-4l": lambda: DeepseekV2Config(
-        vocab_size=32000, hidden_size=2048, intermediate_size=10944, num_hidden_layers=4, num_attention_heads=16,
-        num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, n_routed_experts=16, num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408,
-        first_k_dense_replace=1, max_position_embeddings=2048, tie_word_embeddings=False),
+        vocab_size=32000, hidden_size=2048, intermediate_size=10944, num_hidden_layers=4,
+        num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16,
+        num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408, first_k_dense_replace=1,
+        max_position_embeddings=2048, tie_word_embeddings=False),
 }
 
 

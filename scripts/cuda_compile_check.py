@@ -117,8 +117,9 @@ def elementwise_variants():
 def attention_pointers(cache: str) -> dict[str, str]:
     """The attention kernels' pointer types for a cache of Triton type `cache`."""
     return dict(k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
-                block_tables_ptr="*i32", context_lens_ptr="*i32", query_starts_ptr="*i32", query_lens_ptr="*i32",
-                context_starts_ptr="*i32", partial_out_ptr="*fp32", partial_lse_ptr="*fp32")
+                block_tables_ptr="*i32", context_lens_ptr="*i32", query_starts_ptr="*i32",
+                query_lens_ptr="*i32", context_starts_ptr="*i32", partial_out_ptr="*fp32",
+                partial_lse_ptr="*fp32")
 
 
 def attention_variants():
@@ -158,9 +159,9 @@ def attention_variants():
     tiles = kernels.prefill_tiles(2, 256)
     yield (f"prefill bf16 cache, Gemma 2 (256 wide, soft-capped; {tiles.block_m} x {tiles.block_n})", True,
            prefill, types_of(prefill, **{k: v for k, v in pointers.items() if k in prefill.arg_names}),
-           dict(GROUP=2, HEAD_DIM=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                QUANTIZED=False, WINDOWED=True, SOFTCAPPED=True, DOT_DTYPE=tl.bfloat16, PRECISION="tf32",
-                PACK=1, QUERY_ROWS=tiles.block_m),
+           dict(GROUP=2, HEAD_DIM=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_M=tiles.block_m,
+                BLOCK_N=tiles.block_n, QUANTIZED=False, WINDOWED=True, SOFTCAPPED=True, DOT_DTYPE=tl.bfloat16,
+                PRECISION="tf32", PACK=1, QUERY_ROWS=tiles.block_m),
            dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
 
 

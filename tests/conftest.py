@@ -175,7 +175,7 @@ def tiny_config(arch: str, **overrides):
                       attn_logit_softcapping=2.0, final_logit_softcapping=10.0,
                       layer_types=["sliding_attention", "full_attention"])
         common.update(overrides)
-    if arch in ("deepseek_v2", "deepseek_v3"):  # latent attention; a dense layer, then 4 experts beside a shared one
+    if arch in ("deepseek_v2", "deepseek_v3"):  # latent attention; a dense layer, then 4 experts, 1 shared
         common.update(kv_lora_rank=32, q_lora_rank=None if arch == "deepseek_v2" else 24, qk_nope_head_dim=16,
                       qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
                       n_shared_experts=1, moe_intermediate_size=48, first_k_dense_replace=1,
@@ -201,7 +201,8 @@ def tiny_config(arch: str, **overrides):
                       head_dim=16)
     common.update(overrides)
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
-               "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "qwen3": Qwen3Config, "mixtral": MixtralConfig,
+               "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "qwen3": Qwen3Config,
+               "mixtral": MixtralConfig,
                "qwen3_moe": Qwen3MoeConfig, "granite": GraniteConfig, "smollm3": SmolLM3Config,
                "phi3": Phi3Config, "qwen2_moe": Qwen2MoeConfig, "deepseek_v2": DeepseekV2Config,
                "deepseek_v3": DeepseekV3Config}

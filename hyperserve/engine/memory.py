@@ -101,8 +101,8 @@ def profile_step(model: LlamaForCausalLM, config: EngineConfig, num_tokens: int,
     device, block_size = torch.device(config.model.device), config.cache.block_size
     hf = model.config
     heads, width, shared = kv_layout(hf)
-    caches = [KVCache.allocate(-(-num_tokens // block_size), block_size, heads, width, config.model.torch_dtype,
-                               config.cache.kv_cache_dtype, device, shared)
+    caches = [KVCache.allocate(-(-num_tokens // block_size), block_size, heads, width,
+                               config.model.torch_dtype, config.cache.kv_cache_dtype, device, shared)
               for _ in range(hf.num_hidden_layers)]
     starts = range(0, num_tokens, max_model_len)
     spans = [PrefillSpan(start, min(start + max_model_len, num_tokens), None, None) for start in starts]

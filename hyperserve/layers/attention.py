@@ -68,7 +68,8 @@ class KVCache:
         if kv_cache_dtype == "auto":
             return cls(key, value, block_size)
         key_scale = _zeros(shape[:2], torch.float32, device)
-        return cls(key, value, block_size, key_scale, key_scale if shared else _zeros(shape[:2], torch.float32, device))
+        value_scale = key_scale if shared else _zeros(shape[:2], torch.float32, device)
+        return cls(key, value, block_size, key_scale, value_scale)
 
     @property
     def quantized(self) -> bool:
@@ -81,7 +82,9 @@ class KVCache:
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K and V [T, Hkv, D] at their slots [T] (K alone where they are shared)."""
-        stored = [(self.key, self.key_scale, k)] + ([] if self.shared else [(self.value, self.value_scale, v)])
+        stored = [(self.key, self.key_scale, k)]
+        if not self.shared:
+            stored.append((self.value, self.value_scale, v))
         for cache, scales, x in stored:
             if not self.quantized:
                 cache.index_put_((slots,), x)
@@ -95,15 +98,18 @@ class KVCache:
         """K and V of whole blocks [N] -> [N * block_size, Hkv, D] each, in `dtype`. In eager mode the
         raw gathers land in reused workspace buffers: a fresh tens-of-MB tensor per layer would be
         page-faulted in every time, which costs more than the copy itself."""
-        k = _gather_blocks(self.key, blocks, self.block_size, workspace, "k")
-        if self.quantized:
-            k = k.to(dtype) * _gather_blocks(self.key_scale, blocks, self.block_size, None, "").unsqueeze(-1).to(dtype)
+        k = self._gathered(self.key, self.key_scale, blocks, dtype, workspace, "k")
         if self.shared:
             return k, k
-        v = _gather_blocks(self.value, blocks, self.block_size, workspace, "v")
-        if self.quantized:
-            v = v.to(dtype) * _gather_blocks(self.value_scale, blocks, self.block_size, None, "").unsqueeze(-1).to(dtype)
-        return k, v
+        return k, self._gathered(self.value, self.value_scale, blocks, dtype, workspace, "v")
+
+    def _gathered(self, cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor,
+                  dtype: torch.dtype, workspace: dict[str, torch.Tensor] | None, name: str) -> torch.Tensor:
+        rows = _gather_blocks(cache, blocks, self.block_size, workspace, name)
+        if scales is None:
+            return rows
+        scales = _gather_blocks(scales, blocks, self.block_size, None, "")
+        return rows.to(dtype) * scales.unsqueeze(-1).to(dtype)
 
     def read_blocks(self, blocks: torch.Tensor) -> dict[str, torch.Tensor]:
         """Whole blocks [N] -> each stored tensor's rows of them, [N, block_size, ...] (copies)."""
@@ -246,7 +252,8 @@ def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
-SOFTCAP_QUERY_ROWS = 256  # queries scored at a time where SDPA cannot cap: their scores [H, rows, L] in float32
+# queries scored at a time where SDPA cannot cap the scores: their scores are [H, rows, L] float32
+SOFTCAP_QUERY_ROWS = 256
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
@@ -312,7 +319,8 @@ class TorchPagedAttention:
             if group.rows is None:
                 out = self.decode(q, kv_cache, group, meta.sliding_window, scale, softcap)
             else:
-                out[group.rows] = self.decode(q[group.rows], kv_cache, group, meta.sliding_window, scale, softcap)
+                out[group.rows] = self.decode(q[group.rows], kv_cache, group, meta.sliding_window, scale,
+                                              softcap)
         for span in meta.prefills:
             out[span.start : span.end] = self.prefill(q, k, v, kv_cache, span, scale, softcap)
         return out
@@ -350,7 +358,8 @@ class TritonPagedAttention(TorchPagedAttention):
     paged_prefill = True
 
     def __call__(self, q, k, v, kv_cache, meta, scale, kv_written=False, softcap=None):
-        out = super().__call__(q, k, v, kv_cache, meta, scale, kv_written, softcap)  # writes the new K/V first
+        # the base class writes the new K/V first
+        out = super().__call__(q, k, v, kv_cache, meta, scale, kv_written, softcap)
         batch = meta.prefill_batch
         if batch is None:
             return out

@@ -92,7 +92,8 @@ class SparseMoE(nn.Module):
         self.gate = Router(hidden_size, num_experts, bias=grouped is not None and grouped.sigmoid)
         self.experts = nn.ModuleList(make_expert() for _ in range(num_experts))
         self.shared_expert = shared_expert
-        self.shared_expert_gate = Router(hidden_size, 1) if shared_expert is not None and gated_shared_expert else None
+        gated = shared_expert is not None and gated_shared_expert
+        self.shared_expert_gate = Router(hidden_size, 1) if gated else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, top_k] float32, expert ids [T, top_k]) of each token's chosen experts."""

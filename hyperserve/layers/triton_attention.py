@@ -212,8 +212,8 @@ def paged_decode_attention(
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCKS_PER_TILE=max(1, (tile_tokens or TILE_TOKENS) // block_size),
         NUM_SPLITS=num_splits, QUANTIZED=quantized, WINDOWED=sliding_window is not None,
-        SOFTCAPPED=softcap is not None, DOT_DTYPE=dot, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
+        SOFTCAPPED=softcap is not None, DOT_DTYPE=dot,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
     _merge_splits_kernel[(batch, num_heads)](
         partial_out, partial_lse, out, out.stride(0), out.stride(1),

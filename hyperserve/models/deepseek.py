@@ -45,8 +45,9 @@ def latent_width(config: PretrainedConfig) -> int:
 
 def grouped_routing(config: PretrainedConfig) -> GroupedRouting:
     if config.model_type == "deepseek_v3":  # sigmoid scores, groups by their best two
-        return GroupedRouting(sigmoid=True, num_groups=config.n_group or 1, topk_groups=config.topk_group or 1,
-                              top2_groups=True, scale=config.routed_scaling_factor)
+        return GroupedRouting(sigmoid=True, num_groups=config.n_group or 1,
+                              topk_groups=config.topk_group or 1, top2_groups=True,
+                              scale=config.routed_scaling_factor)
     grouped = config.topk_method == "group_limited_greedy"
     return GroupedRouting(sigmoid=False, num_groups=config.n_group if grouped else 1,
                           topk_groups=config.topk_group if grouped else 1, scale=config.routed_scaling_factor)
@@ -77,7 +78,8 @@ class LatentAttention(nn.Module):
             self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank, bias=config.attention_bias)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
             self.q_b_proj = Linear(config.q_lora_rank, q_width, bias=False)
-        self.kv_a_proj_with_mqa = Linear(config.hidden_size, self.rank + self.rope, bias=config.attention_bias)
+        self.kv_a_proj_with_mqa = Linear(config.hidden_size, self.rank + self.rope,
+                                         bias=config.attention_bias)
         self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
         # kv_b_proj's weight by head, [H, nope + v, rank]: W_UK_h its first nope rows, W_UV_h the rest.
         # Not a Linear: the absorbed products take it per head (and weight quantization leaves it)
@@ -89,12 +91,14 @@ class LatentAttention(nn.Module):
     def forward(self, cos_sin, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_pe = q.unflatten(-1, (self.num_heads, -1)).split([self.nope, self.rope], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)  # [T, rank], [T, rope]
+        # [T, rank], [T, rope]
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         turned = self.rotary(cos_sin, torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1))  # [T, H + 1, rope]
         w_uk, w_uv = self.kv_b.split([self.nope, self.v_head_dim], dim=1)  # [H, nope, rank], [H, v, rank]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
         q = torch.cat([q_latent, turned[:, :-1]], dim=-1)  # [T, H, rank + rope]
-        kv = torch.cat([self.kv_a_layernorm(latent), turned[:, -1]], dim=-1).unsqueeze(1)  # [T, 1, rank + rope]
+        # [T, 1, rank + rope]
+        kv = torch.cat([self.kv_a_layernorm(latent), turned[:, -1]], dim=-1).unsqueeze(1)
         out = self.backend(q, kv, kv, kv_cache, meta, self.scale)[..., : self.rank]  # [T, H, rank]
         out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
         return self.o_proj(out.flatten(1))

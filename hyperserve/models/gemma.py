@@ -141,8 +141,9 @@ class GemmaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(tp.vocab_shard(config.vocab_size), config.hidden_size)
         if LOCAL in config.rope_parameters:  # Gemma 3: a rotation for each kind of layer
-            self.rotary = nn.ModuleDict({kind: RotaryEmbedding(_rope_config(config, kind), head_dim_of(config),
-                                                               max_position) for kind in (LOCAL, GLOBAL)})
+            self.rotary = nn.ModuleDict({
+                kind: RotaryEmbedding(_rope_config(config, kind), head_dim_of(config), max_position)
+                for kind in (LOCAL, GLOBAL)})
         else:  # Gemma 2: one for both
             rotary = RotaryEmbedding(config, head_dim_of(config), max_position)
             self.rotary = nn.ModuleDict({LOCAL: rotary, GLOBAL: rotary})

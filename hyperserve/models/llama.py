@@ -196,7 +196,8 @@ class LlamaDecoderLayer(nn.Module):
         if config.model_type in LATENT_TYPES:
             self.self_attn = LatentAttention(config, rotary, backend, tp)
         else:
-            self.self_attn = LlamaAttention(config, rotary, backend, tp, use_rope=rope is None or bool(rope[index]))
+            self.self_attn = LlamaAttention(config, rotary, backend, tp,
+                                            use_rope=rope is None or bool(rope[index]))
         self.mlp = sparse_moe(config, tp) if is_sparse_layer(config, index) else LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -303,8 +304,9 @@ class LlamaForCausalLM(nn.Module):
         if self.config.model_type == "granite":
             tensor = tensor * granite_factor(self.config, name, self.tie_word_embeddings)
         if ".self_attn." in name and self.config.model_type in LATENT_TYPES:
-            attention, _, leaf = name.partition(".self_attn.")
-            return f"{attention}.self_attn.{self.get_submodule(f'{attention}.self_attn').load_weight(leaf, tensor)}"
+            layer, _, leaf = name.partition(".self_attn.")
+            attention = self.get_submodule(f"{layer}.self_attn")
+            return f"{layer}.self_attn.{attention.load_weight(leaf, tensor)}"
         name = name.replace(".shared_experts.", ".shared_expert.")  # DeepSeek's
         module_name, _, leaf = name.rpartition(".")
         parent, _, proj = module_name.rpartition(".")

@@ -49,8 +49,8 @@ def test_capped_attention_matches_transformers_eager_attention(mask_kind):
     out = sdpa(q, k, v, mask, mask_kind == "causal", 0.25, softcap=2.0)
     additive = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
     additive = additive[:, None, None, :] if mask_kind == "decodes" else additive
-    expected, _ = eager_attention_forward(SimpleNamespace(num_key_value_groups=heads // kv_heads, training=False),
-                                          q, k, v, additive, scaling=0.25, softcap=2.0)
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, training=False)
+    expected, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.25, softcap=2.0)
     assert torch.allclose(out, expected.transpose(1, 2), atol=1e-5)
     uncapped = sdpa(q, k, v, mask, mask_kind == "causal", 0.25, softcap=None)
     assert not torch.allclose(out, uncapped, atol=1e-2)  # the cap bends these scores

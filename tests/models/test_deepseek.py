@@ -65,8 +65,9 @@ def test_v3s_multi_token_prediction_layer_is_skipped_as_it_loads(deepseek):
     import torch
     from safetensors.torch import save_file
 
-    save_file({"model.layers.2.self_attn.q_a_proj.weight": torch.zeros(24, 64),
-               "model.layers.2.eh_proj.weight": torch.zeros(64, 128)}, str(Path(deepseek) / "mtp.safetensors"))
+    mtp = {"model.layers.2.self_attn.q_a_proj.weight": torch.zeros(24, 64),
+           "model.layers.2.eh_proj.weight": torch.zeros(64, 128)}
+    save_file(mtp, str(Path(deepseek) / "mtp.safetensors"))
     prompt = random_prompts((12,))[0]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm = LLM(model=deepseek, num_kv_blocks=16, block_size=4, max_model_len=64, dtype="float32")

@@ -168,8 +168,8 @@ def _write_gguf(hf_model, path, tokenizer_gguf, quant: str | None = "Q8_0") -> N
     config = hf_model.config
     kind = None if quant is None else gguf.GGMLQuantizationType[quant]
     moe = config.model_type in ("qwen3_moe", "qwen2_moe", "mixtral")
-    arch = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "phi3": "phi3",
-            "gemma2": "gemma2"}[config.model_type]
+    arch = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
+            "phi3": "phi3", "gemma2": "gemma2"}[config.model_type]
     gemma = arch == "gemma2"
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(config.max_position_embeddings)
@@ -210,8 +210,8 @@ def _write_gguf(hf_model, path, tokenizer_gguf, quant: str | None = "Q8_0") -> N
              "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
              "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp"}
     if gemma:
-        names.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-                      "post_feedforward_layernorm": "post_ffw_norm"})
+        names.update({"post_attention_layernorm": "post_attention_norm",
+                      "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"})
 
     def permuted(array, heads):  # llama.cpp's row order of each head's rotary halves (the loader undoes it)
         halves = array.reshape(heads, 2, array.shape[0] // heads // 2, array.shape[-1])
@@ -308,9 +308,10 @@ def test_gemma_ggufs_scale_queries_by_head_size_but_the_27b_models_by_width_per_
     2, 62 in Gemma 3) take hidden_size / heads (144 and 168 in theirs), the others head_dim."""
     from hyperserve.models import loader
 
-    config = tiny_config(arch, num_hidden_layers=layers, hidden_size=96, num_attention_heads=4, layer_types=None,
-                         query_pre_attn_scalar=256)  # 256: transformers' default, what a GGUF reads as
-    config = loader._complete_gguf_config(config, {"tensors": [{"name": "token_embd.weight", "shape": [256, 96]}]})
+    config = tiny_config(arch, num_hidden_layers=layers, hidden_size=96, num_attention_heads=4,
+                         layer_types=None, query_pre_attn_scalar=256)  # 256: what a GGUF reads as
+    index = {"tensors": [{"name": "token_embd.weight", "shape": [256, 96]}]}
+    config = loader._complete_gguf_config(config, index)
     assert config.query_pre_attn_scalar == scalar
 
 
