@@ -11,12 +11,14 @@ query and 4 K/V heads of 256, capped scores and logits, vocabulary 32k in place 
 system then decodes 128 tokens after a 32-token prompt (1 stream, and 8 at once for HyperServe)
 and prefills one 512-token prompt; every prompt is new (no prefix-cache hits). Greedy, ignore_eos;
 medians of --rounds. `int4-layers` is int4 with the native decode layers turned off: the
-layer-by-layer PyTorch path, for comparison (DeepSeek runs that path in int4 anyway).
+layer-by-layer PyTorch path, for comparison (DeepSeek runs that path in int4 anyway). With
+--long-context N, each also decodes 32 tokens after an N-token prompt (its prefill timed apart and
+taken off).
 
     python benchmarks/architectures.py --shape qwen3-0.6b [--rounds 3] [--configs float32 int4 int4-layers]
     python benchmarks/architectures.py --shape qwen3-moe
     python benchmarks/architectures.py --shape gemma2-2b-8l
-    python benchmarks/architectures.py --shape deepseek-v2-lite-4l --configs float32 int4
+    python benchmarks/architectures.py --shape deepseek-v2-lite-4l --configs float32 int4 --long-context 2000
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from hyperserve import LLM, SamplingParams  # noqa: E402
 from hyperserve.layers.fused_decode import FusedDecode  # noqa: E402
 from hyperserve.layers.quantization import cpu_flags  # noqa: E402
 
-DECODE_TOKENS, PROMPT, LONG_PROMPT = 128, 32, 512
+DECODE_TOKENS, PROMPT, LONG_PROMPT, LONG_DECODE = 128, 32, 512, 32
 SHAPES = {
     "qwen3-0.6b": lambda: Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -88,15 +90,26 @@ def prompts(n: int, length: int) -> list[list[int]]:
     return [torch.randint(100, 30000, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def hyperserve_rates(path: str, config_name: str, rounds: int) -> dict[str, float]:
+def long_context_rate(generate, context: int) -> float:
+    """Decode tok/s after a `context`-token prompt: the time of 1 + LONG_DECODE tokens less that of
+    the prompt's prefill and first token, each on a new prompt."""
+    start = time.perf_counter()
+    generate(prompts(1, context), 1)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    generate(prompts(1, context), 1 + LONG_DECODE)
+    return LONG_DECODE / (time.perf_counter() - start - first)
+
+
+def hyperserve_rates(path: str, config_name: str, rounds: int, context: int) -> dict[str, float]:
     quantization = None if config_name == "float32" else "int4"
     layer_by_layer = config_name == "int4-layers"
     unsupported = FusedDecode.unsupported
     if layer_by_layer:
         FusedDecode.unsupported = staticmethod(lambda model, caches: "asked for the layer-by-layer path")
     try:
-        llm = LLM(model=path, quantization=quantization, max_model_len=1024, kv_cache_memory_gb=0.5,
-                  max_num_batched_tokens=LONG_PROMPT)
+        llm = LLM(model=path, quantization=quantization, max_model_len=max(1024, context + 2 * LONG_DECODE),
+                  kv_cache_memory_gb=0.5, max_num_batched_tokens=LONG_PROMPT)
     finally:
         FusedDecode.unsupported = unsupported
     params = SamplingParams(temperature=0, max_tokens=DECODE_TOKENS, ignore_eos=True)
@@ -111,12 +124,16 @@ def hyperserve_rates(path: str, config_name: str, rounds: int) -> dict[str, floa
         start = time.perf_counter()
         llm.generate(prompts(1, LONG_PROMPT), SamplingParams(max_tokens=1), use_tqdm=False)
         rates["prefill"].append(LONG_PROMPT / (time.perf_counter() - start))
+        if context:
+            rates.setdefault("decode long", []).append(long_context_rate(
+                lambda ids, n: llm.generate(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                                            use_tqdm=False), context))
     return {key: statistics.median(values) for key, values in rates.items()}
 
 
-def transformers_rates(path: str, rounds: int) -> dict[str, float]:
+def transformers_rates(path: str, rounds: int, context: int) -> dict[str, float]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    decode, prefill = [], []
+    decode, prefill, long = [], [], []
     with torch.no_grad():
         model.generate(torch.tensor(prompts(1, PROMPT)), max_new_tokens=4, do_sample=False)  # warm-up
         for _ in range(rounds):
@@ -127,7 +144,11 @@ def transformers_rates(path: str, rounds: int) -> dict[str, float]:
             start = time.perf_counter()
             model(torch.tensor(prompts(1, LONG_PROMPT)))
             prefill.append(LONG_PROMPT / (time.perf_counter() - start))
-    return {"decode 1": statistics.median(decode), "decode 8": float("nan"), "prefill": statistics.median(prefill)}
+            if context:
+                long.append(long_context_rate(lambda ids, n: model.generate(
+                    torch.tensor(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False), context))
+    rates = {"decode 1": statistics.median(decode), "decode 8": float("nan"), "prefill": statistics.median(prefill)}
+    return rates | ({"decode long": statistics.median(long)} if context else {})
 
 
 def main() -> None:
@@ -136,6 +157,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-moe")
     parser.add_argument("--configs", nargs="+", default=["float32", "int4", "int4-layers"],
                         choices=["float32", "int4", "int4-layers"])
+    parser.add_argument("--long-context", type=int, default=0,
+                        help="also decode after a prompt this long (0: not)")
     args = parser.parse_args()
     flags = cpu_flags()
     header = (f"CPU flags: avx2={'avx2' in flags} avx512f={'avx512f' in flags} amx={'amx_tile' in flags}; "
@@ -149,17 +172,22 @@ def main() -> None:
             expert = 3 * config.hidden_size * config.moe_intermediate_size
             sparse_layers = config.num_hidden_layers - getattr(config, "first_k_dense_replace", 0)
             active -= sparse_layers * expert * (config.num_experts - config.num_experts_per_tok)
-        rows = {"transformers (float32)": transformers_rates(path, args.rounds)}
+        rows = {"transformers (float32)": transformers_rates(path, args.rounds, args.long_context)}
         for name in args.configs:
-            rows[f"HyperServe {name}"] = hyperserve_rates(path, name, args.rounds)
+            rows[f"HyperServe {name}"] = hyperserve_rates(path, name, args.rounds, args.long_context)
     baseline = rows["transformers (float32)"]
     print(f"\n{header}\n{args.shape}, random weights: {total / 1e9:.2f}B parameters, "
           f"{active / 1e9:.2f}B active a token\n")
-    print("| system | decode tok/s, 1 stream | decode tok/s, 8 streams | prefill 512 tok/s |")
-    print("|---|---|---|---|")
+    long = f" decode tok/s after {args.long_context} |" if args.long_context else ""
+    print(f"| system | decode tok/s, 1 stream | decode tok/s, 8 streams | prefill 512 tok/s |{long}")
+    print("|---|---|---|---|" + ("---|" if long else ""))
     for name, rate in rows.items():
         ratio = "" if rate is baseline else f" ({rate['decode 1'] / baseline['decode 1']:.2f}x)"
-        print(f"| {name} | {rate['decode 1']:.1f}{ratio} | {rate['decode 8']:.1f} | {rate['prefill']:.0f} |")
+        cells = f"| {name} | {rate['decode 1']:.1f}{ratio} | {rate['decode 8']:.1f} | {rate['prefill']:.0f} |"
+        if long:
+            long_ratio = "" if rate is baseline else f" ({rate['decode long'] / baseline['decode long']:.2f}x)"
+            cells += f" {rate['decode long']:.1f}{long_ratio} |"
+        print(cells)
 
 
 if __name__ == "__main__":
