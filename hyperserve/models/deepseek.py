@@ -72,7 +72,8 @@ class LatentAttention(nn.Module):
         self.rank, self.v_head_dim = config.kv_lora_rank, config.v_head_dim
         self.interleaved = config.model_type == "deepseek_v2" or getattr(config, "rope_interleave", True)
         q_width = self.num_heads * (self.nope + self.rope)
-        if config.q_lora_rank is None:
+        self.q_low_rank = config.q_lora_rank is not None  # V3's and V2's q; V2-Lite's is one projection
+        if not self.q_low_rank:
             self.q_proj = Linear(config.hidden_size, q_width, bias=False)
         else:
             self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank, bias=config.attention_bias)
@@ -89,7 +90,7 @@ class LatentAttention(nn.Module):
         self.rotary, self.backend = rotary, backend
 
     def forward(self, cos_sin, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_low_rank else self.q_proj(x)
         q_nope, q_pe = q.unflatten(-1, (self.num_heads, -1)).split([self.nope, self.rope], dim=-1)
         # [T, rank], [T, rope]
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
