@@ -132,6 +132,7 @@ class ModelRunner:
         self.max_model_len = config.model.max_model_len or model.config.max_position_embeddings
         self.kv_caches = self.allocate_kv_caches(model.config, model.window_layers,
                                                  model.model.layers[0].self_attn.num_kv_heads)
+        self.capped_scores = any(layer.self_attn.softcap for layer in model.model.layers)
         self.shared_generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.sampling = SamplingBatchBuilder(self.vocab_size, self.device)
         self._compiled_decode = None
@@ -563,12 +564,13 @@ class ModelRunner:
         blocks = None if start == 0 else torch.tensor(table, dtype=torch.long, device=self.device)
         return PrefillSpan(row, row + num_new, blocks, mask.to(self.device))
 
-    @staticmethod
-    def _flash_prefill(chunk: SeqChunk, window: int | None) -> bool:
+    def _flash_prefill(self, chunk: SeqChunk, window: int | None) -> bool:
         """A new prompt long enough to attend through SDPA on its own K/V, even for a paged_prefill
-        backend (FLASH_PREFILL_TOKENS)."""
+        backend (FLASH_PREFILL_TOKENS); never where the model caps its scores (Gemma 2), which SDPA
+        cannot and the paged kernel does."""
         num_new = len(chunk.token_ids)
-        return chunk.start == 0 and num_new >= FLASH_PREFILL_TOKENS and (window is None or num_new <= window)
+        return (chunk.start == 0 and num_new >= FLASH_PREFILL_TOKENS and (window is None or num_new <= window)
+                and not self.capped_scores)
 
     def _prefill_batch(self, prefills: list[tuple[int, SeqChunk]], table: Callable[[SeqChunk], list[int]]
                        ) -> PrefillBatch | None:

@@ -62,6 +62,8 @@ def interleaved_to_halves(rows: int) -> torch.Tensor:
 class LatentAttention(nn.Module):
     """MLA over the latent cache (see the module's docstring)."""
 
+    softcap = None  # no cap on the attention scores
+
     def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
                  tp: TensorParallel) -> None:
         super().__init__()
