@@ -1,6 +1,6 @@
 """DeepSeek's latent attention beyond the logits (those are checked against transformers with the
-other architectures, tests/models/test_llama.py): what its cache holds, prefix hits on it, and
-what it refuses."""
+other architectures, tests/models/test_llama.py): what its cache holds, prefix hits on it, the
+checkpoint layers it skips, and what it refuses."""
 
 from __future__ import annotations
 
@@ -73,3 +73,20 @@ def test_v3s_multi_token_prediction_layer_is_skipped_as_it_loads(deepseek):
     llm = LLM(model=deepseek, num_kv_blocks=16, block_size=4, max_model_len=64, dtype="float32")
     assert len(llm.engine.runner.model.model.layers) == 2
     assert len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def test_an_adapter_of_its_attention_is_refused_with_the_reason(save_hf_model, tmp_path):
+    """LoRA of latent attention does not run yet: an adapter of V2-Lite's q_proj is refused, saying so,
+    and the engine serves on."""
+    from hyperserve import LoRARequest
+    from tests.engine.test_lora import ENGINE, make_adapter
+
+    _, base = save_hf_model(tiny_config("deepseek_v2"))
+    make_adapter(str(base), tmp_path / "adapter", seed=1, targets=["q_proj"])
+    llm = LLM(model=str(base), **ENGINE)
+    with pytest.raises(ValueError, match="latent attention"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False,
+                     lora_request=LoRARequest("attention", 1, str(tmp_path / "adapter")))
+    served = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert len(served.outputs[0].token_ids) == 2
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.pool.num_blocks
