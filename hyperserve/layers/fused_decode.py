@@ -51,6 +51,7 @@ from hyperserve.layers.quantization import (
     Q8Linear,
     dense_dtype,
 )
+from hyperserve.models.deepseek import LatentAttention
 from hyperserve.models.gemma import GemmaDecoderLayer
 
 logger = logging.getLogger("hyperserve.fused_decode")
@@ -164,7 +165,7 @@ class FusedDecode:
             return "tensor parallelism (the layer's output needs an all-reduce before the residual add)"
         if any(getattr(layer.mlp, "shared_expert", None) is not None for layer in model.model.layers):
             return "a shared expert (Qwen2-MoE, DeepSeek)"
-        if any(not hasattr(layer.self_attn, "qkv_proj") for layer in model.model.layers):
+        if any(isinstance(layer.self_attn, LatentAttention) for layer in model.model.layers):
             return "latent attention (DeepSeek)"
         rotaries = [layer.self_attn.rotary for layer in model.model.layers]
         if any(rotary is not None and rotary.rotary_dim != rotary.head_dim for rotary in rotaries):

@@ -102,6 +102,7 @@ def _read_gguf_index(path: Path) -> dict:
     reader = GGUFReader(path)
     fields = reader.fields
     architecture = fields["general.architecture"].contents() if "general.architecture" in fields else ""
+
     def number(key: str) -> float | None:  # architecture.key, where the file has it
         key = f"{architecture}.{key}"
         return fields[key].contents() if key in fields else None

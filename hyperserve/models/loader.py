@@ -184,9 +184,9 @@ def load_eos_token_ids(source: ModelSource | None, config: PretrainedConfig,
     found: list[int | list[int] | None] = [getattr(config, "eos_token_id", None)]
     if tokenizer is not None:
         found.append(tokenizer.eos_token_id)
-        end_of_turn = tokenizer.convert_tokens_to_ids(gemma.END_OF_TURN)
-        if config.model_type in gemma.GEMMA_TYPES and end_of_turn != tokenizer.unk_token_id:
-            found.append(end_of_turn)  # a chat turn ends with <end_of_turn>, not <eos>
+        if config.model_type in gemma.GEMMA_TYPES:  # a chat turn ends with <end_of_turn>, not <eos>
+            end_of_turn = tokenizer.convert_tokens_to_ids(gemma.END_OF_TURN)
+            found.append(None if end_of_turn == tokenizer.unk_token_id else end_of_turn)
     if source is not None and source.gguf_file:
         found += gguf_reader.gguf_index(source.path)["eos_token_ids"]
     elif source is not None and (source.directory / "generation_config.json").exists():
@@ -298,7 +298,8 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None, max_posit
         hf_config,
         None if config.model.load_format == "random" else source,
         backend=attention_backend(config.model.device, config.model.attention_backend,
-                                  config.cache.block_size, head_dim_of(hf_config), kv_layout(hf_config)[2]),
+                                  config.cache.block_size, head_dim_of(hf_config),
+                                  latent=kv_layout(hf_config)[2]),
         max_position=max_position or config.model.max_model_len or hf_config.max_position_embeddings,
         dtype=config.model.torch_dtype,
         device=config.model.device,
