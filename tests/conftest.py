@@ -148,6 +148,7 @@ def tiny_config(arch: str, **overrides):
         DeepseekV3Config,
         Gemma2Config,
         Gemma3TextConfig,
+        GptOssConfig,
         GraniteConfig,
         LlamaConfig,
         MistralConfig,
@@ -182,6 +183,13 @@ def tiny_config(arch: str, **overrides):
                       routed_scaling_factor=1.5, num_key_value_heads=common["num_attention_heads"])
         if arch == "deepseek_v3":  # 2 groups of 2 experts, a token's experts from the better group
             common.update(n_group=2, topk_group=1)
+    if arch == "gpt_oss":  # a windowed layer (8 tokens), then a full one; 4 experts, 2 a token; sinks
+        common.update(head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                      intermediate_size=48, layer_types=["sliding_attention", "full_attention"],
+                      swiglu_limit=1.0,  # GPT-OSS's 7 clamps these small activations nowhere
+                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                       "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                       "original_max_position_embeddings": 128})
     if arch == "qwen3":
         common.update(head_dim=16)
     if arch == "mixtral":  # 4 experts, 2 a token
@@ -205,7 +213,7 @@ def tiny_config(arch: str, **overrides):
                "mixtral": MixtralConfig,
                "qwen3_moe": Qwen3MoeConfig, "granite": GraniteConfig, "smollm3": SmolLM3Config,
                "phi3": Phi3Config, "qwen2_moe": Qwen2MoeConfig, "deepseek_v2": DeepseekV2Config,
-               "deepseek_v3": DeepseekV3Config}
+               "deepseek_v3": DeepseekV3Config, "gpt_oss": GptOssConfig}
     return classes[arch](**common)
 
 
@@ -259,6 +267,8 @@ def save_hf_model(tmp_path):
                     p.normal_(0, 0.15 if "bias" not in name else 0.1)
                 elif "q_norm" in name or "k_norm" in name:  # not all ones, so that a norm's weight counts
                     p.uniform_(0.5, 1.5)
+                if name.endswith(".sinks"):  # GPT-OSS's: logits as large as the scores, so that they count
+                    p.normal_(0, 1.0)
             for name, b in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: it changes which experts run
                     b.uniform_(-0.3, 0.3)

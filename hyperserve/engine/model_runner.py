@@ -132,7 +132,9 @@ class ModelRunner:
         self.max_model_len = config.model.max_model_len or model.config.max_position_embeddings
         self.kv_caches = self.allocate_kv_caches(model.config, model.window_layers,
                                                  model.model.layers[0].self_attn.num_kv_heads)
-        self.capped_scores = any(layer.self_attn.softcap for layer in model.model.layers)
+        # scores SDPA cannot take (Gemma 2's caps, GPT-OSS's sinks): prompts never take its flash path
+        self.plain_scores = any(layer.self_attn.softcap or layer.self_attn.sinks is not None
+                                for layer in model.model.layers)
         self.shared_generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.sampling = SamplingBatchBuilder(self.vocab_size, self.device)
         self._compiled_decode = None
@@ -566,11 +568,11 @@ class ModelRunner:
 
     def _flash_prefill(self, chunk: SeqChunk, window: int | None) -> bool:
         """A new prompt long enough to attend through SDPA on its own K/V, even for a paged_prefill
-        backend (FLASH_PREFILL_TOKENS); never where the model caps its scores (Gemma 2), which SDPA
-        cannot and the paged kernel does."""
+        backend (FLASH_PREFILL_TOKENS); never where the model caps its scores (Gemma 2) or has
+        attention sinks (GPT-OSS), which SDPA cannot take and the paged kernel does."""
         num_new = len(chunk.token_ids)
         return (chunk.start == 0 and num_new >= FLASH_PREFILL_TOKENS and (window is None or num_new <= window)
-                and not self.capped_scores)
+                and not self.plain_scores)
 
     def _prefill_batch(self, prefills: list[tuple[int, SeqChunk]], table: Callable[[SeqChunk], list[int]]
                        ) -> PrefillBatch | None:

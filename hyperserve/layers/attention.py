@@ -243,6 +243,7 @@ class AttentionBackend(Protocol):
         scale: float,
         kv_written: bool = False,  # k and v are in the cache already (written with the rotation)
         softcap: float | None = None,  # scores capped to cap * tanh(score / cap) (Gemma 2); None: not
+        sinks: torch.Tensor | None = None,  # [H]: each head's sink logit (GPT-OSS); None: none
     ) -> torch.Tensor:  # [T, H, D]
         ...
 
@@ -252,20 +253,24 @@ def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
-# queries scored at a time where SDPA cannot cap the scores: their scores are [H, rows, L] float32
-SOFTCAP_QUERY_ROWS = 256
+# queries scored at a time where SDPA cannot take the scores as they are (their scores: [H, rows, L]
+# float32)
+PLAIN_QUERY_ROWS = 256
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
-         scale: float, softcap: float | None) -> torch.Tensor:
+         scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """scaled_dot_product_attention of q [B, H, n, D] over k, v [B, Hkv, L, D] (H a multiple of Hkv),
-    mask broadcast to [B, H, n, L] (True = attend). With a softcap, which SDPA cannot apply, the
-    same in plain ops as transformers' eager attention (the cap and softmax in float32),
-    SOFTCAP_QUERY_ROWS queries at a time so that a long prompt's scores stay small. Its products
-    are in float32 on the CPU too: bfloat16 ones took 836 ms for 2,048 queries of Gemma 2 2B's
-    heads where float32 took 453 (this Intel Xeon, no AVX512-BF16), though they save decodes the
-    widening of K/V (1.5 against 3.6 ms at 4,096 tokens of context)."""
-    if softcap is None:
+    mask broadcast to [B, H, n, L] (True = attend), sinks to [B, H, n].
+
+    SDPA can neither cap scores (Gemma 2's softcap) nor take attention sinks (GPT-OSS's: a learned
+    logit per head in every row's softmax, a key with no value, so a head may attend to nothing).
+    With either, the same in plain ops as transformers' eager attention (the cap and softmax in
+    float32), PLAIN_QUERY_ROWS queries at a time so that a long prompt's scores stay small. Its
+    products are in float32 on the CPU too: bfloat16 ones took 836 ms for 2,048 queries of Gemma 2
+    2B's heads where float32 took 453 (this Intel Xeon, no AVX512-BF16), though they save decodes
+    the widening of K/V (1.5 against 3.6 ms at 4,096 tokens of context)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
     num_kv_heads, num_queries, length = k.shape[1], q.shape[2], k.shape[2]
@@ -276,13 +281,21 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
         mask = torch.ones(num_queries, length, dtype=torch.bool, device=q.device).tril()
     elif mask is not None and mask.dim() == 4:
         mask = mask.unsqueeze(2)  # [B, 1, 1, n or 1, L]: the same for each head of a group
+    sink_column = None  # [1, Hkv, G, n or 1, 1]
+    if sinks is not None:
+        sink_column = sinks.float().expand(1, q.shape[1], -1).unflatten(1, (num_kv_heads, -1)).unsqueeze(-1)
     out = torch.empty(grouped.shape[:-1] + (v.shape[-1],), dtype=dtype, device=q.device)
-    for start in range(0, num_queries, SOFTCAP_QUERY_ROWS):
-        rows = slice(start, start + SOFTCAP_QUERY_ROWS)
+    for start in range(0, num_queries, PLAIN_QUERY_ROWS):
+        rows = slice(start, start + PLAIN_QUERY_ROWS)
         scores = soft_cap((grouped[..., rows, :] @ keys.transpose(-1, -2)).float() * scale, softcap)
         if mask is not None:
             scores = scores.masked_fill(~(mask[..., rows, :] if mask.shape[-2] > 1 else mask), float("-inf"))
-        out[..., rows, :] = scores.softmax(-1).to(dtype) @ values
+        if sink_column is None:
+            weights = scores.softmax(-1)
+        else:  # the sink's share of each row is dropped with its column
+            sink = sink_column[..., rows, :] if sink_column.shape[-2] > 1 else sink_column
+            weights = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1).softmax(-1)[..., :-1]
+        out[..., rows, :] = weights.to(dtype) @ values
     return out.flatten(1, 2).to(q.dtype)
 
 
@@ -311,32 +324,33 @@ class TorchPagedAttention:
     def __init__(self) -> None:
         self._workspace: dict[str, torch.Tensor] = {}
 
-    def __call__(self, q, k, v, kv_cache: KVCache, meta, scale, kv_written=False, softcap=None):
+    def __call__(self, q, k, v, kv_cache: KVCache, meta, scale, kv_written=False, softcap=None, sinks=None):
         if not kv_written:
             kv_cache.write(meta.slot_mapping, k, v)
         out = torch.empty_like(q)
         for group in meta.decodes:
             if group.rows is None:
-                out = self.decode(q, kv_cache, group, meta.sliding_window, scale, softcap)
+                out = self.decode(q, kv_cache, group, meta.sliding_window, scale, softcap, sinks)
             else:
                 out[group.rows] = self.decode(q[group.rows], kv_cache, group, meta.sliding_window, scale,
-                                              softcap)
+                                              softcap, sinks)
         for span in meta.prefills:
-            out[span.start : span.end] = self.prefill(q, k, v, kv_cache, span, scale, softcap)
+            out[span.start : span.end] = self.prefill(q, k, v, kv_cache, span, scale, softcap, sinks)
         return out
 
     def decode(self, q: torch.Tensor, kv_cache: KVCache, group: DecodeGroup, sliding_window: int | None,
-               scale: float, softcap: float | None) -> torch.Tensor:
+               scale: float, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
         """q [Bd, H, D] of the group's sequences -> their attention output [Bd, H, D]."""
         batch, num_heads = group.block_tables.shape[0], q.shape[1]
         kd, vd = kv_cache.gather(group.block_tables.flatten(), q.dtype, self._workspace)
         qd = q.unflatten(1, (kd.shape[1], num_heads // kd.shape[1]))  # [Bd, Hkv, G, D]
         kd = kd.view(batch, -1, *kd.shape[1:]).transpose(1, 2)  # [Bd, Hkv, L, D]
         vd = vd.view(batch, -1, *vd.shape[1:]).transpose(1, 2)
-        return sdpa(qd, kd, vd, group.mask, False, scale, softcap).flatten(1, 2)
+        sinks = None if sinks is None else sinks.view(qd.shape[1:3])  # a sink per head, the rows here
+        return sdpa(qd, kd, vd, group.mask, False, scale, softcap, sinks).flatten(1, 2)
 
     def prefill(self, q, k, v, kv_cache: KVCache, span: PrefillSpan, scale: float,
-                softcap: float | None) -> torch.Tensor:
+                softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
         """The span's rows of q attend to its context (or, with none, causally to each other)."""
         qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if span.context_blocks is None:
@@ -345,8 +359,9 @@ class TorchPagedAttention:
             length = span.mask.shape[1]
             kp, vp = kv_cache.gather(span.context_blocks, q.dtype, self._workspace)
             kp, vp = kp[:length], vp[:length]  # [L, Hkv, D]
+        sinks = None if sinks is None else sinks[:, None]  # [H, 1]: every row's
         op = sdpa(qp, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None], span.mask, span.mask is None, scale,
-                  softcap)
+                  softcap, sinks)
         return op[0].transpose(0, 1)
 
 
@@ -357,9 +372,9 @@ class TritonPagedAttention(TorchPagedAttention):
     ragged_decode = True
     paged_prefill = True
 
-    def __call__(self, q, k, v, kv_cache, meta, scale, kv_written=False, softcap=None):
+    def __call__(self, q, k, v, kv_cache, meta, scale, kv_written=False, softcap=None, sinks=None):
         # the base class writes the new K/V first
-        out = super().__call__(q, k, v, kv_cache, meta, scale, kv_written, softcap)
+        out = super().__call__(q, k, v, kv_cache, meta, scale, kv_written, softcap, sinks)
         batch = meta.prefill_batch
         if batch is None:
             return out
@@ -369,14 +384,14 @@ class TritonPagedAttention(TorchPagedAttention):
                                        batch.query_starts, batch.query_lens, batch.context_starts,
                                        batch.max_query_len, kv_cache.block_size, scale, out,
                                        meta.sliding_window, kv_cache.key_scale, kv_cache.value_scale,
-                                       softcap=softcap)
+                                       softcap=softcap, sinks=sinks)
 
-    def decode(self, q, kv_cache, group, sliding_window, scale, softcap):
+    def decode(self, q, kv_cache, group, sliding_window, scale, softcap, sinks):
         from hyperserve.layers.triton_attention import paged_decode_attention
 
         return paged_decode_attention(q, kv_cache.key, kv_cache.value, group.block_tables, group.context_lens,
                                       kv_cache.block_size, scale, sliding_window, kv_cache.key_scale,
-                                      kv_cache.value_scale, softcap=softcap)
+                                      kv_cache.value_scale, softcap=softcap, sinks=sinks)
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")

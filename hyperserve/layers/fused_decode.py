@@ -167,6 +167,8 @@ class FusedDecode:
             return "a shared expert (Qwen2-MoE, DeepSeek)"
         if any(isinstance(layer.self_attn, LatentAttention) for layer in model.model.layers):
             return "latent attention (DeepSeek)"
+        if any(layer.self_attn.sinks is not None for layer in model.model.layers):
+            return "attention sinks (GPT-OSS)"
         rotaries = [layer.self_attn.rotary for layer in model.model.layers]
         if any(rotary is not None and rotary.rotary_dim != rotary.head_dim for rotary in rotaries):
             return "a rotation over part of each head (partial_rotary_factor)"

@@ -9,8 +9,10 @@ into their tokens' rows. Experts are ordinary MLPs of Linear projections, so wei
 (layers/quantization.py) applies to them as to a dense MLP; the router stays in float, since a
 rounded score can change which experts a token runs.
 
-Qwen2-MoE adds a shared expert that every token runs, its output scaled by a gate of its own
-(sigmoid of one score per token) and added to the routed experts'. DeepSeek's shared experts are
+GPT-OSS's router adds a bias to its logits, and its experts (biased projections, a clamped SwiGLU:
+models/gpt_oss.py) are ordinary MLPs otherwise. Qwen2-MoE adds a shared expert that every token
+runs, its output scaled by a gate of its own (sigmoid of one score per token) and added to the
+routed experts'. DeepSeek's shared experts are
 added as they are, and its router (`GroupedRouting`) differs: V3 scores experts by a sigmoid and
 chooses by those scores plus a learned bias, both pick among the experts of a token's best few
 groups only, and the chosen weights are scaled by routed_scaling_factor.
@@ -34,15 +36,18 @@ from hyperserve.distributed.group import TensorParallel
 
 class Router(nn.Module):
     """The gate: one score per expert for each token. Not an nn.Linear, so that quantization
-    leaves it alone. With a bias (DeepSeek-V3's e_score_correction_bias), which only chooses."""
+    leaves it alone. choice_bias: DeepSeek-V3's e_score_correction_bias, which only chooses;
+    logit_bias: GPT-OSS's, added to the logits."""
 
-    def __init__(self, hidden_size: int, num_experts: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, choice_bias: bool = False,
+                 logit_bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts)) if choice_bias else None
+        self.bias = nn.Parameter(torch.zeros(num_experts)) if logit_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)  # [T, E]
+        return F.linear(x, self.weight, self.bias)  # [T, E]
 
 
 @dataclass(frozen=True)
@@ -80,16 +85,18 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
                  make_expert: Callable[[], nn.Module], tp: TensorParallel | None = None,
                  shared_expert: nn.Module | None = None, gated_shared_expert: bool = True,
-                 grouped: GroupedRouting | None = None) -> None:
+                 grouped: GroupedRouting | None = None, router_bias: bool = False) -> None:
         """make_expert: an MLP whose output is this rank's part of the sum (with `tp`), as is
         shared_expert's (which every token runs: Qwen2-MoE's gated, DeepSeek's not). grouped:
-        DeepSeek's routing; None: a softmax's top_k."""
+        DeepSeek's routing; None: a softmax's top_k. router_bias: the router's logits have a bias
+        (GPT-OSS's)."""
         super().__init__()
         self.tp = tp or TensorParallel()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in 1..{num_experts}, got {top_k}")
         self.top_k, self.renormalize, self.grouped = top_k, renormalize, grouped
-        self.gate = Router(hidden_size, num_experts, bias=grouped is not None and grouped.sigmoid)
+        self.gate = Router(hidden_size, num_experts, choice_bias=grouped is not None and grouped.sigmoid,
+                           logit_bias=router_bias)
         self.experts = nn.ModuleList(make_expert() for _ in range(num_experts))
         self.shared_expert = shared_expert
         gated = shared_expert is not None and gated_shared_expert

@@ -132,11 +132,12 @@ def _decode_split_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    partial_out_ptr, partial_lse_ptr, out_ptr,
+    partial_out_ptr, partial_lse_ptr, out_ptr, sinks_ptr,
     stride_out_seq, stride_out_head,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr,
 ):
+    # with SINKS, the head's sink logit joins the softmax's denominator here, once, not in every split
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -146,11 +147,16 @@ def _merge_splits_kernel(
     rows = (seq * NUM_HEADS + head) * NUM_SPLITS + offs_s
     lse = tl.load(partial_lse_ptr + rows, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
     top = tl.max(lse, axis=0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        top = tl.maximum(top, sink)
     shift = tl.where(top > float("-inf"), top, 0.0)
     weights = tl.where(s_ok & (lse > float("-inf")), tl.exp(lse - shift), 0.0)
     partial = tl.load(partial_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
                       mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
     total = tl.sum(weights, axis=0)
+    if SINKS:
+        total += tl.exp(sink - shift)
     out = tl.sum(partial * weights[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + offs_d,
              out.to(out_ptr.dtype.element_ty),
@@ -189,6 +195,7 @@ def paged_decode_attention(
     tile_tokens: int | None = None,  # None: TILE_TOKENS
     num_warps: int = 4,
     softcap: float | None = None,  # scores capped to softcap * tanh(score / softcap) (Gemma 2)
+    sinks: torch.Tensor | None = None,  # [H]: each head's sink logit (GPT-OSS)
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[1]
@@ -216,16 +223,16 @@ def paged_decode_attention(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
     _merge_splits_kernel[(batch, num_heads)](
-        partial_out, partial_lse, out, out.stride(0), out.stride(1),
+        partial_out, partial_lse, out, partial_lse if sinks is None else sinks, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+        NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), SINKS=sinks is not None,
     )
     return out
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, sinks_ptr,
     block_tables_ptr, query_starts_ptr, query_lens_ptr, context_starts_ptr,
     scale, sliding_window, softcap,
     stride_q_row, stride_q_head, stride_out_row, stride_out_head,
@@ -233,7 +240,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr, WINDOWED: tl.constexpr,
     SOFTCAPPED: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACK: tl.constexpr,
-    QUERY_ROWS: tl.constexpr,
+    QUERY_ROWS: tl.constexpr, SINKS: tl.constexpr,
 ):
     # a tile's BLOCK_M rows are QUERY_ROWS query rows times PACK heads of one KV group (PACK is 1,
     # or the group when every span fits one tile: then K/V are read once for the group's heads)
@@ -268,6 +275,9 @@ def _prefill_kernel(
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scores
     denom = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp(score - m)
+    if SINKS:  # each head's sink logit is the first score of every row: a key with no value
+        m = tl.load(sinks_ptr + heads).to(tl.float32)
+        denom += 1.0
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for tile_start in range(key_start, key_end, BLOCK_N):
         key_pos = tile_start + offs_n  # [BLOCK_N]
@@ -355,6 +365,7 @@ def paged_prefill_attention(
     tiles: PrefillTiles | None = None,  # None: prefill_tiles', or what fitted this GPU
     pack_heads: bool = True,  # False: one query head per tile even for short spans (to compare)
     softcap: float | None = None,  # scores capped to softcap * tanh(score / softcap) (Gemma 2)
+    sinks: torch.Tensor | None = None,  # [H]: each head's sink logit (GPT-OSS)
 ) -> torch.Tensor:
     """Row r of span s (position context_starts[s] + r) attends to the span's positions 0..that one
     (within the window): its cached context and its own earlier rows."""
@@ -374,7 +385,8 @@ def paged_prefill_attention(
         try:
             _prefill_kernel[(triton.cdiv(max_query_len, query_rows), num_spans, num_heads // pack)](
                 q, key_cache, value_cache, key_scale if quantized else key_cache,
-                value_scale if quantized else value_cache, out, block_tables, query_starts, query_lens,
+                value_scale if quantized else value_cache, out, out if sinks is None else sinks, block_tables,
+                query_starts, query_lens,
                 context_starts, scale, sliding_window or 0, softcap or 1.0,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 key_cache.stride(0), key_cache.stride(1),
@@ -383,7 +395,7 @@ def paged_prefill_attention(
                 BLOCK_SIZE=block_size, BLOCK_M=chosen.block_m, BLOCK_N=chosen.block_n, QUANTIZED=quantized,
                 WINDOWED=sliding_window is not None, SOFTCAPPED=softcap is not None, DOT_DTYPE=dot,
                 PRECISION="ieee" if dot == tl.float32 else "tf32", PACK=pack, QUERY_ROWS=query_rows,
-                num_warps=chosen.num_warps, num_stages=chosen.num_stages,
+                SINKS=sinks is not None, num_warps=chosen.num_warps, num_stages=chosen.num_stages,
             )
         except triton.runtime.errors.OutOfResources:
             smaller = None if tiles else chosen.halved()  # tiles asked for are not changed

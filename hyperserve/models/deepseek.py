@@ -62,7 +62,8 @@ def interleaved_to_halves(rows: int) -> torch.Tensor:
 class LatentAttention(nn.Module):
     """MLA over the latent cache (see the module's docstring)."""
 
-    softcap = None  # no cap on the attention scores
+    softcap = sinks = None  # no cap on the attention scores, no attention sinks
+    full_attention = False  # no window
 
     def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
                  tp: TensorParallel) -> None:

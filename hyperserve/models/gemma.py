@@ -62,6 +62,8 @@ END_OF_TURN = "<end_of_turn>"
 
 
 class GemmaAttention(nn.Module):
+    sinks = None  # no attention sinks
+
     def __init__(self, config: PretrainedConfig, layer_type: str, rotary: RotaryEmbedding,
                  backend: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()

@@ -29,6 +29,7 @@ from hyperserve.layers.moe import SparseMoE
 from hyperserve.layers.norm import RMSNorm
 from hyperserve.layers.rotary import RotaryEmbedding
 from hyperserve.models.deepseek import LATENT_TYPES, LatentAttention, grouped_routing, latent_width
+from hyperserve.models.gpt_oss import GPT_OSS_TYPES, ClampedSwiGLU
 
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 QWEN_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # sliding window only with use_sliding_window
@@ -47,8 +48,9 @@ class LlamaAttention(nn.Module):
     softcap = None  # no cap on the attention scores (Gemma 2's attention has one: models/gemma.py)
 
     def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 tp: TensorParallel, use_rope: bool = True):
-        """use_rope: False for SmolLM3's NoPE layers, whose q and k are not rotated."""
+                 tp: TensorParallel, use_rope: bool = True, full_attention: bool = False):
+        """use_rope: False for SmolLM3's NoPE layers, whose q and k are not rotated. full_attention:
+        a layer that attends past the window of a model whose other layers have one (GPT-OSS's)."""
         super().__init__()
         heads = tp.head_slice(config.num_attention_heads, config.num_key_value_heads)
         self.num_heads = heads.num_heads  # this rank's
@@ -75,6 +77,9 @@ class LlamaAttention(nn.Module):
         if config.model_type in QK_NORM_TYPES:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        # GPT-OSS's attention sinks: a learned logit per head in each row's softmax, a key with no value
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.model_type in GPT_OSS_TYPES else None
+        self.full_attention = full_attention
         self.rotary = rotary if use_rope else None
         self.backend = backend
 
@@ -84,6 +89,8 @@ class LlamaAttention(nn.Module):
         return None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
     def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if self.full_attention and meta.full_attention is not None:
+            meta = meta.full_attention
         out = self.attend(cos_sin, self.qkv_proj(x), kv_cache, meta)  # x [T, hidden]
         return self.tp.all_reduce(self.o_proj(out.flatten(1)))
 
@@ -101,7 +108,7 @@ class LlamaAttention(nn.Module):
             qk = self.rotary(cos_sin, qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         v = v.unflatten(-1, (-1, self.head_dim))  # [T, Hkv, D]
-        return self.backend(q, k, v, kv_cache, meta, self.scale)
+        return self.backend(q, k, v, kv_cache, meta, self.scale, sinks=self.sinks)
 
 
 def rotated_attention(attn: nn.Module, cos_sin, qkv: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
@@ -109,8 +116,8 @@ def rotated_attention(attn: nn.Module, cos_sin, qkv: torch.Tensor, kv_cache: KVC
     """On CUDA, q and k rotated (after their per-head norms, where given) and the new K/V written by
     one Triton kernel straight from qkv, then attention over the cache: [T, H, D]. None where that
     kernel does not apply (off CUDA, heads whose width is not a power of two, or a rotation over
-    part of each head). `attn` is a model's attention module (its heads, rotary, backend, scale and
-    softcap)."""
+    part of each head). `attn` is a model's attention module (its heads, rotary, backend, scale,
+    softcap and sinks)."""
     if not (on_triton(qkv) and attn.head_dim & (attn.head_dim - 1) == 0
             and attn.rotary.rotary_dim == attn.head_dim):
         return None
@@ -118,7 +125,8 @@ def rotated_attention(attn: nn.Module, cos_sin, qkv: torch.Tensor, kv_cache: KVC
 
     q, k, v = rotary_and_cache(qkv, cos_sin, meta.slot_mapping, kv_cache, attn.num_heads, attn.num_kv_heads,
                                qk_norm)
-    return attn.backend(q, k, v, kv_cache, meta, attn.scale, kv_written=True, softcap=attn.softcap)
+    return attn.backend(q, k, v, kv_cache, meta, attn.scale, kv_written=True, softcap=attn.softcap,
+                        sinks=attn.sinks)
 
 
 class LlamaMLP(nn.Module):
@@ -130,19 +138,21 @@ class LlamaMLP(nn.Module):
         start, end = tp.width(intermediate_size or config.intermediate_size)
         self.intermediate_size = end - start  # this rank's
         self.shard_sizes = [self.intermediate_size, self.intermediate_size]
-        bias = getattr(config, "mlp_bias", False)
+        oss = config.model_type in GPT_OSS_TYPES  # biased experts, their gate clamped
+        bias = getattr(config, "mlp_bias", False) or oss
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
         self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias=bias)
+        self.activation = ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit) if oss else silu_and_mul
         self.tp = tp if reduce else TensorParallel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+        return self.tp.all_reduce(self.down_proj(self.activation(self.gate_up_proj(x))))
 
 
 def is_sparse_layer(config: PretrainedConfig, index: int) -> bool:
     """Whether layer `index` routes its tokens to experts (Qwen3-MoE may keep some layers dense,
     DeepSeek its first first_k_dense_replace)."""
-    if config.model_type == "mixtral":
+    if config.model_type in ("mixtral", *GPT_OSS_TYPES):
         return True
     if config.model_type in LATENT_TYPES:
         return index >= config.first_k_dense_replace
@@ -154,7 +164,9 @@ def is_sparse_layer(config: PretrainedConfig, index: int) -> bool:
 
 def expert_width(config: PretrainedConfig) -> int:
     """A routed expert's intermediate size."""
-    return config.intermediate_size if config.model_type == "mixtral" else config.moe_intermediate_size
+    if config.model_type in ("mixtral", *GPT_OSS_TYPES):
+        return config.intermediate_size
+    return config.moe_intermediate_size
 
 
 def shared_expert_width(config: PretrainedConfig) -> int | None:
@@ -175,7 +187,7 @@ def mlp_width(config: PretrainedConfig, name: str) -> int:
 
 def sparse_moe(config: PretrainedConfig, tp: TensorParallel) -> SparseMoE:
     grouped = None
-    if config.model_type == "mixtral":  # top-k weights always renormalised
+    if config.model_type in ("mixtral", *GPT_OSS_TYPES):  # top-k weights always renormalised
         num_experts, renormalize = config.num_local_experts, True
     elif config.model_type in LATENT_TYPES:  # V2's weights never renormalised (as transformers')
         num_experts, grouped = config.n_routed_experts, grouped_routing(config)
@@ -186,7 +198,8 @@ def sparse_moe(config: PretrainedConfig, tp: TensorParallel) -> SparseMoE:
     shared = None if shared_width is None else LlamaMLP(config, tp, shared_width, reduce=False)
     return SparseMoE(config.hidden_size, num_experts, config.num_experts_per_tok, renormalize,
                      lambda: LlamaMLP(config, tp, expert_width(config), reduce=False), tp, shared,
-                     gated_shared_expert=config.model_type == "qwen2_moe", grouped=grouped)
+                     gated_shared_expert=config.model_type == "qwen2_moe", grouped=grouped,
+                     router_bias=config.model_type in GPT_OSS_TYPES)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -196,8 +209,10 @@ class LlamaDecoderLayer(nn.Module):
         if config.model_type in LATENT_TYPES:
             self.self_attn = LatentAttention(config, rotary, backend, tp)
         else:
-            self.self_attn = LlamaAttention(config, rotary, backend, tp,
-                                            use_rope=rope is None or bool(rope[index]))
+            kinds = getattr(config, "layer_types", None)
+            self.self_attn = LlamaAttention(
+                config, rotary, backend, tp, use_rope=rope is None or bool(rope[index]),
+                full_attention=bool(kinds) and kinds[index] == "full_attention")
         self.mlp = sparse_moe(config, tp) if is_sparse_layer(config, index) else LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -250,18 +265,29 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def sliding_window(self) -> int | None:
+        """The windowed layers' window; None where no layer has one."""
+        return self._config_window if any(self.window_layers) else None
+
+    @property
+    def _config_window(self) -> int | None:
         if self.config.model_type in QWEN_TYPES and not getattr(self.config, "use_sliding_window", False):
             return None
         return getattr(self.config, "sliding_window", None)
 
-    interleaves_full_attention = False  # every layer attends alike (Gemma's alternate)
     embedding_multiplier: float | None = None  # the embeddings as looked up (Gemma scales its own)
     final_logit_softcap: float | None = None  # logits as the head gives them (Gemma 2 caps its own)
 
     @property
     def window_layers(self) -> list[bool]:
-        """Which layers attend through the sliding window."""
-        return [self.sliding_window is not None] * self.config.num_hidden_layers
+        """Which layers attend through the sliding window: every one, or (a config with layer_types:
+        GPT-OSS's alternate, Qwen2's from max_window_layers on) those its layer_types say."""
+        return [self._config_window is not None and not layer.self_attn.full_attention
+                for layer in self.model.layers]
+
+    @property
+    def interleaves_full_attention(self) -> bool:
+        """Layers with the window and layers without it (the runner adds unwindowed metadata)."""
+        return any(self.window_layers) and not all(self.window_layers)
 
     def reset_rotary(self) -> None:
         """Fill the rotary tables (the model is built on the meta device, so this runs after)."""
@@ -358,6 +384,8 @@ def rank_slice(tp: TensorParallel, config: PretrainedConfig, proj: str, leaf: st
     if proj in columns:  # partial sums, added up by the all-reduce: the bias counts once
         start, end = columns[proj]
         return tensor[:, start:end] if leaf == "weight" else tensor * (tp.rank == 0)
+    if leaf == "sinks":  # GPT-OSS's, one per query head
+        return tensor[heads.q_start : heads.q_start + heads.num_heads]
     if proj in ("embed_tokens", "lm_head"):  # the rank's range of the vocabulary, padded with zeros
         shard = tp.vocab_shard(config.vocab_size)
         part = tensor[tp.rank * shard : (tp.rank + 1) * shard]

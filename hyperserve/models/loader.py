@@ -36,7 +36,7 @@ from hyperserve.layers.quantization import (
     quantize_linears,
     quantize_model,
 )
-from hyperserve.models import gemma, gguf_reader
+from hyperserve.models import gemma, gguf_reader, gpt_oss
 from hyperserve.models.gemma import GemmaForCausalLM
 from hyperserve.models.llama import LlamaForCausalLM, head_dim_of, kv_layout
 from hyperserve.models.registry import SUPPORTED_ARCHITECTURES, ModelSource, resolve_model
@@ -331,6 +331,8 @@ def _load_checkpoint(model: LlamaForCausalLM, source: ModelSource, quantization:
         _expect_q41_rows(model.model.layers)
     tensors = (gguf_reader.gguf_tensors(source.path, model.config, embeddings, q41_layers) if source.gguf_file
                else _safetensors(source.directory))
+    if model.config.model_type in gpt_oss.GPT_OSS_TYPES:
+        tensors = gpt_oss.expert_tensors(tensors)
     rows = {name: param.shape[0] for name, param in model.named_parameters()}
     written = dict.fromkeys(rows, 0)  # rows of each parameter written so far (fused ones take several)
     layers = model.model.layers

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "granite", "smollm3",
-                           "phi3", "qwen2_moe", "gemma2", "gemma3_text", "deepseek_v2", "deepseek_v3")
+                           "phi3", "qwen2_moe", "gemma2", "gemma3_text", "deepseek_v2", "deepseek_v3",
+                           "gpt_oss")
 
 
 @dataclass(frozen=True)

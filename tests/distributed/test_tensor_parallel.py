@@ -98,7 +98,7 @@ TWO_GPUS = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "qwen2_moe",
-                                  "phi3"])
+                                  "gpt_oss", "phi3"])
 @pytest.mark.parametrize("device", ["cpu", TWO_GPUS])
 def test_uneven_heads_width_and_vocabulary(save_hf_model, device, arch):
     """6 query / 3 K/V heads, an MLP width of 160 (cut at 32s: 64 and 96) and 1,001 tokens (padded
@@ -107,7 +107,8 @@ def test_uneven_heads_width_and_vocabulary(save_hf_model, device, arch):
     attention and MLP, which take the all-reduced sum), Gemma 2's capped scores and logits (the
     logits capped after the ranks' vocabularies are gathered), experts (Mixtral's 4 of width 160;
     Qwen3-MoE's of width 48, cut 24 and 24, beside a dense layer of 160; Qwen2-MoE's beside a
-    shared expert of width 96, cut 48 and 48, and its gate, whole), or Phi-3's q/k/v and
+    shared expert of width 96, cut 48 and 48, and its gate, whole; GPT-OSS's biased ones, their
+    router's bias whole, its attention sinks split by head), or Phi-3's q/k/v and
     gate/up fused in the checkpoint: every slice is uneven or padded. On CUDA: NCCL."""
     extra = {"mlp_only_layers": [0]} if arch in ("qwen2_moe", "qwen3_moe") else {}
     config = tiny_config(arch, num_attention_heads=6, num_key_value_heads=3, intermediate_size=160,

@@ -1,5 +1,5 @@
 """KVCache's block reads and writes, as the disk tier and KV transfers between engines use them;
-the portable backend's capped attention."""
+the portable backend's capped attention and attention sinks."""
 
 from __future__ import annotations
 
@@ -54,6 +54,36 @@ def test_capped_attention_matches_transformers_eager_attention(mask_kind):
     assert torch.allclose(out, expected.transpose(1, 2), atol=1e-5)
     uncapped = sdpa(q, k, v, mask, mask_kind == "causal", 0.25, softcap=None)
     assert not torch.allclose(out, uncapped, atol=1e-2)  # the cap bends these scores
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "prompt after context", "decodes"])
+def test_attention_sinks_match_transformers_eager_attention(mask_kind):
+    """SDPA takes no attention sinks either: `sdpa` with GPT-OSS's (a logit per head joining each
+    row's softmax) against transformers' GPT-OSS eager attention, as the capped test above."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, queries, keys = {"causal": (1, 4, 2, 300, 300), "prompt after context": (1, 4, 2, 300, 400),
+                                            "decodes": (3, 4, 2, 1, 40)}[mask_kind]
+    q = torch.randn(batch, heads, queries, 16, generator=generator)
+    k, v = (torch.randn(batch, kv_heads, keys, 16, generator=generator) for _ in range(2))
+    sinks = torch.randn(heads, generator=generator) + 5  # about the log-sum-exp of a few hundred scores
+    if mask_kind == "decodes":
+        allowed = torch.arange(keys) < torch.tensor([40, 25, 7])[:, None]  # [B, L]
+        mask = allowed[:, None, None, :]
+    else:
+        allowed = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
+        mask = None if mask_kind == "causal" else allowed
+    out = sdpa(q, k, v, mask, mask_kind == "causal", 0.25, sinks=sinks[:, None])
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    additive = additive[:, None, None, :] if mask_kind == "decodes" else additive
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, training=False, sinks=sinks)
+    expected, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.25)
+    assert torch.allclose(out, expected.transpose(1, 2), atol=1e-5)
+    without = sdpa(q, k, v, mask, mask_kind == "causal", 0.25)
+    assert not torch.allclose(out, without, atol=1e-2)  # the sinks take their share
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])

@@ -42,6 +42,8 @@ ARCHS = {
     "deepseek_v2": {},
     "deepseek_v2-grouped": {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1},
     "deepseek_v3": {},
+    # attention sinks; a windowed layer, then a full one; biased experts with a clamped SwiGLU
+    "gpt_oss": {},
     "deepseek_v3-rope_yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                   "original_max_position_embeddings": 64, "mscale": 0.707,
                                                   "mscale_all_dim": 0.707}},
@@ -92,7 +94,8 @@ def test_longrope_runs_where_its_short_factors_hold(save_hf_model):
 
 
 @needs_triton
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gemma2"])  # Gemma 2: capped scores
+# Gemma 2: capped scores; GPT-OSS: attention sinks
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gemma2", "gpt_oss"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_triton_backend_matches_transformers(name, kv_cache_dtype, device, save_hf_model):
@@ -103,11 +106,13 @@ def test_triton_backend_matches_transformers(name, kv_cache_dtype, device, save_
     llm = LLM(model=path, num_kv_blocks=32, block_size=16, max_model_len=128, device=device, dtype="float32",
               max_num_batched_tokens=7, attention_backend="triton", kv_cache_dtype=kv_cache_dtype)
     assert llm.engine.runner.model.attention_backend.ragged_decode
-    assert (llm.engine.runner.decode_graphs is not None) == (device == "cuda")
+    model = llm.engine.runner.model
+    assert (llm.engine.runner.decode_graphs is not None) == (device == "cuda" and not model.has_experts)
     if kv_cache_dtype == "auto":
         _check_against_transformers(llm, hf_model, abs_tol=2e-4)
-    else:
-        _check_against_transformers(llm, hf_model, abs_tol=0.4, same_greedy=False)
+    else:  # GPT-OSS's biased keys lose more to fp8 (the portable backend's error: 0.97)
+        tolerance = 0.6 if name == "gpt_oss" else 0.4
+        _check_against_transformers(llm, hf_model, abs_tol=tolerance, same_greedy=False)
 
 
 @needs_triton
@@ -153,12 +158,14 @@ def test_triton_kernels_in_bfloat16_match_pytorchs_ops(name, device, save_hf_mod
 
 
 @needs_triton
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2"])  # windows wider than the prompts: see gemma2
+# windows wider than the prompts: see below
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2", "gpt_oss"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_triton_backend_mixes_flash_and_paged_prefill(name, device, save_hf_model, monkeypatch):
     """New prompts from FLASH_PREFILL_TOKENS on attend through SDPA, the rest (shorter prompts,
     chunks after context) through the Triton kernel, in the same steps as each other and decodes;
-    Gemma 2's all through the kernel, which caps their scores as SDPA cannot."""
+    Gemma 2's and GPT-OSS's all through the kernel, which caps their scores and takes their
+    attention sinks as SDPA cannot."""
     from hyperserve.engine import model_runner
     from hyperserve.layers import attention
 
@@ -172,14 +179,15 @@ def test_triton_backend_mixes_flash_and_paged_prefill(name, device, save_hf_mode
             calls[_key] += _key == "flash" or kwargs.get("meta", args[4]).prefill_batch is not None
             return _original(self, *args, **kwargs)
         monkeypatch.setattr(getattr(attention, cls), method, counted)
-    # a windowed prompt longer than its window is paged: Gemma 2's window here holds every prompt
-    window = {"sliding_window": 64} if name == "gemma2" else {}
+    # a windowed prompt longer than its window is paged: these windows hold every prompt
+    plain_scores = name in ("gemma2", "gpt_oss")
+    window = {"sliding_window": 64} if plain_scores else {}
     hf_model, path = save_hf_model(tiny_config(name, **ARCHS[name], **window))
     hf_model.to(device)
     llm = LLM(model=path, num_kv_blocks=32, block_size=16, max_model_len=128, device=device, dtype="float32",
               max_num_batched_tokens=30, attention_backend="triton")
     _check_against_transformers(llm, hf_model, abs_tol=2e-4)
-    assert (calls["flash"] == 0 if name == "gemma2" else calls["flash"] > 0) and calls["paged"] > 0
+    assert (calls["flash"] == 0 if plain_scores else calls["flash"] > 0) and calls["paged"] > 0
 
 
 @pytest.mark.parametrize("name", ["llama-tied", "mistral"])
@@ -230,7 +238,7 @@ def test_sliding_window_changes_the_output(save_hf_model):
     assert not torch.allclose(windowed[-1], full[-1], atol=1e-3)
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma3", "gemma2"])
+@pytest.mark.parametrize("name", ["mistral", "gemma3", "gemma2", "gpt_oss"])
 def test_sliding_window_layers_hold_only_their_window(name, save_hf_model):
     """Decoding far past the 8-token window: the windowed layers' blocks stay bounded (Mistral's
     every layer, Gemma's local ones, in a pool of their own) while full attention keeps them all."""
@@ -252,7 +260,7 @@ def test_sliding_window_layers_hold_only_their_window(name, save_hf_model):
     assert all(group.pool.num_free_blocks == group.pool.num_blocks for group in kv.groups)
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma3", "gemma2"])
+@pytest.mark.parametrize("name", ["mistral", "gemma3", "gemma2", "gpt_oss"])
 def test_a_prefix_cached_under_a_window_answers_as_computed_afresh(name, save_hf_model):
     """A prefix hit past the window reuses only what the next token can see (the rest of the
     windowed group's blocks were released): the answers equal an engine without prefix caching."""
