@@ -65,8 +65,9 @@ def test_attention_sinks_match_transformers_eager_attention(mask_kind):
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
     generator = torch.Generator().manual_seed(0)
-    batch, heads, kv_heads, queries, keys = {"causal": (1, 4, 2, 300, 300), "prompt after context": (1, 4, 2, 300, 400),
-                                            "decodes": (3, 4, 2, 1, 40)}[mask_kind]
+    shapes = {"causal": (1, 4, 2, 300, 300), "prompt after context": (1, 4, 2, 300, 400),
+              "decodes": (3, 4, 2, 1, 40)}
+    batch, heads, kv_heads, queries, keys = shapes[mask_kind]
     q = torch.randn(batch, heads, queries, 16, generator=generator)
     k, v = (torch.randn(batch, kv_heads, keys, 16, generator=generator) for _ in range(2))
     sinks = torch.randn(heads, generator=generator) + 5  # about the log-sum-exp of a few hundred scores
