@@ -21,7 +21,7 @@ from hyperserve.layers.lora import LoRARequest
 from hyperserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from hyperserve.sampling_params import SamplingParams, StructuredOutputs
 from hyperserve.security.config import cache_salt
-from hyperserve.server import reasoning, tools
+from hyperserve.server import harmony, reasoning, tools
 from hyperserve.server.async_engine import AsyncEngine, RequestFailedError, RequestStream
 from hyperserve.server.disaggregation import RemotePrefill, encode_blocks
 from hyperserve.server.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
@@ -32,6 +32,7 @@ from hyperserve.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     KVPrefillRequest,
+    NamedToolChoice,
     TokenizeRequest,
     Tool,
     new_id,
@@ -57,6 +58,7 @@ class Job:
     chat_logprobs: bool = False
     tool_calls: CallParser | None = None  # chat with tools: how its answers are parsed for calls
     reasoning_parser: str | None = None  # chat: its thinking goes to reasoning_content (reasoning.py)
+    harmony: harmony.HarmonyParser | None = None  # chat with GPT-OSS: its channels read (harmony.py)
     lora: LoRARequest | None = None  # the adapter `model` named
     echo: list[str] | None = None  # completions with `echo`: each prompt's text, which its answers start with
     prompt_logprobs: bool = False  # the response carries vLLM's `prompt_logprobs`
@@ -85,7 +87,10 @@ class OpenAIServing:
         native = tools.detect_format(getattr(tokenizer, "chat_template", None))
         parser = settings.tool_call_parser
         self.tool_format = tools.FORMATS[parser] if parser is not None else native or tools.HERMES
-        self.native_tools = native is self.tool_format  # else the fallback prompt describes the format
+        # GPT-OSS writes harmony (channels for its thinking, answer and calls), and its template renders tools
+        self.harmony = harmony.speaks(tokenizer)
+        # else the fallback prompt describes the format
+        self.native_tools = native is self.tool_format or self.harmony
         self.tool_marker_id = added.get(self.tool_format.marker)
         # a special token is left out of the answer's text unless asked for, and the parser reads the
         # marker there
@@ -141,24 +146,32 @@ class OpenAIServing:
         if offered and constraint is not None:
             raise APIError(400, "response_format (or a guided_* constraint) cannot be combined with tools; "
                                 "set tool_choice to 'none' or drop the constraint", param="response_format")
-        if offered and self.tool_format.syntax == "xml" and (bad := tools.unreadable_xml_parameter(offered)):
+        if (offered and not self.harmony and self.tool_format.syntax == "xml"
+                and (bad := tools.unreadable_xml_parameter(offered))):
             raise APIError(400, f"parameter name {bad!r} cannot be written in {self.tool_format.name}'s "
                                 "XML tags (it holds '>' or a line break); rename it", param="tools")
-        if offered:
+        answer_header = ""  # harmony: the header the prompt writes for a constrained body
+        if offered and self.harmony:
+            constraint, answer_header = harmony_tool_constraint(offered, request.tool_choice)
+        elif offered:
             constraint = tools.tool_constraint(offered, request.tool_choice, request.parallel_tool_calls,
                                                self.tool_format, self.tool_marker_id)
+        elif constraint is not None and self.harmony:
+            answer_header = harmony.header_for()
         ids = await asyncio.to_thread(self._chat_ids, request.messages, request.add_generation_prompt,
                                       offered, request.chat_template_kwargs, request.continue_final_message)
+        if answer_header:
+            ids = ids + self.engine.engine.tokenizer.encode(answer_header, add_special_tokens=False)
         ids = self._prompt_ids(ids, "messages", request.truncate_prompt_tokens)
         prompts = [ids]
-        if constraint is not None:
+        if constraint is not None and not self.harmony:
             constraint = self._after_thinking(constraint, ids)
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is None:  # bounded, so a forgotten max_tokens cannot hold a slot for the whole context
             max_tokens = min(self.settings.default_max_tokens, self.max_model_len - len(ids))
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = await self._params(request, max_tokens, logprobs, prompts, constraint)
-        if offered and self.tool_marker_special:
+        if (offered and self.tool_marker_special) or self.harmony:  # the markers are read in the text
             params = replace(params, skip_special_tokens=False)
         salt = cache_salt(scope, request.cache_salt)
         await self._prefill_remotely(prompts, lora, salt)
@@ -166,10 +179,16 @@ class OpenAIServing:
                    request.priority, bool(request.stream_options and request.stream_options.include_usage),
                    chat_logprobs=request.logprobs,
                    tool_calls=(CallParser.offered(offered, request.calls_only, self.tool_format)
-                               if offered else None),
-                   reasoning_parser=self.settings.reasoning_parser, lora=lora,
+                               if offered and not self.harmony else None),
+                   reasoning_parser=None if self.harmony else self.settings.reasoning_parser,
+                   harmony=self._harmony_parser(offered, answer_header), lora=lora,
                    prompt_logprobs=request.prompt_logprobs is not None, cache_salt=salt,
                    beam=request.beam_search_params(params.max_tokens))
+
+    def _harmony_parser(self, offered: list[Tool] | None, answer_header: str) -> harmony.HarmonyParser | None:
+        if not self.harmony:
+            return None
+        return harmony.HarmonyParser(frozenset(tool.function.name for tool in offered or []), answer_header)
 
     async def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
         """The ids the request would run (longer than the context is fine: this only counts)."""
@@ -474,6 +493,7 @@ class OpenAIServing:
         text_offsets: dict[int, int] = {}  # completions' logprobs: where the next token's text starts
         tool_streams: dict[int, ToolCallStream] = {}
         reasoning_streams: dict[int, reasoning.ReasoningStream] = {}
+        harmony_streams: dict[int, harmony.HarmonyStream] = {}
         created = now()
         obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
         base = {"id": job.id, "object": obj, "created": created, "model": job.model}
@@ -501,7 +521,12 @@ class OpenAIServing:
                     stream = tool_streams.setdefault(index, job.tool_calls.stream())
                     text, calls = stream.feed(text, final=c.finished)
                     called = bool(stream.calls)
-                held = job.tool_calls is not None or job.reasoning_parser is not None
+                if job.harmony is not None:
+                    channels = harmony_streams.setdefault(index, job.harmony.stream())
+                    thought, text, calls = channels.feed(text, final=c.finished)
+                    called = bool(channels.calls)
+                held = (job.tool_calls is not None or job.reasoning_parser is not None
+                        or job.harmony is not None)
                 if held and not (thought or text or calls or c.finished or job.chat_logprobs):
                     continue  # all held back (a call or a marker in the making): nothing to send yet
                 echo = job.echo[prompt_index] if job.echo else ""
@@ -571,6 +596,9 @@ class OpenAIServing:
             if final and job.tool_calls is not None:
                 content, calls = job.tool_calls.parse(content)
                 called = bool(calls)
+            if final and job.harmony is not None:
+                reasoning_content, content, calls = job.harmony.split(text)
+                called = bool(calls)
             if called and finish_reason == "stop":
                 finish_reason = "tool_calls"
             message = {"role": "assistant", "content": content} if final else {"content": content}
@@ -639,3 +667,19 @@ def _pin_refused(reason: str, retryable: bool) -> APIError:
         return APIError(429, f"cannot pin now: {reason}; retry once pins expire or are deleted",
                         type_="rate_limit_error", code="pin_limit", headers={"Retry-After": "5"})
     return APIError(400, f"cannot pin: {reason}", param="prompt", code="pin_limit")
+
+
+def harmony_tool_constraint(offered: list[Tool], choice: str | NamedToolChoice | None
+                            ) -> tuple[StructuredOutputs | None, str]:
+    """(constraint, header the prompt writes) for a harmony model's tool_choice: with "auto" the
+    model calls in its own channels, unconstrained; a named function (or "required" with one
+    function offered) gets its call's header in the prompt and its parameters' schema on the body."""
+    if choice in (None, "auto", "none"):
+        return None, ""
+    if choice == "required" and len(offered) > 1:
+        raise APIError(400, "tool_choice 'required' with several tools is not supported for harmony "
+                            "(GPT-OSS) models yet: name the function, or use 'auto'", param="tool_choice")
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else offered[0].function.name
+    tool = next(t for t in offered if t.function.name == name)
+    schema = tool.function.parameters or {"type": "object"}
+    return StructuredOutputs(json=schema), harmony.header_for(name)

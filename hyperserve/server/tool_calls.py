@@ -101,7 +101,7 @@ class ToolCallStream:
             if self.state == "head" and (self.fmt.layout == "blocks" or not self.calls):
                 content.append(self.region + self.pending)
             self.region = self.pending = ""
-        return "" if self.calls_only else "".join(content), _one_per_call(deltas)
+        return "" if self.calls_only else "".join(content), one_per_call(deltas)
 
     def _step(self, final: bool, content: list[str], deltas: list[dict[str, Any]]) -> bool:
         """Resolve what the pending text allows in the current state; True if the state moved on."""
@@ -308,7 +308,7 @@ class ToolCallStream:
         return True
 
 
-def _one_per_call(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def one_per_call(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A call's deltas of one feed as one (its opening, if there, with the arguments after it), as
     a stream chunk holds each call once."""
     merged: list[dict[str, Any]] = []
