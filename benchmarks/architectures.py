@@ -7,7 +7,10 @@ A model of one of SHAPES is saved once with random weights: `qwen3-0.6b` (Qwen3-
 parameters, 0.13B active a token), `gemma2-2b-8l` (8 of Gemma 2 2B's 26 layers: hidden 2304, 8
 query and 4 K/V heads of 256, capped scores and logits, vocabulary 32k in place of 256k) or
 `deepseek-v2-lite-4l` (4 of DeepSeek-V2-Lite's 27 layers, the first dense: its latent attention,
-16 of its 64 experts of width 1408, 6 a token, 2 shared; vocabulary 32k in place of 102k). Each
+16 of its 64 experts of width 1408, 6 a token, 2 shared; vocabulary 32k in place of 102k) or
+`gpt-oss-20b-4l` (4 of gpt-oss-20b's 24 layers, a 128-token window in every other one: hidden
+2880, 64 query and 8 K/V heads of 64 with attention sinks, 8 of its 32 experts of width 2880, 4 a
+token as in the model, so a token reads as much; vocabulary 32k in place of 201k). Each
 system then decodes 128 tokens after a 32-token prompt (1 stream, and 8 at once for HyperServe)
 and prefills one 512-token prompt; every prompt is new (no prefix-cache hits). Greedy, ignore_eos;
 medians of --rounds. `int4-layers` is int4 with the native decode layers turned off: the
@@ -19,6 +22,7 @@ taken off).
     python benchmarks/architectures.py --shape qwen3-moe
     python benchmarks/architectures.py --shape gemma2-2b-8l
     python benchmarks/architectures.py --shape deepseek-v2-lite-4l --configs float32 int4 --long-context 2000
+    python benchmarks/architectures.py --shape gpt-oss-20b-4l --configs float32 int4 --long-context 2000
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     DeepseekV2Config,
     Gemma2Config,
+    GptOssConfig,
     PretrainedConfig,
     Qwen3Config,
     Qwen3MoeConfig,
@@ -64,6 +69,12 @@ SHAPES = {
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16,
         num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408, first_k_dense_replace=1,
         max_position_embeddings=2048, tie_word_embeddings=False),
+    "gpt-oss-20b-4l": lambda: GptOssConfig(
+        vocab_size=32000, hidden_size=2880, intermediate_size=2880, num_hidden_layers=4,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=8,
+        num_experts_per_tok=4,
+        sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 2,
+        max_position_embeddings=4096, tie_word_embeddings=False),
 }
 
 
@@ -168,10 +179,11 @@ def main() -> None:
         config = save_model(path, args.shape)
         total = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
         active = total
-        if args.shape in ("qwen3-moe", "deepseek-v2-lite-4l"):
-            expert = 3 * config.hidden_size * config.moe_intermediate_size
+        if args.shape in ("qwen3-moe", "deepseek-v2-lite-4l", "gpt-oss-20b-4l"):
+            width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+            experts = getattr(config, "num_local_experts", None) or config.num_experts
             sparse_layers = config.num_hidden_layers - getattr(config, "first_k_dense_replace", 0)
-            active -= sparse_layers * expert * (config.num_experts - config.num_experts_per_tok)
+            active -= sparse_layers * 3 * config.hidden_size * width * (experts - config.num_experts_per_tok)
         rows = {"transformers (float32)": transformers_rates(path, args.rounds, args.long_context)}
         for name in args.configs:
             rows[f"HyperServe {name}"] = hyperserve_rates(path, name, args.rounds, args.long_context)

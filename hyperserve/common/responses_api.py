@@ -30,7 +30,7 @@ PASSTHROUGH = ("seed", "stop", "top_k", "min_p", "repetition_penalty", "presence
 # A chat error's `param`, as the Responses request names it.
 LOGPROBS = "message.output_text.logprobs"  # the one `include` served: each output token's logprobs
 PARAM_NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-               "messages": "input", "response_format": "text.format"}
+               "messages": "input", "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
 
 
 class TextFormat(BaseModel):
@@ -99,10 +99,10 @@ class ResponsesRequest(BaseModel):
         """Why the request asks for something not served (None: it does not)."""
         if self.background:
             return "background responses are not served: send the request and wait, or stream it"
-        if any(value is not None for value in (self.reasoning or {}).values()):
-            return ("reasoning settings are not served: a reasoning model here thinks as its chat template says "
-                    "(chat_template_kwargs), and its thinking comes back as a reasoning item when the server runs "
-                    "with --reasoning-parser")
+        if any(value is not None for key, value in (self.reasoning or {}).items() if key != "effort"):
+            return ("reasoning settings but effort are not served: a reasoning model here thinks as its "
+                    "chat template says (chat_template_kwargs; reasoning.effort is its reasoning_effort "
+                    "variable), and its thinking comes back as a reasoning item")
         if unserved := [name for name in self.include or [] if name != LOGPROBS]:
             return f"include is not served but for {LOGPROBS} (asked for {', '.join(unserved)})"
         if self.truncation == "auto":
@@ -125,14 +125,22 @@ class ResponsesRequest(BaseModel):
             "parallel_tool_calls": self.parallel_tool_calls,
             "text": {"format": text.format.model_dump(by_alias=True, exclude_none=True)},
             "previous_response_id": self.previous_response_id, "store": self.store, "metadata": self.metadata or {},
-            "user": self.user, "truncation": "disabled", "reasoning": {"effort": None, "summary": None},
+            "user": self.user, "truncation": "disabled",
+            "reasoning": {"effort": self.effort, "summary": None},
             "background": False, "top_logprobs": self.top_logprobs,
         }
+
+    @property
+    def effort(self) -> Any:
+        """reasoning.effort, chat's reasoning_effort (a variable of the model's chat template)."""
+        return (self.reasoning or {}).get("effort")
 
     def chat_body(self, raw: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
         """The chat completions request that answers this one, given the conversation's messages."""
         body: dict[str, Any] = {"messages": messages, "stream": self.stream,
                                 "parallel_tool_calls": self.parallel_tool_calls}
+        if self.effort is not None:
+            body["reasoning_effort"] = self.effort
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         if LOGPROBS in (self.include or []) or self.top_logprobs is not None:

@@ -159,7 +159,7 @@ class OpenAIServing:
         elif constraint is not None and self.harmony:
             answer_header = harmony.header_for()
         ids = await asyncio.to_thread(self._chat_ids, request.messages, request.add_generation_prompt,
-                                      offered, request.chat_template_kwargs, request.continue_final_message)
+                                      offered, request.template_variables(), request.continue_final_message)
         if answer_header:
             ids = ids + self.engine.engine.tokenizer.encode(answer_header, add_special_tokens=False)
         ids = self._prompt_ids(ids, "messages", request.truncate_prompt_tokens)

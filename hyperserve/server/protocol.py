@@ -320,6 +320,14 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=32)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # OpenAI's: how hard a reasoning model thinks, a variable of its chat template (GPT-OSS's reads it)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+
+    def template_variables(self) -> dict[str, Any] | None:
+        """The chat template's variables: chat_template_kwargs, and reasoning_effort where given."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     @field_validator("chat_template_kwargs")
     @classmethod

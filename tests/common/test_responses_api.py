@@ -73,7 +73,7 @@ def test_text_format_becomes_response_format(text, response_format):
 
 @pytest.mark.parametrize("extra, refusal", [
     ({"background": True}, "background"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning"),
     ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "file_search_call.results"),
     ({"truncation": "auto"}, "truncation"),
     ({"conversation": "conv_1"}, "conversation"),
@@ -81,6 +81,15 @@ def test_text_format_becomes_response_format(text, response_format):
 ])
 def test_what_cannot_be_honoured_is_refused_by_name(extra, refusal):
     assert refusal in ResponsesRequest.model_validate({"input": "hi", **extra}).refused()
+
+
+def test_reasoning_effort_is_chats_reasoning_effort():
+    """reasoning.effort passes to the chat request as reasoning_effort (a chat template variable:
+    GPT-OSS's), and the response echoes it."""
+    raw = {"input": "hi", "reasoning": {"effort": "low"}}
+    request = ResponsesRequest.model_validate(raw)
+    assert request.refused() is None and request.chat_body(raw, [])["reasoning_effort"] == "low"
+    assert request.echo()["reasoning"] == {"effort": "low", "summary": None}
 
 
 def test_unset_or_empty_settings_are_not_refused():

@@ -11,7 +11,8 @@ import pytest
 TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
             "{% if tools %}<|start|>developer<|message|># Tools"
             "{% for t in tools %} functions.{{ t.function.name }}{% endfor %}<|end|>{% endif %}"
-            "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+            "{% if reasoning_effort is defined %}<|start|>system<|message|>Reasoning: {{ reasoning_effort }}"
+            "<|end|>{% endif %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")
 MARKERS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
 ARGUMENTS = '{"city": "Paris"}'
 SCRIPT = ["<|channel|>", "commentary", " to=functions.get_weather ", "<|constrain|>", "json", "<|message|>",
@@ -122,6 +123,15 @@ def test_a_constrained_answer_is_the_body_of_a_header_the_prompt_writes(client):
     named = {**CHAT, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     choice = client.post("/v1/chat/completions", json=named).json()["choices"][0]
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ARGUMENTS}
+
+
+def test_reasoning_effort_reaches_the_template(client):
+    """OpenAI's reasoning_effort is a variable of the chat template, which GPT-OSS's writes into its
+    system message."""
+    usage = [client.post("/v1/chat/completions", json={**CHAT, **effort}).json()["usage"]["prompt_tokens"]
+             for effort in ({}, {"reasoning_effort": "high"})]
+    written = client.post("/tokenize", json={"prompt": "<|start|>system<|message|>Reasoning: high<|end|>"})
+    assert usage[1] - usage[0] == written.json()["count"]
 
 
 def test_required_with_several_tools_is_refused_with_the_reason(client):
