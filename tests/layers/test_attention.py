@@ -25,66 +25,44 @@ def test_blocks_read_and_written_back_keep_every_byte(kv_cache_dtype):
 
 
 @pytest.mark.parametrize("mask_kind", ["causal", "prompt after context", "decodes"])
-def test_capped_attention_matches_transformers_eager_attention(mask_kind):
-    """SDPA cannot cap scores, so `sdpa` computes Gemma 2's capped attention in plain ops, a few hundred
-    queries at a time: against transformers' Gemma 2 eager attention over 600 queries (three
-    chunks), causal, a prompt after 100 tokens of context (an [n, L] mask), and decodes of
-    different context lengths (a [B, 1, 1, L] mask, each query head's group of one)."""
+@pytest.mark.parametrize("model", ["gemma2", "gpt_oss"])
+def test_what_sdpa_cannot_take_matches_transformers_eager_attention(model, mask_kind):
+    """SDPA can neither cap scores (Gemma 2) nor take attention sinks (GPT-OSS: a logit per head
+    joining each row's softmax), so `sdpa` computes those in plain ops, a few hundred queries at a
+    time: against transformers' eager attention of each model over 600 queries (three chunks),
+    causal, a prompt after 100 tokens of context (an [n, L] mask), and decodes of different context
+    lengths (a [B, 1, 1, L] mask)."""
+    import importlib
     from types import SimpleNamespace
 
-    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
-
+    eager_attention_forward = importlib.import_module(
+        f"transformers.models.{model}.modeling_{model}").eager_attention_forward
     generator = torch.Generator().manual_seed(0)
     shapes = {"causal": (1, 4, 2, 600, 600), "prompt after context": (1, 4, 2, 600, 700),
-              "decodes": (3, 2, 2, 2, 40)}
-    batch, heads, kv_heads, queries, keys = shapes[mask_kind]
-    q = torch.randn(batch, heads, queries, 16, generator=generator) * 3
-    k, v = (torch.randn(batch, kv_heads, keys, 16, generator=generator) * 3 for _ in range(2))
-    if mask_kind == "decodes":
-        allowed = torch.arange(keys) < torch.tensor([40, 25, 7])[:, None]  # [B, L]
-        mask = allowed[:, None, None, :]
-    else:
-        allowed = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
-        mask = None if mask_kind == "causal" else allowed
-    out = sdpa(q, k, v, mask, mask_kind == "causal", 0.25, softcap=2.0)
-    additive = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
-    additive = additive[:, None, None, :] if mask_kind == "decodes" else additive
-    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, training=False)
-    expected, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.25, softcap=2.0)
-    assert torch.allclose(out, expected.transpose(1, 2), atol=1e-5)
-    uncapped = sdpa(q, k, v, mask, mask_kind == "causal", 0.25, softcap=None)
-    assert not torch.allclose(out, uncapped, atol=1e-2)  # the cap bends these scores
-
-
-@pytest.mark.parametrize("mask_kind", ["causal", "prompt after context", "decodes"])
-def test_attention_sinks_match_transformers_eager_attention(mask_kind):
-    """SDPA takes no attention sinks either: `sdpa` with GPT-OSS's (a logit per head joining each
-    row's softmax) against transformers' GPT-OSS eager attention, as the capped test above."""
-    from types import SimpleNamespace
-
-    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
-
-    generator = torch.Generator().manual_seed(0)
-    shapes = {"causal": (1, 4, 2, 300, 300), "prompt after context": (1, 4, 2, 300, 400),
               "decodes": (3, 4, 2, 1, 40)}
     batch, heads, kv_heads, queries, keys = shapes[mask_kind]
-    q = torch.randn(batch, heads, queries, 16, generator=generator)
-    k, v = (torch.randn(batch, kv_heads, keys, 16, generator=generator) for _ in range(2))
-    sinks = torch.randn(heads, generator=generator) + 5  # about the log-sum-exp of a few hundred scores
+    spread = 3 if model == "gemma2" else 1  # scores where the cap bends them
+    q = torch.randn(batch, heads, queries, 16, generator=generator) * spread
+    k, v = (torch.randn(batch, kv_heads, keys, 16, generator=generator) * spread for _ in range(2))
     if mask_kind == "decodes":
         allowed = torch.arange(keys) < torch.tensor([40, 25, 7])[:, None]  # [B, L]
         mask = allowed[:, None, None, :]
     else:
         allowed = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
         mask = None if mask_kind == "causal" else allowed
-    out = sdpa(q, k, v, mask, mask_kind == "causal", 0.25, sinks=sinks[:, None])
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, training=False)
+    if model == "gemma2":
+        ours, theirs = {"softcap": 2.0}, {"softcap": 2.0}
+    else:  # sinks about the log-sum-exp of a few hundred scores, so that they take a share
+        module.sinks = torch.randn(heads, generator=generator) + 5
+        ours, theirs = {"sinks": module.sinks[:, None]}, {}
+    out = sdpa(q, k, v, mask, mask_kind == "causal", 0.25, **ours)
     additive = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
     additive = additive[:, None, None, :] if mask_kind == "decodes" else additive
-    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, training=False, sinks=sinks)
-    expected, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.25)
+    expected, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.25, **theirs)
     assert torch.allclose(out, expected.transpose(1, 2), atol=1e-5)
-    without = sdpa(q, k, v, mask, mask_kind == "causal", 0.25)
-    assert not torch.allclose(out, without, atol=1e-2)  # the sinks take their share
+    plain = sdpa(q, k, v, mask, mask_kind == "causal", 0.25)
+    assert not torch.allclose(out, plain, atol=1e-2)  # the cap bends these scores; the sinks take a share
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])

@@ -101,3 +101,31 @@ def server():
                      "--max-body-bytes", "100000")
     yield s
     stop_server(s)
+
+
+def save_scripted_model(tokenizer, links: list[tuple[int, int]], eos_token_id, path) -> str:
+    """A one-layer Llama that answers by script: its layers add nothing, so each next token depends
+    on the last one alone, and the LM head maps each `links` pair's first token to its second.
+    Saved with `tokenizer` at `path`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, eos_token_id=eos_token_id)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for norm in (model.model.norm, model.model.layers[0].input_layernorm,
+                     model.model.layers[0].post_attention_layernorm):
+            norm.weight.fill_(1.0)
+        embedding = torch.nn.functional.normalize(torch.randn(len(tokenizer), 64, generator=torch.Generator()
+                                                              .manual_seed(0)), dim=-1)
+        model.model.embed_tokens.weight.copy_(embedding)
+        for current, following in links:
+            model.lm_head.weight[following] = 30 * embedding[current]
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+

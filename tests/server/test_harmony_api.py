@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from tests.server.conftest import save_scripted_model
+
 # a harmony template in miniature: GPT-OSS's renders tools as a developer message too
 TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
             "{% if tools %}<|start|>developer<|message|># Tools"
@@ -25,9 +27,7 @@ def harmony_model(smollm2_source, tmp_path_factory):
     generation prompt's last token it writes SCRIPT, a call to get_weather in harmony; from a
     <|message|> the prompt wrote, the call's arguments. SmolLM2's tokenizer with harmony's markers
     as special tokens and SCRIPT's words as tokens."""
-    import torch
     from tokenizers import AddedToken
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from hyperserve.models.loader import load_tokenizer
 
@@ -39,26 +39,8 @@ def harmony_model(smollm2_source, tmp_path_factory):
                                            return_dict=False)
     chain = [prompt[-1], *tokenizer.convert_tokens_to_ids(SCRIPT)]
     assert len(set(chain)) == len(chain), "the script's tokens must differ"
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=False, eos_token_id=tokenizer.convert_tokens_to_ids(["<|call|>",
-                                                                                                "<|return|>"]))
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-        for norm in (model.model.norm, model.model.layers[0].input_layernorm,
-                     model.model.layers[0].post_attention_layernorm):
-            norm.weight.fill_(1.0)
-        embedding = torch.nn.functional.normalize(torch.randn(len(tokenizer), 64, generator=torch.Generator()
-                                                              .manual_seed(0)), dim=-1)
-        model.model.embed_tokens.weight.copy_(embedding)
-        for current, following in zip(chain, chain[1:]):
-            model.lm_head.weight[following] = 30 * embedding[current]
-    path = tmp_path_factory.mktemp("harmony")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    eos = tokenizer.convert_tokens_to_ids(["<|call|>", "<|return|>"])
+    return save_scripted_model(tokenizer, list(zip(chain, chain[1:])), eos, tmp_path_factory.mktemp("harmony"))
 
 
 @pytest.fixture(scope="module")

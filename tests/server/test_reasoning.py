@@ -8,6 +8,7 @@ import random
 import pytest
 
 from hyperserve.server import reasoning
+from tests.server.conftest import save_scripted_model
 
 CASES = [  # parser, answer, (reasoning, content)
     ("qwen3", "<think>\nLet me add.\n2 + 2 = 4\n</think>\n\nIt is 4.", ("Let me add.\n2 + 2 = 4", "It is 4.")),
@@ -75,9 +76,6 @@ def scripted_model(smollm2_source, tmp_path_factory):
     depends on the last one alone, and the LM head maps the prompt's last token to <think>, then
     through THOUGHT to "Hello" and <|im_end|>. SmolLM2's tokenizer with <think> and </think>
     added; its ChatML template writes an empty think block for enable_thinking false, as Qwen3's."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from hyperserve.models.loader import load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_source)
@@ -93,25 +91,8 @@ def scripted_model(smollm2_source, tmp_path_factory):
              *tokenizer.convert_tokens_to_ids(["</think>"]), tokenizer(ANSWER).input_ids[0],
              tokenizer.convert_tokens_to_ids("<|im_end|>")]
     assert len(set(chain + [direct[-1]])) == len(chain) + 1, "the script's tokens must differ"
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=False, eos_token_id=chain[-1])
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-        for norm in (model.model.norm, model.model.layers[0].input_layernorm,
-                     model.model.layers[0].post_attention_layernorm):
-            norm.weight.fill_(1.0)
-        embedding = torch.nn.functional.normalize(torch.randn(len(tokenizer), 64, generator=torch.Generator()
-                                                              .manual_seed(0)), dim=-1)
-        model.model.embed_tokens.weight.copy_(embedding)
-        for current, following in [*zip(chain, chain[1:]), (direct[-1], chain[-2])]:
-            model.lm_head.weight[following] = 30 * embedding[current]
-    path = tmp_path_factory.mktemp("scripted")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    links = [*zip(chain, chain[1:]), (direct[-1], chain[-2])]
+    return save_scripted_model(tokenizer, links, chain[-1], tmp_path_factory.mktemp("scripted"))
 
 
 @pytest.fixture(scope="module")
