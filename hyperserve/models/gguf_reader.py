@@ -10,6 +10,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import numpy as np
@@ -25,6 +27,7 @@ import transformers
 from tqdm import tqdm
 from transformers import PretrainedConfig
 
+from hyperserve.models import gpt_oss
 from hyperserve.models.gemma import GEMMA_TYPES
 
 logger = logging.getLogger("hyperserve.gguf")
@@ -62,10 +65,13 @@ _GEMMA_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# GPT-OSS's norm before the MLP is post_attention_norm; its sinks, one logit per head, come as a weight
 _GGUF_NAMES_BY_ARCHITECTURE = {"gemma2": _GEMMA_NAMES, "gemma3_text": _GEMMA_NAMES,
-                               "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+                               "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                               "gpt_oss": {"post_attention_norm": "post_attention_layernorm",
+                                           "attn_sinks": "self_attn.sinks"}}
 
-_FOUR_BIT_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"})
+_FOUR_BIT_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "MXFP4"})
 _FIVE_TO_EIGHT_BIT_GGUF_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"})
 _Q4_TYPES = frozenset({"Q4_0", "Q4_1"})  # blocks of 32 weights that pack_q41's rows hold exactly
 _GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -73,15 +79,18 @@ _GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", 
 
 def gguf_weight_bits(path: Path) -> int | None:
     """4 when most of a GGUF's transformer-block weights are in a 4-bit type (as in Q4_0, Q4_1 and
-    Q4_K_M files, whose few 6-bit tensors do not count); 8 when most are in a 5- to 8-bit one (Gemma
-    3 270M's Q4_K_M file, whose 640-wide rows do not fit Q4_K's 256-weight blocks, is mostly Q5_0);
-    None for float weights or a mix."""
+    Q4_K_M files, whose few 6-bit tensors do not count, and GPT-OSS's MXFP4 experts beside its
+    16-bit attention); 8 when most are in a 5- to 8-bit one (Gemma 3 270M's Q4_K_M file, whose
+    640-wide rows do not fit Q4_K's 256-weight blocks, is mostly Q5_0); None for float weights or
+    a mix. Most by count of weights, not of tensors."""
     from gguf import GGMLQuantizationType
 
-    types = [GGMLQuantizationType(t["type"]).name for t in gguf_index(path)["tensors"]
-             if t["name"].startswith("blk.") and len(t["shape"]) == 2]
+    tensors = gguf_index(path)["tensors"]
+    sizes = [(GGMLQuantizationType(t["type"]).name, math.prod(t["shape"])) for t in tensors
+             if t["name"].startswith("blk.") and len(t["shape"]) in (2, 3)]
+    total = sum(size for _, size in sizes)
     for bits, kinds in ((4, _FOUR_BIT_GGUF_TYPES), (8, _FIVE_TO_EIGHT_BIT_GGUF_TYPES)):
-        if types and sum(name in kinds for name in types) * 2 > len(types):
+        if total and sum(size for name, size in sizes if name in kinds) * 2 > total:
             return bits
     return None
 
@@ -159,7 +168,7 @@ def save_gguf_metadata(gguf_path: str, directory: str) -> None:
     same mapping as a plain array, which slices in C: Gemma 3's parse took 17.2 s, now 9.5 s
     (SmolLM2's 4.4 s, now 2.7 s), the same files written."""
     import gguf
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     memmap = np.memmap
     with mock.patch.object(np, "memmap", lambda *args, **kwargs: memmap(*args, **kwargs).view(np.ndarray)):
@@ -167,8 +176,10 @@ def save_gguf_metadata(gguf_path: str, directory: str) -> None:
     gguf.GGUFReader = lambda *args, **kwargs: reader
     path, target = Path(gguf_path), Path(directory)
     partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    config = gguf_config(path)
     config.save_pretrained(partial)
+    for key in [key for key in reader.fields if key.startswith("gpt-oss.rope.scaling.")]:
+        del reader.fields[key]  # read above: transformers' own reading of them fails
     # every attribute its class reads, its aliases (attribute_map) included: see loader._saved_config
     aliases = {alias: getattr(config, alias) for alias in type(config).attribute_map}
     (partial / CONFIG_ATTRIBUTES).write_text(json.dumps({**config.to_dict(), **aliases}))
@@ -178,6 +189,38 @@ def save_gguf_metadata(gguf_path: str, directory: str) -> None:
         partial.rename(target)
     except OSError:  # another process saved it first
         shutil.rmtree(partial, ignore_errors=True)
+
+
+def gguf_config(path: Path) -> PretrainedConfig:
+    """A GGUF's config as transformers reads it; GPT-OSS's (`gpt-oss`) read here from the same
+    metadata, as transformers' reading of its YaRN keys fails on llama.cpp's files."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    if reader.fields["general.architecture"].contents() != "gpt-oss":
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    from transformers import GptOssConfig
+
+    def field(key: str, default: Any = None) -> Any:
+        return reader.fields[f"gpt-oss.{key}"].contents() if f"gpt-oss.{key}" in reader.fields else default
+
+    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    rope = {"rope_type": "default", "rope_theta": field("rope.freq_base", 150000.0)}
+    if field("rope.scaling.type") == "yarn":  # llama.cpp's beta defaults, as the model's own config
+        rope.update(rope_type="yarn", factor=field("rope.scaling.factor"), beta_fast=32.0, beta_slow=1.0,
+                    original_max_position_embeddings=field("rope.scaling.original_context_length"),
+                    truncate=False)
+    return GptOssConfig(
+        vocab_size=int(embedding.shape[-1]), hidden_size=field("embedding_length"),
+        num_hidden_layers=field("block_count"), num_attention_heads=field("attention.head_count"),
+        num_key_value_heads=field("attention.head_count_kv"), head_dim=field("attention.key_length"),
+        intermediate_size=field("expert_feed_forward_length"), num_local_experts=field("expert_count"),
+        num_experts_per_tok=field("expert_used_count"), sliding_window=field("attention.sliding_window"),
+        rms_norm_eps=field("attention.layer_norm_rms_epsilon"),
+        max_position_embeddings=field("context_length"), rope_parameters=rope,
+        tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors))
 
 
 def gguf_tensors(path: Path, config: PretrainedConfig, q80_rows: frozenset[str] = frozenset(),
@@ -201,6 +244,8 @@ def gguf_tensors(path: Path, config: PretrainedConfig, q80_rows: frozenset[str] 
             continue
         if q41_layers and kind.name in _Q4_TYPES and name.startswith("model.layers."):
             array = q41_from_gguf(raw, tensor["shape"][0], kind)
+        elif kind == GGMLQuantizationType.MXFP4:  # GPT-OSS's experts: NumPy's reading took minutes for 20b
+            array = dequantize_mxfp4(raw).reshape(tensor["shape"])
         else:
             array = dequantize_q8_0(raw) if kind == GGMLQuantizationType.Q8_0 else dequantize(raw, kind)
             array = array.reshape(tensor["shape"]).astype(np.float32, copy=False)
@@ -263,6 +308,13 @@ def dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
         scale = chunk[:, :2].contiguous().view(torch.float16).float()
         out[start : start + len(chunk)] = chunk[:, 2:].contiguous().view(torch.int8).float() * scale
     return out.numpy()
+
+
+def dequantize_mxfp4(raw: np.ndarray) -> np.ndarray:
+    """llama.cpp's MXFP4 blocks (an E8M0 scale byte, then 16 bytes: the first 16 codes in the low
+    nibbles, the next 16 in the high ones) -> float32 values, as gguf's own dequantize reads them."""
+    blocks = torch.from_numpy(np.asarray(raw).reshape(-1, 17).copy())
+    return gpt_oss.dequantize_mxfp4(blocks[:, 1:].unsqueeze(1), blocks[:, :1], interleaved=False).numpy()
 
 
 def _hf_name(gguf_name: str, model_type: str) -> str | None:

@@ -11,10 +11,12 @@ differences, each a small switch there:
 - YaRN rotary (transformers' tables) over the whole head.
 
 Checkpoints store each layer's experts stacked: transformers' layout [E, in, out] (transposed
-against a Linear's [out, in]) with gate and up interleaved column by column, or OpenAI's MXFP4
+against a Linear's [out, in]) with gate and up interleaved column by column, OpenAI's MXFP4
 (`*_blocks`: 4-bit codes, two a byte, 32 a block; `*_scales`: a power of two per block, E8M0),
-in the Linear's [out, in] order. `expert_tensors` turns both into each expert's gate, up and
-down projections, dequantized to float32 as they arrive (then int4/int8/fp8 as asked).
+in the Linear's [out, in] order, or llama.cpp's GGUF (MXFP4 blocks of its own byte order, read
+by models/gguf_reader.py; gate and up apart, [E, out, in]). `expert_tensors` turns each into every
+expert's gate, up and down projections, dequantized to float32 as they arrive (then
+int4/int8/fp8 as asked).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ GPT_OSS_TYPES = ("gpt_oss",)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 _STACKED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?")
+# a GGUF's experts, stacked as [E, out, in] (and [E, out] biases), gate and up apart
+_STACKED_GGUF = re.compile(r"(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.(weight|bias)")
 
 
 @dataclass(frozen=True)
@@ -49,22 +53,32 @@ class ClampedSwiGLU:
         return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """blocks uint8 [..., G, 16] (the low nibble first), scales uint8 [..., G] (2^(s - 127)) ->
-    float32 [..., G * 32]."""
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
+    """blocks uint8 [..., G, 16], scales uint8 [..., G] (2^(s - 127)) -> float32 [..., G * 32].
+    interleaved: each byte holds two neighbours, the first in its low nibble (OpenAI's); else the
+    low nibbles hold a block's first 16 values and the high ones its last 16 (llama.cpp's)."""
     table = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., G, 32]
+    low, high = blocks & 0x0F, blocks >> 4
+    codes = (torch.stack([low, high], dim=-1).flatten(-2) if interleaved
+             else torch.cat([low, high], dim=-1)).long()  # [..., G, 32]
     values = torch.ldexp(table[codes], scales.to(torch.int32).unsqueeze(-1) - 127)
     return values.flatten(-2)
 
 
 def expert_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """A GPT-OSS checkpoint's tensors under the names the model loads: the router as the mixture's
-    gate, stacked experts (either layout) as each expert's projections, with their biases. MXFP4
-    blocks wait for their scales (or the scales for their blocks), whichever comes first."""
+    gate, stacked experts (any of the three layouts: a GGUF's too) as each expert's projections,
+    with their biases, a GGUF's sinks "weight" as the sinks. MXFP4 blocks wait for their scales
+    (or the scales for their blocks), whichever comes first."""
     waiting: dict[str, torch.Tensor] = {}
     for name, tensor in tensors:
         name = name.replace(".mlp.router.", ".mlp.gate.")
+        name = name.replace(".self_attn.sinks.weight", ".self_attn.sinks")
+        if (gguf := _STACKED_GGUF.fullmatch(name)) is not None:
+            prefix, projection, leaf = gguf.groups()
+            for expert, part in enumerate(tensor):
+                yield f"{prefix}.{expert}.{projection}.{leaf}", part
+            continue
         stacked = _STACKED.fullmatch(name)
         if stacked is None:
             yield name, tensor

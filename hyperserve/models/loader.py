@@ -61,7 +61,8 @@ def load_config(source: ModelSource) -> PretrainedConfig:
         # transformers' model registry (0.26-0.30 s), which a GGUF's start does not use
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+        config = (gguf_reader.gguf_config(source.path) if gguf_file
+                  else AutoConfig.from_pretrained(directory))
     if source.gguf_file:
         config = _complete_gguf_config(config, gguf_reader.gguf_index(source.path))
     if config.model_type not in SUPPORTED_ARCHITECTURES:
@@ -87,8 +88,8 @@ def _saved_config(directory: Path) -> PretrainedConfig:
 
 def _complete_gguf_config(config: PretrainedConfig, index: dict) -> PretrainedConfig:
     """What transformers' GGUF config leaves at its class defaults, read from the tensors' shapes:
-    Qwen3's head size (it does not map attention.key_length), Qwen3-MoE's and Qwen2-MoE's expert
-    widths (nor expert_feed_forward_length and its shared expert's), whether the LM head is the
+    Qwen3's head size (it does not map attention.key_length), Qwen3-MoE's, Qwen2-MoE's and GPT-OSS's
+    expert widths (nor expert_feed_forward_length and its shared expert's), whether the LM head is the
     embedding (no output.weight); and Mixtral, which llama.cpp writes as a `llama` with experts and
     transformers reads as a dense Llama; Gemma's attention scale and caps (`_complete_gemma_config`).
     A Phi-3 GGUF with LongRoPE factors (rope_factors_*, which transformers does not map) is refused
@@ -102,6 +103,8 @@ def _complete_gguf_config(config: PretrainedConfig, index: dict) -> PretrainedCo
     experts = next((shape for name, shape in shapes.items() if name.endswith("ffn_down_exps.weight")), None)
     if experts is not None and config.model_type in ("qwen3_moe", "qwen2_moe"):
         config.moe_intermediate_size = experts[-1]  # [E, hidden, width]
+    if experts is not None and config.model_type in gpt_oss.GPT_OSS_TYPES:
+        config.intermediate_size = experts[-1]
     if "blk.0.ffn_down_shexp.weight" in shapes:  # Qwen2-MoE's shared expert, [hidden, width]
         config.shared_expert_intermediate_size = shapes["blk.0.ffn_down_shexp.weight"][-1]
     if experts is not None and config.model_type == "llama":

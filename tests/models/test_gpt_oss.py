@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,3 +75,91 @@ def test_an_mxfp4_checkpoint_matches_transformers(mxfp4_checkpoint):
         llm = LLM(model=path, num_kv_blocks=64, block_size=4, max_model_len=128, dtype="float32",
                   max_num_batched_tokens=chunk)
         _check_against_transformers(llm, hf_model, abs_tol=2e-4)
+
+
+def write_gguf(hf_model, path, tokenizer_gguf) -> None:
+    """hf_model as llama.cpp's converter writes GPT-OSS: `gpt-oss` names and metadata (YaRN's
+    scaling, the window), each layer's experts stacked with gate and up apart ([E, out, in]) in
+    MXFP4, their biases, the router's and the sinks in float32, the rest in float32 too. The experts
+    of hf_model become what the file's blocks stand for, as gguf's own dequantize reads them."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    from tests.models.test_loader import close_gguf, gguf_writer
+
+    config = hf_model.config
+    writer = gguf_writer(path, "gpt-oss", config, tokenizer_gguf)
+    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.intermediate_size)
+    writer.add_sliding_window(config.sliding_window)
+    rope = config.rope_parameters
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    names = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+             "input_layernorm.weight": "attn_norm.weight",
+             "post_attention_layernorm.weight": "post_attention_norm.weight",
+             "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
+             "mlp.router.bias": "ffn_gate_inp.bias",
+             **{f"self_attn.{ours}_proj.{leaf}": f"attn_{theirs}.{leaf}" for leaf in ("weight", "bias")
+                for ours, theirs in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))}}
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    with torch.no_grad():
+        for name, tensor in hf_model.state_dict().items():
+            if name == "lm_head.weight":
+                writer.add_tensor("output.weight", tensor.numpy())
+                continue
+            layer, _, local = name.removeprefix("model.layers.").partition(".")
+            if not name.startswith("model.layers."):
+                writer.add_tensor(names[name.removeprefix("model.")], tensor.numpy())
+            elif local in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):  # [E, in, out]
+                weight = tensor.transpose(1, 2).numpy()
+                parts = ({"ffn_gate_exps": weight[:, 0::2], "ffn_up_exps": weight[:, 1::2]}
+                         if "gate_up" in local else {"ffn_down_exps": weight})
+                read = {}
+                for base, part in parts.items():
+                    blocks = quantize(np.ascontiguousarray(part), mxfp4)
+                    writer.add_tensor(f"blk.{layer}.{base}.weight", blocks, raw_dtype=mxfp4)
+                    read[base] = torch.from_numpy(dequantize(blocks, mxfp4).reshape(part.shape))
+                read = (torch.stack([read["ffn_gate_exps"], read["ffn_up_exps"]], dim=2).flatten(1, 2)
+                        if "gate_up" in local else read["ffn_down_exps"])
+                tensor.copy_(read.transpose(1, 2))
+            elif local in ("mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias"):
+                bias = tensor.numpy()
+                parts = ({"ffn_gate_exps": bias[:, 0::2], "ffn_up_exps": bias[:, 1::2]}
+                         if "gate_up" in local else {"ffn_down_exps": bias})
+                for base, part in parts.items():
+                    writer.add_tensor(f"blk.{layer}.{base}.bias", np.ascontiguousarray(part))
+            else:
+                writer.add_tensor(f"blk.{layer}.{names[local]}", tensor.numpy())
+    close_gguf(writer)
+
+
+def test_a_gguf_as_llama_cpp_writes_it_matches_transformers(smollm2_source, tmp_path, monkeypatch):
+    """A `gpt-oss` GGUF (MXFP4 experts, gate and up apart, llama.cpp's names for the sinks and the
+    norm before the MLP, YaRN in the metadata): the config as transformers' own class reads it,
+    completed with the expert width from the tensors, and logits and greedy tokens of transformers
+    on the weights the file stands for; int4 by default, as for other 4-bit files."""
+    from transformers import AutoModelForCausalLM
+
+    from hyperserve.models import gguf_reader
+
+    monkeypatch.setenv("HYPERSERVE_GGUF_CACHE", str(tmp_path / "cache"))
+    # a GGUF stores no SwiGLU limit: llama.cpp's is the model's, 7
+    config = tiny_config("gpt_oss", vocab_size=49152, intermediate_size=96, max_position_embeddings=256,
+                         swiglu_limit=7.0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if "norm" in name else torch.randn_like(p) * 0.15)
+    write_gguf(model, tmp_path / "model.gguf", smollm2_source.path)
+    assert gguf_reader.gguf_weight_bits(tmp_path / "model.gguf") == 4
+    llm = LLM(model=str(tmp_path / "model.gguf"), num_kv_blocks=64, block_size=4, max_model_len=128,
+              dtype="float32", quantization=None)
+    ours = llm.engine.hf_config
+    assert (ours.model_type, ours.intermediate_size, ours.layer_types) == (
+        "gpt_oss", 96, ["sliding_attention", "full_attention"])
+    assert ours.rope_parameters["rope_type"] == "yarn" and ours.rope_parameters["factor"] == 4.0
+    _check_against_transformers(llm, model, abs_tol=2e-4)

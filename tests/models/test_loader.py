@@ -171,18 +171,7 @@ def _write_gguf(hf_model, path, tokenizer_gguf, quant: str | None = "Q8_0") -> N
     arch = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
             "phi3": "phi3", "gemma2": "gemma2"}[config.model_type]
     gemma = arch == "gemma2"
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer = gguf_writer(path, arch, config, tokenizer_gguf)
     if gemma:
         writer.add_sliding_window(config.sliding_window)
         writer.add_float32("gemma2.attn_logit_softcapping", config.attn_logit_softcapping)
@@ -194,13 +183,6 @@ def _write_gguf(hf_model, path, tokenizer_gguf, quant: str | None = "Q8_0") -> N
                                                       config.intermediate_size))
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    reader = gguf.GGUFReader(tokenizer_gguf)
-    writer.add_tokenizer_model(reader.fields["tokenizer.ggml.model"].contents())
-    writer.add_token_list(reader.fields["tokenizer.ggml.tokens"].contents())
-    writer.add_token_types(reader.fields["tokenizer.ggml.token_type"].contents())
-    writer.add_token_merges(reader.fields["tokenizer.ggml.merges"].contents())
-    writer.add_eos_token_id(reader.fields["tokenizer.ggml.eos_token_id"].contents())
-    writer.add_chat_template(reader.fields["tokenizer.chat_template"].contents())
     names = {"embed_tokens": "token_embd", "norm": "output_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -254,6 +236,37 @@ def _write_gguf(hf_model, path, tokenizer_gguf, quant: str | None = "Q8_0") -> N
             writer.add_tensor(gguf_name, quantize(array, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name, array)
+    close_gguf(writer)
+
+
+def gguf_writer(path, arch: str, config, tokenizer_gguf):
+    """A GGUFWriter with the metadata llama.cpp's converter writes for every architecture, and the
+    tokenizer of `tokenizer_gguf`."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    reader = gguf.GGUFReader(tokenizer_gguf)
+    writer.add_tokenizer_model(reader.fields["tokenizer.ggml.model"].contents())
+    writer.add_token_list(reader.fields["tokenizer.ggml.tokens"].contents())
+    writer.add_token_types(reader.fields["tokenizer.ggml.token_type"].contents())
+    writer.add_token_merges(reader.fields["tokenizer.ggml.merges"].contents())
+    writer.add_eos_token_id(reader.fields["tokenizer.ggml.eos_token_id"].contents())
+    writer.add_chat_template(reader.fields["tokenizer.chat_template"].contents())
+    return writer
+
+
+def close_gguf(writer) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
