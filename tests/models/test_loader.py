@@ -239,6 +239,19 @@ def _write_gguf(hf_model, path, tokenizer_gguf, quant: str | None = "Q8_0") -> N
     close_gguf(writer)
 
 
+def random_model(config):
+    """A transformers model of `config` with weights to write into a GGUF: norms in [0.5, 1.5] (so
+    that 1 + w and w differ), the rest N(0, 0.15)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if "norm" in name else torch.randn_like(p) * 0.15)
+    return model
+
+
 def gguf_writer(path, arch: str, config, tokenizer_gguf):
     """A GGUFWriter with the metadata llama.cpp's converter writes for every architecture, and the
     tokenizer of `tokenizer_gguf`."""
@@ -287,11 +300,7 @@ def test_qwen3_gguf_matches_transformers_on_its_dequantized_weights(arch, smollm
 
     monkeypatch.setenv("HYPERSERVE_GGUF_CACHE", str(tmp_path / "cache"))
     config = tiny_config(arch, vocab_size=49152, moe_intermediate_size=64, max_position_embeddings=256)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if "norm" in name else torch.randn_like(p) * 0.15)
+    model = random_model(config)
     _write_gguf(model, tmp_path / "model.gguf", smollm2_source.path)
     # transformers' GGUF config leaves Qwen3's head size at 128 (it skips attention.key_length): given ours
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf", config=config,
@@ -405,18 +414,12 @@ def test_a_mixtral_gguf_is_read_as_mixtral(smollm2_source, tmp_path, monkeypatch
     """llama.cpp writes Mixtral as a `llama` with experts (transformers then reads a dense Llama):
     ours is a Mixtral of the GGUF's expert count and width, experts per token from its metadata,
     Q/K rows un-permuted; in float32 its answers are the original model's."""
-    from transformers import AutoModelForCausalLM
-
     from tests.models.test_llama import _check_against_transformers
 
     monkeypatch.setenv("HYPERSERVE_GGUF_CACHE", str(tmp_path / "cache"))
     config = tiny_config("mixtral", vocab_size=49152, num_local_experts=6, num_experts_per_tok=3,
                          max_position_embeddings=256)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.empty_like(p).uniform_(0.5, 1.5) if "norm" in name else torch.randn_like(p) * 0.15)
+    model = random_model(config)
     _write_gguf(model, tmp_path / "mixtral.gguf", smollm2_source.path, quant=None)
     llm = LLM(model=str(tmp_path / "mixtral.gguf"), num_kv_blocks=64, block_size=4, max_model_len=128,
               dtype="float32")
