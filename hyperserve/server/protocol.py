@@ -254,10 +254,13 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)  # an assistant's earlier calls
     tool_call_id: str | None = Field(default=None, max_length=256)  # a tool message: the call it answers
     name: str | None = Field(default=None, max_length=64)
+    reasoning_content: str | None = None  # an assistant's earlier thinking, as answers carry it
 
     def for_template(self) -> dict[str, Any]:
         """As a chat template takes it (tool calls with their arguments parsed, as Hugging Face's
-        templates read them); `developer` is OpenAI's newer name for `system`."""
+        templates read them); `developer` is OpenAI's newer name for `system`. Earlier thinking
+        goes in as `reasoning_content` (Qwen3's templates read it) and `thinking` (GPT-OSS's, which
+        shows the model its thinking before a call it made)."""
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
                                    "content": message_text(self.content)}
         if self.tool_calls:
@@ -269,6 +272,8 @@ class ChatMessage(BaseModel):
             message["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             message["name"] = self.name
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = message["thinking"] = self.reasoning_content
         return message
 
 

@@ -10,7 +10,8 @@ import pytest
 from tests.server.conftest import save_scripted_model
 
 # a harmony template in miniature: GPT-OSS's renders tools as a developer message too
-TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+TEMPLATE = ("{% for m in messages %}{% if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>"
+            "{{ m.thinking }}<|end|>{% endif %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
             "{% if tools %}<|start|>developer<|message|># Tools"
             "{% for t in tools %} functions.{{ t.function.name }}{% endfor %}<|end|>{% endif %}"
             "{% if reasoning_effort is defined %}<|start|>system<|message|>Reasoning: {{ reasoning_effort }}"
@@ -114,6 +115,17 @@ def test_reasoning_effort_reaches_the_template(client):
              for effort in ({}, {"reasoning_effort": "high"})]
     written = client.post("/tokenize", json={"prompt": "<|start|>system<|message|>Reasoning: high<|end|>"})
     assert usage[1] - usage[0] == written.json()["count"]
+
+
+def test_earlier_thinking_goes_back_to_the_template(client):
+    """An assistant message's reasoning_content, as answers carry it, is the template's `thinking`
+    (GPT-OSS's shows the model its thinking before a call it made)."""
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello", "reasoning_content": "A greeting."},
+                {"role": "user", "content": "Bye"}]
+    tokens = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    prompt = client.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert "<|channel|>analysis<|message|>A greeting.<|end|><|start|>assistant<|message|>Hello" in prompt
 
 
 def test_required_with_several_tools_is_refused_with_the_reason(client):
