@@ -23,6 +23,10 @@ taken off).
     python benchmarks/architectures.py --shape gemma2-2b-8l
     python benchmarks/architectures.py --shape deepseek-v2-lite-4l --configs float32 int4 --long-context 2000
     python benchmarks/architectures.py --shape gpt-oss-20b-4l --configs float32 int4 --long-context 2000
+
+`--write-gguf PATH` writes the shape (GPT-OSS's only) as llama.cpp's converter would, MXFP4 experts
+and Q8_0 matrices, with SmolLM2's tokenizer (so a vocabulary of 49k), for
+benchmarks/cpu_vs_llamacpp.py --model PATH, and exits.
 """
 
 from __future__ import annotations
@@ -78,16 +82,34 @@ SHAPES = {
 }
 
 
-def save_model(path: str, shape: str) -> PretrainedConfig:
-    config = SHAPES[shape]()
+def random_model(config: PretrainedConfig) -> torch.nn.Module:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0, 0.02)
-    model.save_pretrained(path)
+    return model
+
+
+def save_model(path: str, shape: str) -> PretrainedConfig:
+    config = SHAPES[shape]()
+    random_model(config).save_pretrained(path)
     return config
+
+
+def write_gguf(shape: str, path: str) -> None:
+    """A GPT-OSS shape as llama.cpp writes it (tests/models/test_gpt_oss.py's writer), its
+    vocabulary SmolLM2's tokenizer's."""
+    from hyperserve.models.registry import resolve_model
+    from tests.models.test_gpt_oss import write_gguf as write_gpt_oss_gguf
+
+    if not shape.startswith("gpt-oss"):
+        raise SystemExit("--write-gguf writes GPT-OSS shapes only")
+    config = SHAPES[shape]()
+    config.vocab_size = 49152
+    write_gpt_oss_gguf(random_model(config), path, resolve_model("smollm2-135m").path, dense="Q8_0")
+    print(f"wrote {path}")
 
 
 _drawn = 0
@@ -170,7 +192,11 @@ def main() -> None:
                         choices=["float32", "int4", "int4-layers"])
     parser.add_argument("--long-context", type=int, default=0,
                         help="also decode after a prompt this long (0: not)")
+    parser.add_argument("--write-gguf", default=None, help="write the shape as a GGUF here and exit")
     args = parser.parse_args()
+    if args.write_gguf:
+        write_gguf(args.shape, args.write_gguf)
+        return
     flags = cpu_flags()
     header = (f"CPU flags: avx2={'avx2' in flags} avx512f={'avx512f' in flags} amx={'amx_tile' in flags}; "
               f"{os.cpu_count()} cores, {torch.get_num_threads()} threads")

@@ -77,11 +77,12 @@ def test_an_mxfp4_checkpoint_matches_transformers(mxfp4_checkpoint):
         _check_against_transformers(llm, hf_model, abs_tol=2e-4)
 
 
-def write_gguf(hf_model, path, tokenizer_gguf) -> None:
+def write_gguf(hf_model, path, tokenizer_gguf, dense: str = "F32") -> None:
     """hf_model as llama.cpp's converter writes GPT-OSS: `gpt-oss` names and metadata (YaRN's
     scaling, the window), each layer's experts stacked with gate and up apart ([E, out, in]) in
-    MXFP4, their biases, the router's and the sinks in float32, the rest in float32 too. The experts
-    of hf_model become what the file's blocks stand for, as gguf's own dequantize reads them."""
+    MXFP4, their biases, the router's and the sinks in float32, the other matrices in `dense` (F32,
+    or Q8_0 as in llama.cpp's MXFP4 files; benchmarks/cpu_vs_llamacpp.py's GPT-OSS). The experts of
+    hf_model become what the file's blocks stand for, as gguf's own dequantize reads them."""
     import gguf
     from gguf.quants import dequantize, quantize
 
@@ -107,19 +108,25 @@ def write_gguf(hf_model, path, tokenizer_gguf) -> None:
     mxfp4 = gguf.GGMLQuantizationType.MXFP4
     with torch.no_grad():
         for name, tensor in hf_model.state_dict().items():
-            if name == "lm_head.weight":
-                writer.add_tensor("output.weight", tensor.numpy())
-                continue
             layer, _, local = name.removeprefix("model.layers.").partition(".")
-            if not name.startswith("model.layers."):
-                writer.add_tensor(names[name.removeprefix("model.")], tensor.numpy())
+            if name == "lm_head.weight":
+                target = "output.weight"
+            elif not name.startswith("model.layers."):
+                target = names[name.removeprefix("model.")]
+            else:  # None: an expert tensor
+                target = f"blk.{layer}.{names[local]}" if local in names else None
+            if target is not None and dense != "F32" and tensor.dim() == 2 and "ffn_gate_inp" not in target:
+                kind = gguf.GGMLQuantizationType[dense]
+                writer.add_tensor(target, quantize(tensor.numpy(), kind), raw_dtype=kind)
+            elif target is not None:
+                writer.add_tensor(target, tensor.numpy())
             elif local in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):  # [E, in, out]
                 weight = tensor.transpose(1, 2).numpy()
                 parts = ({"ffn_gate_exps": weight[:, 0::2], "ffn_up_exps": weight[:, 1::2]}
                          if "gate_up" in local else {"ffn_down_exps": weight})
                 read = {}
-                for base, part in parts.items():
-                    blocks = quantize(np.ascontiguousarray(part), mxfp4)
+                for base, part in parts.items():  # an expert at a time: the quantizer's temporaries are large
+                    blocks = np.stack([quantize(np.ascontiguousarray(expert), mxfp4) for expert in part])
                     writer.add_tensor(f"blk.{layer}.{base}.weight", blocks, raw_dtype=mxfp4)
                     read[base] = torch.from_numpy(dequantize(blocks, mxfp4).reshape(part.shape))
                 read = (torch.stack([read["ffn_gate_exps"], read["ffn_up_exps"]], dim=2).flatten(1, 2)
@@ -131,8 +138,6 @@ def write_gguf(hf_model, path, tokenizer_gguf) -> None:
                          if "gate_up" in local else {"ffn_down_exps": bias})
                 for base, part in parts.items():
                     writer.add_tensor(f"blk.{layer}.{base}.bias", np.ascontiguousarray(part))
-            else:
-                writer.add_tensor(f"blk.{layer}.{names[local]}", tensor.numpy())
     close_gguf(writer)
 
 
