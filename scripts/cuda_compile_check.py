@@ -125,8 +125,9 @@ def attention_pointers(cache: str) -> dict[str, str]:
 def attention_variants():
     """The paged decode (split) and prefill kernels at Llama-3-8B's heads (32 query, 8 KV, 128
     wide, 16-token blocks) as the engine launches them, bfloat16 and fp8 caches; prefill with one
-    head a tile and with a KV group's four packed into it (short spans); and at Gemma 2 2B's (8
-    query, 4 KV, 256 wide), its scores soft-capped and windowed."""
+    head a tile and with a KV group's four packed into it (short spans); at Gemma 2 2B's (8
+    query, 4 KV, 256 wide), its scores soft-capped and windowed; and at gpt-oss-20b's (64 query, 8
+    KV, 64 wide), windowed, with its attention sinks (the decode's in the merge of its splits)."""
     from hyperserve.layers import triton_attention as kernels
 
     tl = triton.language
@@ -148,7 +149,7 @@ def attention_variants():
                    dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=tiles.block_m,
                         BLOCK_N=tiles.block_n, QUANTIZED=quantized, WINDOWED=False, SOFTCAPPED=False,
                         DOT_DTYPE=tl.bfloat16,  # quantized K/V are scaled, then cast to it
-                        PRECISION="tf32", PACK=pack, QUERY_ROWS=tiles.block_m // pack),
+                        PRECISION="tf32", PACK=pack, QUERY_ROWS=tiles.block_m // pack, SINKS=False),
                    dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     pointers = attention_pointers("bf16")
     yield ("decode split bf16 cache, Gemma 2 (256 wide, soft-capped)", True, decode,
@@ -161,7 +162,24 @@ def attention_variants():
            prefill, types_of(prefill, **{k: v for k, v in pointers.items() if k in prefill.arg_names}),
            dict(GROUP=2, HEAD_DIM=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_M=tiles.block_m,
                 BLOCK_N=tiles.block_n, QUANTIZED=False, WINDOWED=True, SOFTCAPPED=True, DOT_DTYPE=tl.bfloat16,
-                PRECISION="tf32", PACK=1, QUERY_ROWS=tiles.block_m),
+                PRECISION="tf32", PACK=1, QUERY_ROWS=tiles.block_m, SINKS=False),
+           dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+    yield ("decode split bf16 cache, GPT-OSS (64 wide, group of 8, windowed)", True, decode,
+           types_of(decode, **{k: v for k, v in pointers.items() if k in decode.arg_names}),
+           dict(GROUP=8, BLOCK_G=16, HEAD_DIM=64, BLOCK_D=64, BLOCK_SIZE=16,
+                BLOCKS_PER_TILE=kernels.TILE_TOKENS // 16, NUM_SPLITS=16, QUANTIZED=False, WINDOWED=True,
+                SOFTCAPPED=False, DOT_DTYPE=tl.bfloat16, PRECISION="tf32"), dict(num_warps=4))
+    merge = kernels._merge_splits_kernel
+    yield ("decode split merge, GPT-OSS's sinks", True, merge,
+           types_of(merge, partial_out_ptr="*fp32", partial_lse_ptr="*fp32"),
+           dict(NUM_HEADS=64, HEAD_DIM=64, BLOCK_D=64, NUM_SPLITS=16, BLOCK_S=16, SINKS=True),
+           dict(num_warps=4))
+    tiles = kernels.prefill_tiles(2, 64)
+    yield (f"prefill bf16 cache, GPT-OSS (64 wide, windowed, sinks; {tiles.block_m} x {tiles.block_n})", True,
+           prefill, types_of(prefill, **{k: v for k, v in pointers.items() if k in prefill.arg_names}),
+           dict(GROUP=8, HEAD_DIM=64, BLOCK_D=64, BLOCK_SIZE=16, BLOCK_M=tiles.block_m,
+                BLOCK_N=tiles.block_n, QUANTIZED=False, WINDOWED=True, SOFTCAPPED=False,
+                DOT_DTYPE=tl.bfloat16, PRECISION="tf32", PACK=1, QUERY_ROWS=tiles.block_m, SINKS=True),
            dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
 
 
