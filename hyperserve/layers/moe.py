@@ -12,10 +12,10 @@ rounded score can change which experts a token runs.
 GPT-OSS's router adds a bias to its logits, and its experts (biased projections, a clamped SwiGLU:
 models/gpt_oss.py) are ordinary MLPs otherwise. Qwen2-MoE adds a shared expert that every token
 runs, its output scaled by a gate of its own (sigmoid of one score per token) and added to the
-routed experts'. DeepSeek's shared experts are
-added as they are, and its router (`GroupedRouting`) differs: V3 scores experts by a sigmoid and
-chooses by those scores plus a learned bias, both pick among the experts of a token's best few
-groups only, and the chosen weights are scaled by routed_scaling_factor.
+routed experts'. DeepSeek's shared experts are added as they are, and its router
+(`GroupedRouting`) differs: V3 scores experts by a sigmoid and chooses by those scores plus a
+learned bias, both pick among the experts of a token's best few groups only, and the chosen
+weights are scaled by routed_scaling_factor.
 
 Under tensor parallelism every rank holds every expert's run of the MLP's width and the whole
 router: the ranks route alike (their inputs are the same all-reduced rows), each expert's output

@@ -66,6 +66,8 @@ _GEMMA_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 # GPT-OSS's norm before the MLP is post_attention_norm; its sinks, one logit per head, come as a weight
+# (of _PARAMETERS: named without a leaf)
+_PARAMETERS = frozenset({"self_attn.sinks"})
 _GGUF_NAMES_BY_ARCHITECTURE = {"gemma2": _GEMMA_NAMES, "gemma3_text": _GEMMA_NAMES,
                                "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
                                "gpt_oss": {"post_attention_norm": "post_attention_layernorm",
@@ -324,6 +326,8 @@ def _hf_name(gguf_name: str, model_type: str) -> str | None:
         return None  # e.g. rope_freqs: derived from the config instead
     layer, base, leaf = match.groups()
     prefix = f"model.layers.{layer}." if layer is not None else ""
+    if names[base] in _PARAMETERS:  # a GGUF "weight" that is a parameter of its own
+        return f"{prefix}{names[base]}"
     return f"{prefix}{names[base]}.{leaf}"
 
 

@@ -14,9 +14,9 @@ Checkpoints store each layer's experts stacked: transformers' layout [E, in, out
 against a Linear's [out, in]) with gate and up interleaved column by column, OpenAI's MXFP4
 (`*_blocks`: 4-bit codes, two a byte, 32 a block; `*_scales`: a power of two per block, E8M0),
 in the Linear's [out, in] order, or llama.cpp's GGUF (MXFP4 blocks of its own byte order, read
-by models/gguf_reader.py; gate and up apart, [E, out, in]). `expert_tensors` turns each into every
-expert's gate, up and down projections, dequantized to float32 as they arrive (then
-int4/int8/fp8 as asked).
+by models/gguf_reader.py; gate and up apart, [E, out, in], split as other models' stacked
+experts). `expert_tensors` turns the first two into every expert's gate, up and down
+projections, dequantized to float32 as they arrive (then int4/int8/fp8 as asked).
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ GPT_OSS_TYPES = ("gpt_oss",)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 _STACKED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?")
-# a GGUF's experts, stacked as [E, out, in] (and [E, out] biases), gate and up apart
-_STACKED_GGUF = re.compile(r"(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.(weight|bias)")
 
 
 @dataclass(frozen=True)
@@ -67,18 +65,12 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, interleaved: bo
 
 def expert_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """A GPT-OSS checkpoint's tensors under the names the model loads: the router as the mixture's
-    gate, stacked experts (any of the three layouts: a GGUF's too) as each expert's projections,
-    with their biases, a GGUF's sinks "weight" as the sinks. MXFP4 blocks wait for their scales
-    (or the scales for their blocks), whichever comes first."""
+    gate, stacked experts of OpenAI's and transformers' layouts as each expert's projections, with
+    their biases (a GGUF's, gate and up apart, the loader splits as other models'). MXFP4 blocks
+    wait for their scales (or the scales for their blocks), whichever comes first."""
     waiting: dict[str, torch.Tensor] = {}
     for name, tensor in tensors:
         name = name.replace(".mlp.router.", ".mlp.gate.")
-        name = name.replace(".self_attn.sinks.weight", ".self_attn.sinks")
-        if (gguf := _STACKED_GGUF.fullmatch(name)) is not None:
-            prefix, projection, leaf = gguf.groups()
-            for expert, part in enumerate(tensor):
-                yield f"{prefix}.{expert}.{projection}.{leaf}", part
-            continue
         stacked = _STACKED.fullmatch(name)
         if stacked is None:
             yield name, tensor

@@ -256,6 +256,14 @@ class LlamaForCausalLM(nn.Module):
             None if self.tie_word_embeddings
             else Linear(config.hidden_size, self.vocab_shard, bias=False)
         )
+        # which layers attend through the sliding window: every one, or (a config with layer_types:
+        # GPT-OSS's alternate, Qwen2's from max_window_layers on) those its layer_types say
+        window = _config_window(config)
+        self.window_layers = [window is not None and not layer.self_attn.full_attention
+                              for layer in self.model.layers]
+        self.sliding_window = window if any(self.window_layers) else None  # None: no layer has one
+        # layers with the window and layers without it: the runner adds unwindowed metadata
+        self.interleaves_full_attention = any(self.window_layers) and not all(self.window_layers)
 
     @property
     def has_experts(self) -> bool:
@@ -263,31 +271,8 @@ class LlamaForCausalLM(nn.Module):
         nor captured in CUDA graphs."""
         return any(isinstance(layer.mlp, SparseMoE) for layer in self.model.layers)
 
-    @property
-    def sliding_window(self) -> int | None:
-        """The windowed layers' window; None where no layer has one."""
-        return self._config_window if any(self.window_layers) else None
-
-    @property
-    def _config_window(self) -> int | None:
-        if self.config.model_type in QWEN_TYPES and not getattr(self.config, "use_sliding_window", False):
-            return None
-        return getattr(self.config, "sliding_window", None)
-
     embedding_multiplier: float | None = None  # the embeddings as looked up (Gemma scales its own)
     final_logit_softcap: float | None = None  # logits as the head gives them (Gemma 2 caps its own)
-
-    @property
-    def window_layers(self) -> list[bool]:
-        """Which layers attend through the sliding window: every one, or (a config with layer_types:
-        GPT-OSS's alternate, Qwen2's from max_window_layers on) those its layer_types say."""
-        return [self._config_window is not None and not layer.self_attn.full_attention
-                for layer in self.model.layers]
-
-    @property
-    def interleaves_full_attention(self) -> bool:
-        """Layers with the window and layers without it (the runner adds unwindowed metadata)."""
-        return any(self.window_layers) and not all(self.window_layers)
 
     def reset_rotary(self) -> None:
         """Fill the rotary tables (the model is built on the meta device, so this runs after)."""
@@ -347,6 +332,13 @@ class LlamaForCausalLM(nn.Module):
             return f"{parent}.{fused}.{leaf}"
         self.get_parameter(name).data.copy_(tensor)
         return name
+
+
+def _config_window(config: PretrainedConfig) -> int | None:
+    """The config's sliding window (Qwen's only with use_sliding_window)."""
+    if config.model_type in QWEN_TYPES and not getattr(config, "use_sliding_window", False):
+        return None
+    return getattr(config, "sliding_window", None)
 
 
 def embed_vocab_parallel(tp: TensorParallel, embedding: nn.Module, vocab_shard: int,

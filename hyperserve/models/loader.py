@@ -399,28 +399,30 @@ def _expect_q41_rows(layers: torch.nn.Module) -> None:
 # Mixtral's names for its MoE block and its experts' projections -> Qwen's (and ours)
 _MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
                   ".w2.": ".down_proj."}
-_STACKED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?")
+_STACKED_EXPERTS = re.compile(
+    r"(.*\.mlp\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.(weight|bias))?")
 
 
 def _per_expert(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """A checkpoint tensor under the names the model loads: Mixtral's renamed as Qwen3-MoE's, and
     experts stacked in one tensor (transformers' fused [E, 2I, H] gate_up_proj, GGUF's
-    ffn_*_exps) split into each expert's projection."""
+    ffn_*_exps and, for GPT-OSS, their [E, out] biases) split into each expert's projection."""
     if ".block_sparse_moe." in name:
         for old, new in _MIXTRAL_NAMES.items():
             name = name.replace(old, new)
     stacked = _STACKED_EXPERTS.fullmatch(name)
-    if stacked is None or tensor.dim() != 3:
+    leaf = "weight" if stacked is None else stacked.group(3) or "weight"
+    if stacked is None or tensor.dim() != (3 if leaf == "weight" else 2):
         yield name, tensor
         return
-    prefix, projection, _ = stacked.groups()
-    for expert, weight in enumerate(tensor):
+    prefix, projection = stacked.group(1), stacked.group(2)
+    for expert, part in enumerate(tensor):
         if projection == "gate_up_proj":
-            gate, up = weight.chunk(2, dim=0)
-            yield f"{prefix}.{expert}.gate_proj.weight", gate
-            yield f"{prefix}.{expert}.up_proj.weight", up
+            gate, up = part.chunk(2, dim=0)
+            yield f"{prefix}.{expert}.gate_proj.{leaf}", gate
+            yield f"{prefix}.{expert}.up_proj.{leaf}", up
         else:
-            yield f"{prefix}.{expert}.{projection}.weight", weight
+            yield f"{prefix}.{expert}.{projection}.{leaf}", part
 
 
 def _layer_index(name: str) -> int | None:

@@ -27,7 +27,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from hyperserve.server.tool_calls import one_per_call
+from hyperserve.common.errors import APIError
+from hyperserve.sampling_params import StructuredOutputs
+from hyperserve.server.protocol import NamedToolChoice, Tool
+from hyperserve.server.tool_calls import one_per_call, whole_calls
 from hyperserve.server.tools import HERMES
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
@@ -70,7 +73,7 @@ class HarmonyParser:
         """(reasoning or None, content or None, tool calls) of a whole answer."""
         stream = self.stream()
         reasoning, content, _ = stream.feed(text, final=True)
-        calls = [{key: value for key, value in call.items() if key != "index"} for call in stream.calls]
+        calls = whole_calls(stream.calls)
         return (reasoning if stream.thought else None), (content or None if calls else content), calls
 
 
@@ -81,7 +84,7 @@ class HarmonyStream:
 
     tool_names: frozenset[str] = frozenset()
     held: str = ""  # to start with: the header the prompt wrote (header_for), if it wrote one
-    header: str | None = None  # the open message's header
+    kind: str | None = None  # the open message's: "reasoning", "content" or "call"; None: between messages
     thought: bool = False  # whether the answer had thinking (a whole answer's reasoning is then not None)
     calls: list[dict[str, Any]] = field(default_factory=list)
 
@@ -90,11 +93,11 @@ class HarmonyStream:
         reasoning, content, deltas = [], [], []
         self.held += text
         while self.held:
-            if self.header is None:  # between messages: the next header
+            if self.kind is None:  # between messages: the next header
                 opened = self.held.find(MESSAGE)
                 if opened < 0:
                     if final or not _could_be_header(self.held):  # not harmony after all: plain text
-                        self.header, self.held = f"{CHANNEL}final", self.held
+                        self.kind = "content"
                         continue
                     break
                 self._open(self.held[:opened], deltas)
@@ -109,39 +112,37 @@ class HarmonyStream:
             if end < 0:
                 break
             closer = next(m for m in CLOSERS if self.held.startswith(m))
-            self.header, self.held = None, self.held[len(closer):] if closer != START else self.held
+            self.kind, self.held = None, self.held[len(closer):] if closer != START else self.held
         if final:
             self.held = ""
         return "".join(reasoning), "".join(content), one_per_call(deltas)
 
     def _open(self, header: str, deltas: list[dict[str, Any]]) -> None:
-        self.header = header
-        name = self._function(header)
-        if name is not None:
+        """A message whose header is `header`: a call (to an offered function), thinking (the
+        analysis channel) or content (final, or commentary for the user)."""
+        recipient, channel = _RECIPIENT.search(header), _CHANNEL.search(header)
+        name = None if recipient is None else recipient.group(1)
+        if name is not None and name.startswith(FUNCTIONS) and name[len(FUNCTIONS):] in self.tool_names:
+            self.kind, name = "call", name[len(FUNCTIONS):]
             call = {"index": len(self.calls), "id": HERMES.call_id(), "type": "function",
                     "function": {"name": name, "arguments": ""}}
             self.calls.append(call)
             deltas.append({**call, "function": dict(call["function"])})
-
-    def _function(self, header: str) -> str | None:
-        """The offered function a header addresses; None: not a call."""
-        recipient = _RECIPIENT.search(header)
-        if recipient is None or not recipient.group(1).startswith(FUNCTIONS):
-            return None
-        name = recipient.group(1)[len(FUNCTIONS):]
-        return name if name in self.tool_names else None
+        elif channel is not None and channel.group(1) == "analysis":
+            self.kind = "reasoning"
+        else:
+            self.kind = "content"
 
     def _body(self, text: str, reasoning: list[str], content: list[str], deltas: list[dict[str, Any]]) -> None:
         if not text:
             return
-        channel = _CHANNEL.search(self.header)
-        if self._function(self.header) is not None:
+        if self.kind == "call":
             self.calls[-1]["function"]["arguments"] += text
             deltas.append({"index": len(self.calls) - 1, "function": {"arguments": text}})
-        elif channel is not None and channel.group(1) == "analysis":
+        elif self.kind == "reasoning":
             self.thought = True
             reasoning.append(text)
-        else:  # final, or commentary for the user
+        else:
             content.append(text)
 
 
@@ -161,3 +162,18 @@ def _partial_marker(text: str) -> int:
         if any(marker.startswith(text[-size:]) for marker in MARKERS):
             return size
     return 0
+
+
+def tool_constraint(offered: list[Tool], choice: str | NamedToolChoice | None
+                    ) -> tuple[StructuredOutputs | None, str]:
+    """(constraint, header the prompt writes) for a tool_choice: with "auto" the model calls in its
+    own channels, unconstrained; a named function (or "required" with one function offered) gets
+    its call's header in the prompt and its parameters' schema on the body."""
+    if choice in (None, "auto", "none"):
+        return None, ""
+    if choice == "required" and len(offered) > 1:
+        raise APIError(400, "tool_choice 'required' with several tools is not supported for harmony "
+                            "(GPT-OSS) models yet: name the function, or use 'auto'", param="tool_choice")
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else offered[0].function.name
+    tool = next(t for t in offered if t.function.name == name)
+    return StructuredOutputs(json=tool.function.parameters or {"type": "object"}), header_for(name)

@@ -32,7 +32,6 @@ from hyperserve.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     KVPrefillRequest,
-    NamedToolChoice,
     TokenizeRequest,
     Tool,
     new_id,
@@ -152,7 +151,7 @@ class OpenAIServing:
                                 "XML tags (it holds '>' or a line break); rename it", param="tools")
         answer_header = ""  # harmony: the header the prompt writes for a constrained body
         if offered and self.harmony:
-            constraint, answer_header = harmony_tool_constraint(offered, request.tool_choice)
+            constraint, answer_header = harmony.tool_constraint(offered, request.tool_choice)
         elif offered:
             constraint = tools.tool_constraint(offered, request.tool_choice, request.parallel_tool_calls,
                                                self.tool_format, self.tool_marker_id)
@@ -667,19 +666,3 @@ def _pin_refused(reason: str, retryable: bool) -> APIError:
         return APIError(429, f"cannot pin now: {reason}; retry once pins expire or are deleted",
                         type_="rate_limit_error", code="pin_limit", headers={"Retry-After": "5"})
     return APIError(400, f"cannot pin: {reason}", param="prompt", code="pin_limit")
-
-
-def harmony_tool_constraint(offered: list[Tool], choice: str | NamedToolChoice | None
-                            ) -> tuple[StructuredOutputs | None, str]:
-    """(constraint, header the prompt writes) for a harmony model's tool_choice: with "auto" the
-    model calls in its own channels, unconstrained; a named function (or "required" with one
-    function offered) gets its call's header in the prompt and its parameters' schema on the body."""
-    if choice in (None, "auto", "none"):
-        return None, ""
-    if choice == "required" and len(offered) > 1:
-        raise APIError(400, "tool_choice 'required' with several tools is not supported for harmony "
-                            "(GPT-OSS) models yet: name the function, or use 'auto'", param="tool_choice")
-    name = choice.function.name if isinstance(choice, NamedToolChoice) else offered[0].function.name
-    tool = next(t for t in offered if t.function.name == name)
-    schema = tool.function.parameters or {"type": "object"}
-    return StructuredOutputs(json=schema), harmony.header_for(name)

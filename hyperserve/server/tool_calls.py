@@ -46,7 +46,7 @@ def parse_tool_calls(text: str, tool_names: set[str], calls_only: bool = False, 
     the same calls and content (None when nothing is left, or with `calls_only`)."""
     stream = ToolCallStream(tool_names, calls_only, fmt, string_parameters)
     content, _ = stream.feed(text, final=True)
-    calls = [{key: value for key, value in call.items() if key != "index"} for call in stream.calls]
+    calls = whole_calls(stream.calls)
     return None if calls_only else content.strip() or None, calls
 
 
@@ -306,6 +306,11 @@ class ToolCallStream:
     def _move(self, state: str) -> bool:
         self.state = state
         return True
+
+
+def whole_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stream's calls as a whole answer's message holds them (without their stream index)."""
+    return [{key: value for key, value in call.items() if key != "index"} for call in calls]
 
 
 def one_per_call(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
