@@ -18,16 +18,19 @@ in the role's part of the header.
 The markers are special tokens, so these answers are detokenized with them (skip_special_tokens
 false) and the markers are dropped here. Whole answers go through the same stream as streamed ones,
 so the two never differ. A constraint (response_format, a named tool_choice) applies to a body
-whose header the prompt writes (`header_for`): the model then writes the body alone.
+whose header the prompt writes (`header_for`): the model then writes the body alone. With
+tool_choice "required" and several functions the prompt writes the header up to the recipient's
+`functions.`, and a grammar has the model name one of them and write its arguments' body.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from hyperserve.common.errors import APIError
+from hyperserve.engine.structured_output import JSON_LAYOUT, strict_schema
 from hyperserve.sampling_params import StructuredOutputs
 from hyperserve.server.protocol import NamedToolChoice, Tool
 from hyperserve.server.tool_calls import one_per_call, whole_calls
@@ -50,12 +53,15 @@ def speaks(tokenizer) -> bool:
     return all(marker in added for marker in (START, END, MESSAGE, CHANNEL))
 
 
+CONSTRAIN = "<|constrain|>"
+
+
 def header_for(function: str | None = None) -> str:
     """The header a prompt writes for the body a constraint then shapes: the final answer's, or
     a call to `function` (its arguments as JSON)."""
     if function is None:
         return f"{CHANNEL}final{MESSAGE}"
-    return f"{CHANNEL}commentary to={FUNCTIONS}{function} <|constrain|>json{MESSAGE}"
+    return f"{CHANNEL}commentary to={FUNCTIONS}{function} {CONSTRAIN}json{MESSAGE}"
 
 
 @dataclass(frozen=True)
@@ -168,12 +174,19 @@ def tool_constraint(offered: list[Tool], choice: str | NamedToolChoice | None
                     ) -> tuple[StructuredOutputs | None, str]:
     """(constraint, header the prompt writes) for a tool_choice: with "auto" the model calls in its
     own channels, unconstrained; a named function (or "required" with one function offered) gets
-    its call's header in the prompt and its parameters' schema on the body."""
+    its call's header in the prompt and its parameters' schema on the body; "required" with
+    several, the header up to `functions.` and a grammar: an offered name, the rest of its header
+    (harmony's markers as the special tokens they are) and a body its parameters' schema allows."""
     if choice in (None, "auto", "none"):
         return None, ""
     if choice == "required" and len(offered) > 1:
-        raise APIError(400, "tool_choice 'required' with several tools is not supported for harmony "
-                            "(GPT-OSS) models yet: name the function, or use 'auto'", param="tool_choice")
+        calls = []
+        for tool in offered:
+            schema = {**strict_schema(tool.function.parameters or {"type": "object"}), "x-guidance": JSON_LAYOUT}
+            calls.append(f'{json.dumps(tool.function.name + " ")} {CONSTRAIN} "json" {MESSAGE} '
+                         f"%json {json.dumps(schema)}")
+        grammar = "start: " + "\n     | ".join(calls) + "\n"
+        return StructuredOutputs(grammar=grammar), f"{CHANNEL}commentary to={FUNCTIONS}"
     name = choice.function.name if isinstance(choice, NamedToolChoice) else offered[0].function.name
     tool = next(t for t in offered if t.function.name == name)
     return StructuredOutputs(json=tool.function.parameters or {"type": "object"}), header_for(name)

@@ -128,7 +128,22 @@ def test_earlier_thinking_goes_back_to_the_template(client):
     assert "<|channel|>analysis<|message|>A greeting.<|end|><|start|>assistant<|message|>Hello" in prompt
 
 
-def test_required_with_several_tools_is_refused_with_the_reason(client):
-    body = {**CHAT, "tools": [tool("get_weather"), tool("get_time")], "tool_choice": "required"}
-    response = client.post("/v1/chat/completions", json=body)
-    assert response.status_code == 400 and "name the function" in response.json()["error"]["message"]
+def test_required_with_several_tools_makes_the_model_call_one_of_them(client):
+    """tool_choice "required" with several functions: the prompt opens a call's header up to its
+    recipient, and a grammar holds the model to an offered name, the rest of the header (its
+    markers special tokens) and arguments its schema allows. This scripted model, which writes no
+    call from there by itself, is held to one: the first offered name in token order, then from
+    <|message|> its scripted arguments. Streamed, the same call."""
+    body = {**CHAT, "tools": [tool("get_weather"), tool("get_time")], "tool_choice": "required", "max_tokens": 48}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_time", "arguments": ARGUMENTS}
+    name, arguments = None, ""
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for piece in json.loads(line[6:])["choices"][0]["delta"].get("tool_calls") or []:
+                    name = piece["function"].get("name") or name
+                    arguments += piece["function"].get("arguments") or ""
+    assert (name, arguments) == ("get_time", ARGUMENTS)
