@@ -6,7 +6,7 @@ configuration more than 3% worse than float32 in perplexity must not be a defaul
 Speed, in the same run: single-stream decode (128 tokens), prefill of a 512-token prompt, and
 output throughput of 16 requests together (200-token prompts, 128 output tokens each).
 
-A configuration is its options joined by "+": `float32`, `int8`, `int4`, `compile` (torch.compile
+A configuration is its options joined by "+": `float32`, `int8`, `int4`, `mxfp4`, `compile` (torch.compile
 the decode step), `kv-int8` / `kv-fp8` (quantized KV cache), e.g. `int4+compile+kv-int8`.
 
     python benchmarks/quality.py [--configs float32 int8 int4 int4+compile] [--model gemma3-270m]
@@ -39,7 +39,7 @@ def engine_options(config: str) -> dict:
     """`int4+compile+kv-int8`, `int8+dtype-bfloat16` -> LLM keyword arguments."""
     options: dict = {}
     for part in config.split("+"):
-        if part in ("int4", "int8", "fp8"):
+        if part in ("int4", "int8", "fp8", "mxfp4"):
             options["quantization"] = part
         elif part == "compile":
             options["compile"] = True

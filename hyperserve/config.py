@@ -25,7 +25,8 @@ class ModelConfig:
     load_format: str = "auto"  # auto: weights from the checkpoint; random: random weights from its config
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0
-    # auto: on the CPU int4 for a 4-bit GGUF, int8 for a 5- to 8-bit one, else none | int4 | int8 | fp8 | none
+    # auto: on the CPU mxfp4 for MXFP4 experts (GPT-OSS), int4 for a 4-bit GGUF, int8 for a 5- to
+    # 8-bit one, else none | int4 | int8 | fp8 | mxfp4 | none
     quantization: str | None = "auto"
     compile: bool = False  # torch.compile the decode step (fused elementwise ops, less Python per token)
     # auto: Triton paged decode on CUDA, portable SDPA otherwise | torch | triton
@@ -50,12 +51,17 @@ class ModelConfig:
         if self.quantization == "auto":
             self.quantization = self._default_quantization()
         if self.quantization is not None:
-            if self.quantization not in ("int4", "int8", "fp8"):
+            if self.quantization not in ("int4", "int8", "fp8", "mxfp4"):
                 raise ValueError(
-                    f"quantization must be auto, int4, int8, fp8 or none, got {self.quantization!r}")
+                    f"quantization must be auto, int4, int8, fp8, mxfp4 or none, got {self.quantization!r}")
             if self.device != "cpu" and self.quantization != "fp8":
                 raise ValueError(
                     f"quantization={self.quantization!r} runs on the CPU (PyTorch's CPU kernels)")
+            if self.quantization == "mxfp4":
+                from hyperserve import kernels
+
+                if not kernels.available():
+                    raise ValueError("quantization='mxfp4' needs the native CPU kernels, which are not built")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
@@ -66,14 +72,18 @@ class ModelConfig:
         """For a GGUF checkpoint on the CPU, the 8-bit or 4-bit kind nearest its own types: int4 for
         4-bit ones (exact for Q4_1, near for Q4_K), int8 for 5- to 8-bit ones (Q5_0, Q6_K, Q8_0, which
         int4 would round away: +27% perplexity on Gemma 3 270M). Either decodes several times faster
-        than float32. Anything else as stored."""
+        than float32. A checkpoint whose experts are MXFP4 (GPT-OSS's own, and llama.cpp's GGUFs of
+        it) keeps them so: mxfp4 (int4 without the native kernels). Anything else as stored."""
         from hyperserve import kernels
         from hyperserve.models.gguf_reader import gguf_weight_bits
+        from hyperserve.models.loader import stores_mxfp4
         from hyperserve.models.registry import resolve_model
 
         if self.device != "cpu" or self.load_format == "random":
             return None
         source = resolve_model(self.model)
+        if stores_mxfp4(source):
+            return "mxfp4" if kernels.available() else "int4"
         bits = gguf_weight_bits(source.path) if source.gguf_file else None
         if bits == 8:  # through the native Q8_0 kernels only: fbgemm's int8 keeps the head in float32
             return "int8" if kernels.available() else None
@@ -81,14 +91,14 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """auto: bfloat16 on CUDA and for the native CPU kernels' int4 and int8 (Q8_0), which take
+        """auto: bfloat16 on CUDA and for the native CPU kernels' int4, int8 (Q8_0) and mxfp4, which take
         16-bit activations: the KV cache takes half of float32's memory, for no loss in quality
         (Gemma 3 270M in int8: -0.2% perplexity, benchmarks/quality.py); float32 elsewhere."""
         if self.dtype == "auto":
             from hyperserve import kernels
 
             native_int8 = self.quantization == "int8" and self.device == "cpu" and kernels.available()
-            sixteen = self.device == "cuda" or self.quantization == "int4" or native_int8
+            sixteen = self.device == "cuda" or self.quantization in ("int4", "mxfp4") or native_int8
             return torch.bfloat16 if sixteen else torch.float32
         return getattr(torch, self.dtype)
 

@@ -4,7 +4,7 @@ Owns the model and the KV cache tensors. Logits are computed
 only for the rows that are sampled: the last new token of each request that reaches its end, and
 with speculation also the rows of its draft tokens, which are verified against them.
 
-For int4 and int8 models on the CPU, steps run the fused native decoder layers (layers/fused_decode.py,
+For int4, int8 and mxfp4 models on the CPU, steps run the fused native decoder layers (layers/fused_decode.py,
 which says which steps: every step on AVX2-only CPUs, those of up to a few hundred tokens
 elsewhere): one call per layer, every token a row with its own slot, block table, context length
 and LoRA adapter (the PyTorch layers' projections add each row's adapter delta too:
@@ -168,8 +168,9 @@ class ModelRunner:
         self.decode_graphs.capture(route=self.model.tp.size == 1)
 
     def _fused_decode(self, config: EngineConfig) -> FusedDecode | None:
-        """The native one-call-per-layer decode for int4 and int8 models on the CPU, where it applies."""
-        if self.device.type != "cpu" or config.model.quantization not in ("int4", "int8"):
+        """The native one-call-per-layer decode for int4, int8 and mxfp4 models on the CPU, where it
+        applies."""
+        if self.device.type != "cpu" or config.model.quantization not in ("int4", "int8", "mxfp4"):
             return None
         reason = FusedDecode.unsupported(self.model, self.kv_caches)
         if reason is not None:

@@ -49,9 +49,12 @@ void gated_rows(const float* gates, int64_t rows, int64_t n, float* out, bool av
   });
 }
 
-// A projection's packed weight, Q4_1 (int4) or Q8_0 (int8), told apart by its bytes per group of 32
-// inputs: 160 or 544 a block's group interleaved, 20 or 34 a channel's in rows.
+// A projection's packed weight, Q4_1 (int4), Q8_0 (int8) or MXFP4, told apart by its bytes per group
+// of 32 inputs: 160, 544 or 136 a block's group interleaved, 20 or 34 a channel's in rows.
 QuantizedWeight projection(const at::Tensor& packed, int64_t in_features) {
+  if (packed.dim() == 3 && packed.size(2) == kMxBlockGroupBytes) {
+    return quantized_weight(packed, in_features, Format::kMxfp4);
+  }
   const bool q8_0 = packed.dim() == 3 ? packed.size(2) == kHeadBlockGroupBytes
                                       : packed.dim() == 2 && packed.size(1) == in_features + in_features / 16;
   return quantized_weight(packed, in_features, q8_0 ? Format::kQ8_0 : Format::kQ4_1);

@@ -1,5 +1,5 @@
-// Quantized weights (GGUF's Q4_1 and Q8_0, and Q4_1 interleaved by 8 channels) times a few rows of
-// float32 input: the decode step's projections and LM head (layouts and arithmetic: cpu_ops.cpp).
+// Quantized weights (GGUF's Q4_1 and Q8_0, Q4_1 and MXFP4 interleaved by 8 channels) times a few rows
+// of float32 input: the decode step's projections and LM head (layouts and arithmetic: cpu_ops.cpp).
 
 #pragma once
 
@@ -27,26 +27,44 @@ constexpr int64_t kQuantizeGrain = 64;  // input groups per piece of quantizing:
 
 // ---- quantized matrix times a few rows ----
 
-enum class Format { kQ4_1, kQ8_0 };
+enum class Format { kQ4_1, kQ8_0, kMxfp4 };
 
 Format parse_format(const std::string& name) {
   if (name == "q4_1") return Format::kQ4_1;
-  TORCH_CHECK(name == "q8_0", "quantized weights: format must be q4_1 or q8_0, got ", name);
+  if (name == "mxfp4") return Format::kMxfp4;
+  TORCH_CHECK(name == "q8_0", "quantized weights: format must be q4_1, q8_0 or mxfp4, got ", name);
   return Format::kQ8_0;
 }
 
-constexpr int64_t kBlock = 8;                              // channels of an interleaved Q4_1 block
+constexpr int64_t kBlock = 8;                              // channels of an interleaved Q4_1 or MXFP4 block
 constexpr int64_t kBlockGroupBytes = kBlock * (kGroup / 2 + 4);  // a block's codes, scales, minimums of one group
+constexpr int64_t kMxBlockGroupBytes = kBlock * (kGroup / 2 + 1);  // a block's codes and E8M0 scales, one group
 constexpr int64_t kHeadBlock = 16;                         // channels of an interleaved Q8_0 block
 constexpr int64_t kHeadBlockGroupBytes = kHeadBlock * (kGroup + 2);  // a block's codes and scales of one group
+
+// MXFP4's 16 codes (E2M1: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) doubled, which makes them
+// integers; the scale is halved to match (mxfp4_scale).
+constexpr int8_t kFp4Doubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+// The vector kernels' unsigned codes (their byte products take one unsigned operand): doubled plus
+// this, corrected by it times the input group's integer sum (QuantizedRows8::code_sums).
+constexpr int kFp4Offset = 12;
+
+// An E8M0 scale byte (2^(e - 127)) halved, as the doubled codes need: the float whose exponent
+// field is e, times one half (e = 0, which would be 2^-127, gives 0).
+inline float mxfp4_scale(uint8_t e) {
+  uint32_t bits = static_cast<uint32_t>(e) << 23;
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value * 0.5f;
+}
 
 struct QuantizedWeight {  // one quantized linear: out_features rows of row_bytes, or blocks of 8 or 16 of them
   const uint8_t* data;
   Format format;
-  bool interleaved;  // Q4_1 in blocks of kBlock channels, Q8_0 of kHeadBlock (see the top of cpu_ops.cpp)
+  bool interleaved;  // Q4_1 and MXFP4 in blocks of kBlock channels, Q8_0 of kHeadBlock (see cpu_ops.cpp)
   int64_t out_features, in_features, groups, row_bytes;
 
-  int64_t group_bytes() const { return format == Format::kQ4_1 ? kGroup / 2 : kGroup; }
+  int64_t group_bytes() const { return format == Format::kQ8_0 ? kGroup : kGroup / 2; }
   // row layout only: channel n's codes, scales and minimums (Q4_1)
   const uint8_t* codes(int64_t n) const { return data + n * row_bytes; }
   const at::Half* scales(int64_t n) const {
@@ -54,12 +72,17 @@ struct QuantizedWeight {  // one quantized linear: out_features rows of row_byte
   }
   const at::Half* mins(int64_t n) const { return scales(n) + groups; }
   // interleaved layout only: channels per block, and group g of the block holding channel n
-  int64_t block() const { return format == Format::kQ4_1 ? kBlock : kHeadBlock; }
+  int64_t block() const { return format == Format::kQ8_0 ? kHeadBlock : kBlock; }
+  int64_t block_group_bytes() const {
+    return format == Format::kQ4_1 ? kBlockGroupBytes : format == Format::kQ8_0 ? kHeadBlockGroupBytes
+                                                                                 : kMxBlockGroupBytes;
+  }
   const uint8_t* block_group(int64_t n, int64_t g) const {
-    return data + ((n / block()) * groups + g) * (format == Format::kQ4_1 ? kBlockGroupBytes : kHeadBlockGroupBytes);
+    return data + ((n / block()) * groups + g) * block_group_bytes();
   }
 
-  // either layout: code j of group g of channel n (Q8_0's are signed), its scale and minimum
+  // either layout: code j of group g of channel n (Q8_0's are signed, MXFP4's doubled values), its
+  // scale and minimum: w = code * scale (+ min for Q4_1)
   int code(int64_t n, int64_t g, int64_t j) const {
     if (format == Format::kQ8_0) {
       return static_cast<int8_t>(interleaved ? block_group(n, g)[j / 2 * 32 + n % kHeadBlock * 2 + j % 2]
@@ -68,9 +91,11 @@ struct QuantizedWeight {  // one quantized linear: out_features rows of row_byte
     const int64_t low = j % (kGroup / 2);  // code j sits in GGUF's byte j % 16 of the group
     const uint8_t byte = interleaved ? block_group(n, g)[low / 4 * 32 + n % kBlock * 4 + low % 4]
                                      : codes(n)[g * kGroup / 2 + low];
-    return j < kGroup / 2 ? byte & 0x0F : byte >> 4;
+    const int nibble = j < kGroup / 2 ? byte & 0x0F : byte >> 4;
+    return format == Format::kMxfp4 ? kFp4Doubled[nibble] : nibble;
   }
   float scale(int64_t n, int64_t g) const {
+    if (format == Format::kMxfp4) return mxfp4_scale(block_group(n, g)[kBlock * kGroup / 2 + n % kBlock]);
     if (!interleaved) return static_cast<float>(scales(n)[g]);
     const int64_t codes_bytes = block() * group_bytes();
     return static_cast<float>(reinterpret_cast<const at::Half*>(block_group(n, g) + codes_bytes)[n % block()]);
@@ -82,7 +107,7 @@ struct QuantizedWeight {  // one quantized linear: out_features rows of row_byte
 };
 
 // A 2-D packed weight is in the row layout, a 3-D one interleaved: Q4_1 [out / 8, groups, 160],
-// Q8_0 [out / 16, groups, 544].
+// MXFP4 [out / 8, groups, 136] (interleaved only), Q8_0 [out / 16, groups, 544].
 QuantizedWeight quantized_weight(const at::Tensor& packed, int64_t in_features, Format format) {
   TORCH_CHECK(in_features % kGroup == 0 && in_features <= kMaxGroups * kGroup,
               "quantized weights: in_features must be a multiple of 32, at most ", kMaxGroups * kGroup);
@@ -91,13 +116,16 @@ QuantizedWeight quantized_weight(const at::Tensor& packed, int64_t in_features, 
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(),
               "quantized weights: expected contiguous uint8");
   if (packed.dim() == 3) {
-    const bool q41 = format == Format::kQ4_1;
-    const int64_t block = q41 ? kBlock : kHeadBlock, bytes = q41 ? kBlockGroupBytes : kHeadBlockGroupBytes;
-    TORCH_CHECK(packed.size(1) == groups && packed.size(2) == bytes, "quantized weights: expected contiguous uint8 [",
-                "out_features / ", block, ", ", groups, ", ", bytes, "] (", q41 ? "Q4_1" : "Q8_0",
-                " interleaved) for in_features ", in_features);
-    return {packed.data_ptr<uint8_t>(), format, true, packed.size(0) * block, in_features, groups, row_bytes};
+    QuantizedWeight w{packed.data_ptr<uint8_t>(), format, true, 0, in_features, groups, row_bytes};
+    const char* name = format == Format::kQ4_1 ? "Q4_1" : format == Format::kQ8_0 ? "Q8_0" : "MXFP4";
+    TORCH_CHECK(packed.size(1) == groups && packed.size(2) == w.block_group_bytes(),
+                "quantized weights: expected contiguous uint8 [out_features / ", w.block(), ", ", groups, ", ",
+                w.block_group_bytes(), "] (", name, " interleaved) for in_features ", in_features);
+    w.out_features = packed.size(0) * w.block();
+    return w;
   }
+  TORCH_CHECK(format != Format::kMxfp4,
+              "quantized weights: MXFP4 is interleaved only, [out_features / 8, groups, 136]");
   TORCH_CHECK(packed.dim() == 2 && packed.size(1) == row_bytes,
               "quantized weights: expected contiguous uint8 [out_features, ", row_bytes, "] for in_features ",
               in_features);
@@ -188,12 +216,19 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in_features, b
   return q;
 }
 
-// The input at 8 bits per group of 32 (scale amax / 127), for the interleaved Q4_1 kernels.
+// The input at 8 bits per group of 32 (scale amax / 127), for the interleaved Q4_1 and MXFP4 kernels.
 struct QuantizedRows8 {
-  std::vector<int8_t> codes;  // [M, K]
-  std::vector<float> scales;  // [M, K / 32]
-  std::vector<float> sums;    // [M, K / 32], exact float sums of each group
+  std::vector<int8_t> codes;       // [M, K]
+  std::vector<float> scales;       // [M, K / 32]
+  std::vector<float> sums;         // [M, K / 32], exact float sums of each group
+  std::vector<int32_t> code_sums;  // [M, K / 32], the sums of each group's codes
 };
+
+int32_t sum_codes(const int8_t* codes) {
+  int32_t sum = 0;
+  for (int64_t j = 0; j < kGroup; ++j) sum += codes[j];
+  return sum;
+}
 
 void quantize_group8(const float* src, int8_t* dst, float& scale, float& sum) {
   scale = group_amax(src, sum) / 127.f;
@@ -222,16 +257,17 @@ AVX2 void quantize_group8_avx2(const float* src, int8_t* dst, float& scale, floa
 QuantizedRows8 quantize_rows8(const float* x, int64_t rows, int64_t in_features, bool avx2) {
   const int64_t groups = in_features / kGroup;
   QuantizedRows8 q{std::vector<int8_t>(rows * in_features), std::vector<float>(rows * groups),
-                   std::vector<float>(rows * groups)};
+                   std::vector<float>(rows * groups), std::vector<int32_t>(rows * groups)};
   parallel_for(0, rows * groups, kQuantizeGrain, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
+      int8_t* codes = q.codes.data() + g * kGroup;
 #ifdef HYPERSERVE_X86
-      if (avx2) {
-        quantize_group8_avx2(x + g * kGroup, q.codes.data() + g * kGroup, q.scales[g], q.sums[g]);
-        continue;
-      }
+      if (avx2)
+        quantize_group8_avx2(x + g * kGroup, codes, q.scales[g], q.sums[g]);
+      else
 #endif
-      quantize_group8(x + g * kGroup, q.codes.data() + g * kGroup, q.scales[g], q.sums[g]);
+        quantize_group8(x + g * kGroup, codes, q.scales[g], q.sums[g]);
+      q.code_sums[g] = sum_codes(codes);
     }
   });
   return q;
@@ -463,7 +499,7 @@ int64_t one_stream_rows = 0;
 // The block holding channel n against R input rows from row0 -> out[r * out_stride + c], c < 8 (Q4_1)
 // or 16 (Q8_0). Per row and channel: sum over the groups in order of d * dx * (integer dot) (+ m * s
 // for Q4_1), as the vector kernels compute it (fused multiply-adds included), so all give the same
-// numbers. `Rows`: QuantizedRows8 against Q4_1, QuantizedRows (16 bits) against the Q8_0 head.
+// numbers. `Rows`: QuantizedRows8 against Q4_1 and MXFP4, QuantizedRows (16 bits) against the Q8_0 head.
 template <typename Rows>
 void block_portable(const QuantizedWeight& w, int64_t n, const Rows& x, int64_t row0, int64_t R, float* out,
                     int64_t out_stride) {
@@ -503,8 +539,9 @@ inline void prefetch_group_ahead(const uint8_t* group) {
   for (int64_t line = 0; line < Bytes; line += 64) __builtin_prefetch(group + kBlockPrefetchBytes + line);
 }
 
-// One group of an interleaved Q4_1 block: codes 4k..4k+3 of each of the 8 channels in low[k], codes
-// 16+4k.. in high[k]; then the channels' scales and minimums (BlockScales).
+// One group of an interleaved Q4_1 or MXFP4 block: codes 4k..4k+3 of each of the 8 channels in low[k],
+// codes 16+4k.. in high[k] (MXFP4's as kFp4Doubled + kFp4Offset, 0..24: unsigned); then the channels'
+// scales and minimums (BlockScales; MXFP4's halved, its minimums unused).
 struct BlockCodes {
   __m256i low[4], high[4];
 };
@@ -513,6 +550,16 @@ struct BlockScales {
   __m256 d, m;
 };
 
+template <Format F>
+constexpr int64_t kInterleavedGroupBytes = F == Format::kMxfp4 ? kMxBlockGroupBytes : kBlockGroupBytes;
+
+// kFp4Doubled + kFp4Offset by code, in each 128-bit lane (the shuffles look up within lanes).
+AVX2 inline __m256i fp4_codes_avx2() {
+  return _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                          12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+}
+
+template <Format F>
 AVX2 inline BlockCodes load_block_codes(const uint8_t* group) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   BlockCodes b;
@@ -520,31 +567,53 @@ AVX2 inline BlockCodes load_block_codes(const uint8_t* group) {
     const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 32 * k));
     b.low[k] = _mm256_and_si256(bytes, nibble);
     b.high[k] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+    if constexpr (F == Format::kMxfp4) {
+      b.low[k] = _mm256_shuffle_epi8(fp4_codes_avx2(), b.low[k]);
+      b.high[k] = _mm256_shuffle_epi8(fp4_codes_avx2(), b.high[k]);
+    }
   }
   return b;
 }
 
+// 8 E8M0 bytes -> their halved scales (mxfp4_scale): each byte becomes a float's exponent field.
+AVX2 inline __m256 mxfp4_scales(__m128i bytes) {
+  const __m256i bits = _mm256_slli_epi32(_mm256_cvtepu8_epi32(bytes), 23);
+  return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0.5f));
+}
+
+template <Format F>
 AVX2 inline BlockScales load_block_scales(const uint8_t* group) {
+  if constexpr (F == Format::kMxfp4) {
+    return {mxfp4_scales(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(group + 128))), _mm256_setzero_ps()};
+  }
   return {load8_half(reinterpret_cast<const at::Half*>(group + 128)),
           load8_half(reinterpret_cast<const at::Half*>(group + 144))};
 }
 
-// The 8 channels' integer dot products with one row's 32 input codes xg, one per 32-bit lane.
-AVX2 inline __m256i group_dot(const BlockCodes& b, const int8_t* xg) {
-  __m256i pairs = _mm256_maddubs_epi16(b.low[0], broadcast4(xg));
+// The 8 channels' integer dot products with one row's 32 input codes xg (whose codes sum to
+// code_sum), one per 32-bit lane. Q4_1's 8 pair sums per channel add up in 16 bits without overflow
+// (8 * 2 * 15 * 127 < 32767); MXFP4's unsigned codes reach 24, so each half's 4 go to 32 bits apart,
+// less kFp4Offset times the input's sum: the doubled codes' products.
+template <Format F>
+AVX2 inline __m256i group_dot(const BlockCodes& b, const int8_t* xg, int32_t code_sum) {
+  __m256i low = _mm256_maddubs_epi16(b.low[0], broadcast4(xg));
+  __m256i high = _mm256_maddubs_epi16(b.high[0], broadcast4(xg + 16));
   for (int k = 1; k < 4; ++k) {
-    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(b.low[k], broadcast4(xg + 4 * k)));
+    low = _mm256_add_epi16(low, _mm256_maddubs_epi16(b.low[k], broadcast4(xg + 4 * k)));
+    high = _mm256_add_epi16(high, _mm256_maddubs_epi16(b.high[k], broadcast4(xg + 16 + 4 * k)));
   }
-  for (int k = 0; k < 4; ++k) {
-    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(b.high[k], broadcast4(xg + 16 + 4 * k)));
-  }
-  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (F == Format::kQ4_1) return _mm256_madd_epi16(_mm256_add_epi16(low, high), ones);
+  const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(low, ones), _mm256_madd_epi16(high, ones));
+  return _mm256_sub_epi32(dot, _mm256_set1_epi32(kFp4Offset * code_sum));
 }
 
-// A row's running sums of the 8 channels plus this group's: d * dx * (integer dot) + m * sx.
+// A row's running sums of the 8 channels plus this group's: d * dx * (integer dot) (+ m * sx for Q4_1).
+template <Format F>
 AVX2 inline __m256 add_group(__m256 acc, const BlockScales& s, __m256i dot, float dx, float sx) {
   acc = _mm256_fmadd_ps(_mm256_mul_ps(s.d, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(dot), acc);
-  return _mm256_fmadd_ps(s.m, _mm256_set1_ps(sx), acc);
+  if constexpr (F == Format::kQ4_1) acc = _mm256_fmadd_ps(s.m, _mm256_set1_ps(sx), acc);
+  return acc;
 }
 
 template <int R>
@@ -562,40 +631,44 @@ AVX2 inline void store_block_rows(const __m256 (&acc)[R], float* out, int64_t ou
 // 17% less a row than 4 did together (a cache-warm 3072 x 576 weight, one core of a Zen 4 EPYC on
 // its AVX2 paths: 8.8 against 10.6 cycles per row and group). Each row's float steps stay in the
 // same order: the same numbers.
-template <int R>
+template <Format F, int R>
 AVX2 void block_avx2(const QuantizedWeight& w, int64_t n, const QuantizedRows8& x, int64_t row0, float* out,
                      int64_t out_stride) {
-  constexpr int64_t kChunk = R <= 3 ? 1 : 8;
+  constexpr int64_t kChunk = R <= 3 ? 1 : 8, kBytes = kInterleavedGroupBytes<F>;
   const uint8_t* first = w.block_group(n, 0);
   const int8_t* xq = x.codes.data() + row0 * w.in_features;
   const float* dx = x.scales.data() + row0 * w.groups;
   const float* sx = x.sums.data() + row0 * w.groups;
+  const int32_t* cx = x.code_sums.data() + row0 * w.groups;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < w.groups; g0 += kChunk) {
     const int64_t count = std::min(kChunk, w.groups - g0);
     __m256i dots[kChunk][R];
     for (int64_t i = 0; i < count; ++i) {
-      const uint8_t* group = first + (g0 + i) * kBlockGroupBytes;
-      prefetch_group_ahead<kBlockGroupBytes>(group);
-      const BlockCodes b = load_block_codes(group);
-      for (int r = 0; r < R; ++r) dots[i][r] = group_dot(b, xq + r * w.in_features + (g0 + i) * kGroup);
+      const uint8_t* group = first + (g0 + i) * kBytes;
+      prefetch_group_ahead<kBytes>(group);
+      const BlockCodes b = load_block_codes<F>(group);
+      for (int r = 0; r < R; ++r) {
+        dots[i][r] = group_dot<F>(b, xq + r * w.in_features + (g0 + i) * kGroup, cx[r * w.groups + g0 + i]);
+      }
     }
     for (int64_t i = 0; i < count; ++i) {
-      const BlockScales s = load_block_scales(first + (g0 + i) * kBlockGroupBytes);
+      const BlockScales s = load_block_scales<F>(first + (g0 + i) * kBytes);
       for (int r = 0; r < R; ++r) {
         const int64_t at = r * w.groups + g0 + i;
-        acc[r] = add_group(acc[r], s, dots[i][r], dx[at], sx[at]);
+        acc[r] = add_group<F>(acc[r], s, dots[i][r], dx[at], sx[at]);
       }
     }
   }
   store_block_rows<R>(acc, out, out_stride);
 }
 
-using BlockKernel = decltype(&block_avx2<1>);
+using BlockKernel = decltype(&block_avx2<Format::kQ4_1, 1>);
+template <Format F>
 constexpr BlockKernel kBlockKernels[kBlockRowTile] = {
-    block_avx2<1>, block_avx2<2>, block_avx2<3>, block_avx2<4>,
-    block_avx2<5>, block_avx2<6>, block_avx2<7>, block_avx2<8>};
+    block_avx2<F, 1>, block_avx2<F, 2>, block_avx2<F, 3>, block_avx2<F, 4>,
+    block_avx2<F, 5>, block_avx2<F, 6>, block_avx2<F, 7>, block_avx2<F, 8>};
 
 // block_avx2 for two blocks at once (16 channels, one per 32-bit lane; `pair` false: the block at n
 // alone, its 8 channels computed twice and stored once). `_mm512_dpbusd_epi32` adds each lane's four
@@ -608,19 +681,29 @@ AVX512 inline __m512 load16_half_pair(const uint8_t* a, const uint8_t* b) {  // 
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
 }
 
-template <int R>
+AVX512 inline __m512 mxfp4_scale_pair(const uint8_t* a, const uint8_t* b) {  // 8 E8M0 bytes at each -> 16 floats
+  const __m128i bytes = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu8_epi32(bytes), 23);
+  return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0.5f));
+}
+
+template <Format F, int R>
 AVX512 void block_pair_avx512(const QuantizedWeight& w, int64_t n, bool pair, const QuantizedRows8& x, int64_t row0,
                               float* out, int64_t out_stride) {
+  constexpr int64_t kBytes = kInterleavedGroupBytes<F>;
   const uint8_t* first = w.block_group(n, 0);
   const uint8_t* second = pair ? w.block_group(n + kBlock, 0) : first;
   const int8_t* xq = x.codes.data() + row0 * w.in_features;
   const float* dx = x.scales.data() + row0 * w.groups;
   const float* sx = x.sums.data() + row0 * w.groups;
+  const int32_t* cx = x.code_sums.data() + row0 * w.groups;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i fp4_codes = _mm512_broadcast_i64x4(fp4_codes_avx2());
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < w.groups; ++g, first += kBlockGroupBytes, second += kBlockGroupBytes) {
-    for (const uint8_t* block : {first, second}) prefetch_group_ahead<kBlockGroupBytes>(block);
+  for (int64_t g = 0; g < w.groups; ++g, first += kBytes, second += kBytes) {
+    for (const uint8_t* block : {first, second}) prefetch_group_ahead<kBytes>(block);
     __m512i low[4], high[4];  // as block_avx2's, the first block's in the low half, the second's in the high
     for (int k = 0; k < 4; ++k) {
       const __m512i bytes = _mm512_inserti64x4(
@@ -628,8 +711,17 @@ AVX512 void block_pair_avx512(const QuantizedWeight& w, int64_t n, bool pair, co
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + 32 * k)), 1);
       low[k] = _mm512_and_si512(bytes, nibble);
       high[k] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+      if constexpr (F == Format::kMxfp4) {
+        low[k] = _mm512_shuffle_epi8(fp4_codes, low[k]);
+        high[k] = _mm512_shuffle_epi8(fp4_codes, high[k]);
+      }
     }
-    const __m512 d = load16_half_pair(first + 128, second + 128), m = load16_half_pair(first + 144, second + 144);
+    __m512 d, m;
+    if constexpr (F == Format::kMxfp4) {
+      d = mxfp4_scale_pair(first + 128, second + 128);
+    } else {
+      d = load16_half_pair(first + 128, second + 128), m = load16_half_pair(first + 144, second + 144);
+    }
     for (int r = 0; r < R; ++r) {
       const int8_t* xg = xq + r * w.in_features + g * kGroup;
       __m512i dot = _mm512_setzero_si512();
@@ -638,8 +730,9 @@ AVX512 void block_pair_avx512(const QuantizedWeight& w, int64_t n, bool pair, co
         dot = _mm512_dpbusd_epi32(dot, high[k], _mm512_set1_epi32(load_i32(xg + 16 + 4 * k)));
       }
       const int64_t at = r * w.groups + g;
+      if constexpr (F == Format::kMxfp4) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(kFp4Offset * cx[at]));
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[at])), _mm512_cvtepi32_ps(dot), acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[at]), acc[r]);
+      if constexpr (F == Format::kQ4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[at]), acc[r]);
     }
   }
   const __mmask16 stored = pair ? 0xFFFF : 0x00FF;
@@ -650,19 +743,21 @@ AVX512 void block_pair_avx512(const QuantizedWeight& w, int64_t n, bool pair, co
 // stream, for the few rows where a step waits on memory. On a Zen 4 EPYC, SmolLM2's 30 layers at
 // one row took 3.1-3.9 ms in block_pair_avx512's two streams, 2.0-2.6 in block_avx2, 1.9-2.5 here.
 // The same integer sums and float steps as both, lane for lane: the same bits.
-template <int R>
+template <Format F, int R>
 AVX512 void block_vnni256(const QuantizedWeight& w, int64_t n, const QuantizedRows8& x, int64_t row0, float* out,
                           int64_t out_stride) {
+  constexpr int64_t kBytes = kInterleavedGroupBytes<F>;
   const uint8_t* group = w.block_group(n, 0);
   const int8_t* xq = x.codes.data() + row0 * w.in_features;
   const float* dx = x.scales.data() + row0 * w.groups;
   const float* sx = x.sums.data() + row0 * w.groups;
+  const int32_t* cx = x.code_sums.data() + row0 * w.groups;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < w.groups; ++g, group += kBlockGroupBytes) {
-    prefetch_group_ahead<kBlockGroupBytes>(group);
-    const BlockCodes b = load_block_codes(group);
-    const BlockScales scales = load_block_scales(group);
+  for (int64_t g = 0; g < w.groups; ++g, group += kBytes) {
+    prefetch_group_ahead<kBytes>(group);
+    const BlockCodes b = load_block_codes<F>(group);
+    const BlockScales scales = load_block_scales<F>(group);
     for (int r = 0; r < R; ++r) {
       const int8_t* xg = xq + r * w.in_features + g * kGroup;
       __m256i dot = _mm256_setzero_si256();
@@ -671,20 +766,23 @@ AVX512 void block_vnni256(const QuantizedWeight& w, int64_t n, const QuantizedRo
         dot = _mm256_dpbusd_epi32(dot, b.high[k], broadcast4(xg + 16 + 4 * k));
       }
       const int64_t at = r * w.groups + g;
-      acc[r] = add_group(acc[r], scales, dot, dx[at], sx[at]);
+      if constexpr (F == Format::kMxfp4) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(kFp4Offset * cx[at]));
+      acc[r] = add_group<F>(acc[r], scales, dot, dx[at], sx[at]);
     }
   }
   store_block_rows<R>(acc, out, out_stride);
 }
 
+template <Format F>
 constexpr BlockKernel kBlockKernelsVnni256[kBlockRowTile] = {
-    block_vnni256<1>, block_vnni256<2>, block_vnni256<3>, block_vnni256<4>,
-    block_vnni256<5>, block_vnni256<6>, block_vnni256<7>, block_vnni256<8>};
+    block_vnni256<F, 1>, block_vnni256<F, 2>, block_vnni256<F, 3>, block_vnni256<F, 4>,
+    block_vnni256<F, 5>, block_vnni256<F, 6>, block_vnni256<F, 7>, block_vnni256<F, 8>};
 
-using BlockPairKernel = decltype(&block_pair_avx512<1>);
+using BlockPairKernel = decltype(&block_pair_avx512<Format::kQ4_1, 1>);
+template <Format F>
 constexpr BlockPairKernel kBlockPairKernels[kBlockRowTile] = {
-    block_pair_avx512<1>, block_pair_avx512<2>, block_pair_avx512<3>, block_pair_avx512<4>,
-    block_pair_avx512<5>, block_pair_avx512<6>, block_pair_avx512<7>, block_pair_avx512<8>};
+    block_pair_avx512<F, 1>, block_pair_avx512<F, 2>, block_pair_avx512<F, 3>, block_pair_avx512<F, 4>,
+    block_pair_avx512<F, 5>, block_pair_avx512<F, 6>, block_pair_avx512<F, 7>, block_pair_avx512<F, 8>};
 #endif
 
 // The rows of the pass over a block from row0 on, in passes of at most `tile`: as even as they go
@@ -694,13 +792,19 @@ inline int64_t pass_rows(int64_t rows, int64_t row0, int64_t tile) {
   return (left + passes - 1) / passes;
 }
 
-// out [rows, out_features] = x W^T for an interleaved Q4_1 weight: blocks of 8 channels, two at a
-// time with AVX-512.
+// out [rows, out_features] = x W^T for an interleaved Q4_1 or MXFP4 weight: blocks of 8 channels, two
+// at a time with AVX-512.
 void block_matmul(const QuantizedWeight& w, const float* x, int64_t rows, float* out, Isa isa) {
   const QuantizedRows8 q = quantize_rows8(x, rows, w.in_features, isa != Isa::kPortable);
   const bool one_stream = isa == Isa::kAvx512 && rows <= one_stream_rows;
   const int64_t step = isa == Isa::kAvx512 && !one_stream ? 2 : 1;  // blocks per kernel call
   const int64_t calls = (w.out_features / kBlock + step - 1) / step;
+#ifdef HYPERSERVE_X86
+  const bool mx = w.format == Format::kMxfp4;
+  const BlockKernel* avx2 = mx ? kBlockKernels<Format::kMxfp4> : kBlockKernels<Format::kQ4_1>;
+  const BlockKernel* vnni256 = mx ? kBlockKernelsVnni256<Format::kMxfp4> : kBlockKernelsVnni256<Format::kQ4_1>;
+  const BlockPairKernel* pairs = mx ? kBlockPairKernels<Format::kMxfp4> : kBlockPairKernels<Format::kQ4_1>;
+#endif
   parallel_for(0, calls, 8 / step, [&](int64_t begin, int64_t end) {
     for (int64_t call = begin; call < end; ++call) {
       const int64_t b = call * step;
@@ -709,15 +813,15 @@ void block_matmul(const QuantizedWeight& w, const float* x, int64_t rows, float*
         float* dst = out + row0 * w.out_features + b * kBlock;
 #ifdef HYPERSERVE_X86
         if (one_stream) {
-          kBlockKernelsVnni256[R - 1](w, b * kBlock, q, row0, dst, w.out_features);
+          vnni256[R - 1](w, b * kBlock, q, row0, dst, w.out_features);
           continue;
         }
         if (isa == Isa::kAvx512) {
-          kBlockPairKernels[R - 1](w, b * kBlock, b + 1 < w.out_features / kBlock, q, row0, dst, w.out_features);
+          pairs[R - 1](w, b * kBlock, b + 1 < w.out_features / kBlock, q, row0, dst, w.out_features);
           continue;
         }
         if (isa == Isa::kAvx2) {
-          kBlockKernels[R - 1](w, b * kBlock, q, row0, dst, w.out_features);
+          avx2[R - 1](w, b * kBlock, q, row0, dst, w.out_features);
           continue;
         }
 #endif
@@ -883,7 +987,7 @@ inline void prefetch_rows(const QuantizedWeight& w, int64_t n, int64_t count, in
 // out [rows, out_features] = x W^T for float32 x [rows, in_features].
 void quantized_matmul(const QuantizedWeight& w, const float* x, int64_t rows, float* out, Isa isa) {
   if (rows == 0) return;  // a step that samples nothing (a prefill chunk) asks for no logits
-  if (w.interleaved) return (w.format == Format::kQ4_1 ? block_matmul : head_matmul)(w, x, rows, out, isa);
+  if (w.interleaved) return (w.format == Format::kQ8_0 ? head_matmul : block_matmul)(w, x, rows, out, isa);
   const bool q41 = w.format == Format::kQ4_1;
   if (isa == Isa::kAvx512 && q41 && w.groups % 2 == 1) isa = Isa::kAvx2;  // it takes Q4_1 groups in pairs
   const QuantizedRows q = quantize_rows(x, rows, w.in_features, isa != Isa::kPortable, isa == Isa::kAvx512 && q41);

@@ -46,6 +46,7 @@ from hyperserve.layers.quantization import (
     Q41_BLOCK_GROUP_BYTES,
     QUANTIZED_MAX_ROWS,
     Int4Linear,
+    Mxfp4Linear,
     Q8Embedding,
     Q8Head,
     Q8Linear,
@@ -67,9 +68,12 @@ class DecodeRows(NamedTuple):
 
 
 def packed(linear: torch.nn.Module) -> torch.Tensor | None:
-    """A projection's bytes for the native kernels: Int4Linear's Q4_1, Q8Linear's Q8_0 (None: none)."""
+    """A projection's bytes for the native kernels: Int4Linear's Q4_1, Q8Linear's Q8_0, Mxfp4Linear's
+    MXFP4 (None: none)."""
     if isinstance(linear, Int4Linear):
         return linear.q41 if linear.native else None
+    if isinstance(linear, Mxfp4Linear):
+        return linear.mxfp4
     return linear.q80 if isinstance(linear, Q8Linear) else None
 
 
@@ -178,9 +182,9 @@ class FusedDecode:
             mlps = layer.mlp.experts if isinstance(layer.mlp, SparseMoE) else [layer.mlp]
             linears = [unwrapped(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
             linears += [unwrapped(m) for mlp in mlps for m in (mlp.gate_up_proj, mlp.down_proj)]
-            if not all(isinstance(m, (Int4Linear, Q8Linear)) and packed(m) is not None and not m.has_bias
-                       for m in linears):
-                return "projections that are not bias-free native int4 or int8"
+            if not all(isinstance(m, (Int4Linear, Q8Linear, Mxfp4Linear)) and packed(m) is not None
+                       and not m.has_bias for m in linears):
+                return "projections that are not bias-free native int4, int8 or mxfp4"
         return None
 
     @staticmethod

@@ -226,9 +226,10 @@ def gguf_config(path: Path) -> PretrainedConfig:
 
 
 def gguf_tensors(path: Path, config: PretrainedConfig, q80_rows: frozenset[str] = frozenset(),
-                 q41_layers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                 q41_layers: bool = False, mxfp4_rows: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors, dequantized to float32, but for `q80_rows` given as Q8_0 and, with
-    `q41_layers`, the decoder layers' Q4_0 and Q4_1 matrices, which come as pack_q41's rows."""
+    `q41_layers`, the decoder layers' Q4_0 and Q4_1 matrices, which come as pack_q41's rows, and with
+    `mxfp4_rows` its MXFP4 experts as pack_mxfp4's (mxfp4_from_gguf)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -243,6 +244,9 @@ def gguf_tensors(path: Path, config: PretrainedConfig, q80_rows: frozenset[str] 
         kind = GGMLQuantizationType(tensor["type"])
         if name in q80_rows and kind == GGMLQuantizationType.Q8_0:
             yield name, q80_from_gguf(raw, tensor["shape"][0])
+            continue
+        if mxfp4_rows and kind == GGMLQuantizationType.MXFP4 and ".experts." in name:
+            yield name, mxfp4_from_gguf(raw, tensor["shape"])
             continue
         if q41_layers and kind.name in _Q4_TYPES and name.startswith("model.layers."):
             array = q41_from_gguf(raw, tensor["shape"][0], kind)
@@ -317,6 +321,24 @@ def dequantize_mxfp4(raw: np.ndarray) -> np.ndarray:
     nibbles, the next 16 in the high ones) -> float32 values, as gguf's own dequantize reads them."""
     blocks = torch.from_numpy(np.asarray(raw).reshape(-1, 17).copy())
     return gpt_oss.dequantize_mxfp4(blocks[:, 1:].unsqueeze(1), blocks[:, :1], interleaved=False).numpy()
+
+
+def mxfp4_from_gguf(raw: np.ndarray, shape: list[int]) -> torch.Tensor:
+    """llama.cpp's MXFP4 blocks of a tensor of `shape` [..., out, in] as pack_mxfp4's rows [..., out,
+    in * 17 / 32]: the blocks' code bytes, which are in our order already, then their scale bytes.
+    The bytes are moved, not dequantized (gpt-oss-20b's experts: 10 GB so, 76 GB in float32)."""
+    blocks = torch.from_numpy(np.asarray(raw).reshape(-1, shape[-1] // 32, 17).copy())  # [rows, groups, 17]
+    rows = torch.cat([blocks[..., 1:].flatten(1), blocks[..., 0]], dim=1)
+    return rows.reshape(*shape[:-1], -1)
+
+
+def experts_are_mxfp4(path: Path) -> bool:
+    """Whether the file's stacked experts (ffn_*_exps) are all MXFP4: llama.cpp's GPT-OSS files."""
+    from gguf import GGMLQuantizationType
+
+    stacked = re.compile(r"blk\.\d+\.ffn_\w+_exps\.weight")
+    experts = [t for t in gguf_index(path)["tensors"] if stacked.fullmatch(t["name"])]
+    return bool(experts) and all(GGMLQuantizationType(t["type"]) == GGMLQuantizationType.MXFP4 for t in experts)
 
 
 def _hf_name(gguf_name: str, model_type: str) -> str | None:

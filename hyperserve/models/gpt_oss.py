@@ -16,7 +16,9 @@ against a Linear's [out, in]) with gate and up interleaved column by column, Ope
 in the Linear's [out, in] order, or llama.cpp's GGUF (MXFP4 blocks of its own byte order, read
 by models/gguf_reader.py; gate and up apart, [E, out, in], split as other models' stacked
 experts). `expert_tensors` turns the first two into every expert's gate, up and down
-projections, dequantized to float32 as they arrive (then int4/int8/fp8 as asked).
+projections. With the mxfp4 quantization (the CPU's default for these checkpoints) MXFP4 experts
+stay as they are stored, their bytes reordered (layers/quantization.py's pack_mxfp4 rows);
+otherwise they are dequantized to float32 as they arrive (then int4/int8/fp8 as asked).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+from hyperserve.layers.quantization import mxfp4_rows
 
 GPT_OSS_TYPES = ("gpt_oss",)
 
@@ -63,11 +67,21 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, interleaved: bo
     return values.flatten(-2)
 
 
-def expert_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def openai_mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """OpenAI's MXFP4 blocks uint8 [..., G, 16] (each byte two neighbours, the first in its low
+    nibble) and scales [..., G] -> pack_mxfp4's rows [..., G * 17] (a group's first 16 codes in the
+    low nibbles, then the scales): the same weights."""
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # [..., G, 32]
+    return mxfp4_rows(codes, scales)
+
+
+def expert_tensors(tensors: Iterable[tuple[str, torch.Tensor]], keep_mxfp4: bool = False
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """A GPT-OSS checkpoint's tensors under the names the model loads: the router as the mixture's
     gate, stacked experts of OpenAI's and transformers' layouts as each expert's projections, with
     their biases (a GGUF's, gate and up apart, the loader splits as other models'). MXFP4 blocks
-    wait for their scales (or the scales for their blocks), whichever comes first."""
+    wait for their scales (or the scales for their blocks), whichever comes first, and come as
+    pack_mxfp4's rows with `keep_mxfp4`, else dequantized."""
     waiting: dict[str, torch.Tensor] = {}
     for name, tensor in tensors:
         name = name.replace(".mlp.router.", ".mlp.gate.")
@@ -82,7 +96,8 @@ def expert_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tupl
                 waiting[name] = tensor
                 continue
             blocks, scales = (tensor, other) if suffix == "_blocks" else (other, tensor)
-            weights = dequantize_mxfp4(blocks, scales)  # [E, out, in]
+            # [E, out, in] floats or [E, out, in * 17 / 32] bytes: rows either way
+            weights = openai_mxfp4_rows(blocks, scales) if keep_mxfp4 else dequantize_mxfp4(blocks, scales)
         elif suffix == "_bias":
             weights = tensor  # [E, out]
         else:

@@ -231,12 +231,13 @@ def build_model(
 ) -> LlamaForCausalLM:
     """Materialise the model (with `tp`, this rank's slice of it) and fill it from `source`, or
     randomly when `source` is None (each rank drawing its own slice); then quantize its weights if
-    asked. A checkpoint quantized to int4 or int8 is quantized a decoder layer at a time as it is
+    asked. A checkpoint quantized to int4, int8 or mxfp4 is quantized a decoder layer at a time as it is
     read, so loading holds the float32 weights of a layer or two, not of the model (for an 8B
     model, about 5 GB at its peak rather than 32). On the CPU the weights end in 2 MiB pages
     (layers/huge_pages.py)."""
-    # int4/int8 quantize from the checkpoint's own values (exact for Q4_1); fp8 loses nothing to bfloat16
-    load_dtype = torch.float32 if quantization in ("int4", "int8") else dtype
+    # int4/int8/mxfp4 quantize from the checkpoint's own values (exact for Q4_1 and MXFP4); fp8 loses
+    # nothing to bfloat16
+    load_dtype = torch.float32 if quantization in ("int4", "int8", "mxfp4") else dtype
     with torch.device("meta"), _without_init():
         model = model_class(config)(config, backend, max_position, tp).to(load_dtype)
     by_layer = (source is not None and load_dtype == torch.float32 and quantization is not None
@@ -331,11 +332,15 @@ def _load_checkpoint(model: LlamaForCausalLM, source: ModelSource, quantization:
     embeddings = _EMBEDDINGS if packs_embeddings_q80(quantization) else frozenset()
     q41_layers = quantization == "int4" and _keeps_q41_blocks(source, model.config)
     if q41_layers:
-        _expect_q41_rows(model.model.layers)
-    tensors = (gguf_reader.gguf_tensors(source.path, model.config, embeddings, q41_layers) if source.gguf_file
-               else _safetensors(source.directory))
+        _expect_rows(model.model.layers, 20, experts_only=False)
+    mxfp4_experts = (quantization == "mxfp4" and model.config.model_type in gpt_oss.GPT_OSS_TYPES
+                     and stores_mxfp4(source))
+    if mxfp4_experts:
+        _expect_rows(model.model.layers, 17, experts_only=True)
+    tensors = (gguf_reader.gguf_tensors(source.path, model.config, embeddings, q41_layers, mxfp4_experts)
+               if source.gguf_file else _safetensors(source.directory))
     if model.config.model_type in gpt_oss.GPT_OSS_TYPES:
-        tensors = gpt_oss.expert_tensors(tensors)
+        tensors = gpt_oss.expert_tensors(tensors, keep_mxfp4=mxfp4_experts)
     rows = {name: param.shape[0] for name, param in model.named_parameters()}
     written = dict.fromkeys(rows, 0)  # rows of each parameter written so far (fused ones take several)
     layers = model.model.layers
@@ -385,13 +390,24 @@ def _keeps_q41_blocks(source: ModelSource, config: PretrainedConfig) -> bool:
             and gguf_reader.blocks_are_q4(source.path))
 
 
-def _expect_q41_rows(layers: torch.nn.Module) -> None:
-    """The layers' projections, still on the meta device, take pack_q41's rows (uint8 [out, in * 5 /
-    8]: codes, then float16 scales and minimums) in place of float weights: load_weight writes a
-    fused projection's parts as rows either way, and Int4Linear keeps the rows it is given."""
-    for module in layers.modules():
-        if isinstance(module, torch.nn.Linear):
-            shape = (module.out_features, module.in_features * 5 // 8)
+def stores_mxfp4(source: ModelSource) -> bool:
+    """Whether the checkpoint's experts are MXFP4: GPT-OSS's own (its config's quantization_config
+    says so, as vLLM reads it) or llama.cpp's GGUF of it."""
+    if source.gguf_file:
+        return gguf_reader.experts_are_mxfp4(source.path)
+    config = json.loads((source.directory / "config.json").read_text())
+    return (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+
+
+def _expect_rows(layers: torch.nn.Module, bytes_per_group: int, experts_only: bool) -> None:
+    """The layers' projections (the experts' only, with experts_only), still on the meta device,
+    take packed rows of bytes_per_group bytes per 32 inputs in place of float weights: pack_q41's
+    (20: codes, then float16 scales and minimums) or pack_mxfp4's (17: codes, then E8M0 scales).
+    load_weight writes a fused projection's parts as rows either way, and Int4Linear and Mxfp4Linear
+    keep the rows they are given."""
+    for name, module in layers.named_modules():
+        if isinstance(module, torch.nn.Linear) and (".experts." in name or not experts_only):
+            shape = (module.out_features, module.in_features * bytes_per_group // 32)
             module.weight = torch.nn.Parameter(torch.empty(shape, dtype=torch.uint8, device="meta"),
                                                requires_grad=False)
 

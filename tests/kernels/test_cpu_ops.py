@@ -4,7 +4,18 @@ import pytest
 import torch
 
 from hyperserve import kernels
-from hyperserve.layers.quantization import Q8Embedding, cpu_flags, interleave_q41, interleave_q80, pack_q41, pack_q80
+from hyperserve.layers.quantization import (
+    FP4_MAGNITUDES,
+    Q8Embedding,
+    cpu_flags,
+    interleave_mxfp4,
+    interleave_q41,
+    interleave_q80,
+    mxfp4_rows,
+    pack_mxfp4,
+    pack_q41,
+    pack_q80,
+)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels could not be built here")
 
@@ -250,3 +261,78 @@ def test_an_interleaved_weight_must_fit_its_input():
         torch.ops.hyperserve.quantized_linear(torch.randn(2, 96), interleave_q41(packed), "q4_1")
     with pytest.raises(RuntimeError, match="Q8_0 interleaved"):
         torch.ops.hyperserve.quantized_linear(torch.randn(2, 64), interleave_q41(packed), "q8_0")
+
+
+FP4_VALUES = torch.tensor([*FP4_MAGNITUDES, *(-v for v in FP4_MAGNITUDES)])  # by code: sign is the top bit
+
+
+def mxfp4_weight(out_features: int, in_features: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random weight as an MXFP4 checkpoint holds it: (interleave_mxfp4's blocks, its float32
+    values), with scales from 2^-10 to 2^-4 and every code, -0 included."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out_features, in_features // 32, 32), generator=generator, dtype=torch.uint8)
+    exponents = torch.randint(117, 124, (out_features, in_features // 32), generator=generator, dtype=torch.uint8)
+    weight = FP4_VALUES[codes.long()] * torch.exp2(exponents.float() - 127)[..., None]
+    return interleave_mxfp4(mxfp4_rows(codes, exponents)), weight.reshape(out_features, in_features)
+
+
+def eight_bit_rounding(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the interleaved kernels take it: to 8 bits per group of 32, scale amax / 127."""
+    groups = x.reshape(x.shape[0], -1, 32)
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(groups / scale) * scale).reshape(x.shape)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("in_features", [64, 576])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])  # a group's float steps at once, integer sums first, two passes
+def test_mxfp4_equals_the_dequantized_weight_against_8_bit_activations(rows, in_features, isa):
+    """The codes looked up as doubled integers, offset to be unsigned and corrected by the input's
+    code sums: the exact product of the MXFP4 weight with the 8-bit input."""
+    runnable(isa)
+    packed, weight = mxfp4_weight(80, in_features)
+    x = torch.randn(rows, in_features)
+    expected = eight_bit_rounding(x) @ weight.T
+    got = torch.ops.hyperserve.quantized_linear(x, packed, "mxfp4", isa)
+    assert got.shape == (rows, 80)
+    assert (got - expected).norm() / expected.norm() < 1e-5
+    wrong = mxfp4_weight(80, in_features, seed=1)[0]
+    assert (torch.ops.hyperserve.quantized_linear(x, wrong, "mxfp4", isa) - expected).norm() / expected.norm() > 0.3
+
+
+@pytest.mark.parametrize("out_features", [96, 88])  # blocks of 8 in pairs, and one left alone
+def test_mxfp4_gives_the_portable_kernels_bits_on_every_instruction_set_and_batch(out_features):
+    packed, _ = mxfp4_weight(out_features, 352)
+    x = torch.randn(17, 352)
+    portable = torch.ops.hyperserve.quantized_linear(x, packed, "mxfp4", "portable")
+    for isa in isas_here()[1:]:
+        for one_stream_rows in ([0, 8] if isa == "avx512_vnni" else [0]):
+            torch.ops.hyperserve.set_one_stream_rows(one_stream_rows)
+            try:
+                together = torch.ops.hyperserve.quantized_linear(x, packed, "mxfp4", isa)
+                alone = torch.ops.hyperserve.quantized_linear(x[:1], packed, "mxfp4", isa)
+            finally:
+                torch.ops.hyperserve.set_one_stream_rows(0)
+            assert torch.equal(together, portable) and torch.equal(alone, portable[:1]), (isa, one_stream_rows)
+
+
+def test_mxfp4_packing_keeps_mxfp4_weights_exactly_and_rounds_others_to_the_nearest_value():
+    packed, weight = mxfp4_weight(48, 96)
+    assert packed.shape == (6, 3, 136)
+    assert torch.equal(torch.ops.hyperserve.dequantize(packed, 96, "mxfp4"), weight)
+    # the same values (a group's bytes may differ: its scale by the OCP rule, -0 as 0)
+    assert torch.equal(torch.ops.hyperserve.dequantize(interleave_mxfp4(pack_mxfp4(weight)), 96, "mxfp4"), weight)
+    any_weight = torch.randn(48, 96)
+    back = torch.ops.hyperserve.dequantize(interleave_mxfp4(pack_mxfp4(any_weight)), 96, "mxfp4")
+    groups, back = any_weight.reshape(48, 3, 32), back.reshape(48, 3, 32)
+    scale = torch.exp2(torch.floor(torch.log2(groups.abs().amax(-1, keepdim=True))) - 2)  # the OCP rule
+    nearest = (groups.unsqueeze(-1) / scale.unsqueeze(-1) - FP4_VALUES).abs().argmin(-1)
+    assert torch.equal(back, FP4_VALUES[nearest] * scale)
+
+
+def test_an_mxfp4_weight_must_be_interleaved_and_fit_its_input():
+    packed, _ = mxfp4_weight(16, 64)
+    with pytest.raises(RuntimeError, match="MXFP4 interleaved"):
+        torch.ops.hyperserve.quantized_linear(torch.randn(2, 96), packed, "mxfp4")
+    with pytest.raises(RuntimeError, match="MXFP4 is interleaved only"):
+        torch.ops.hyperserve.quantized_linear(torch.randn(2, 64), pack_mxfp4(torch.randn(16, 64)), "mxfp4")

@@ -93,6 +93,17 @@ def test_int8_experts_match_the_pytorch_layers(save_hf_model, arch):
     assert (fused - plain).abs().max() <= 1e-3 * plain.abs().max()
 
 
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_mxfp4_mlps_match_the_pytorch_layers(save_hf_model, arch):
+    """mxfp4: the MLPs' (or experts') projections in MXFP4, against 8-bit activations as the
+    interleaved int4 layout takes them (tolerance as there), attention in Q8_0."""
+    _, path = save_hf_model(tiny_config(arch))
+    llm = LLM(model=path, quantization="mxfp4", dtype="float32", kv_cache_memory_gb=0.01)
+    fused, plain = _decode_both_ways(llm)
+    assert (fused - plain).norm() / plain.norm() < 0.1
+    assert not torch.equal(fused[0], fused[1])
+
+
 @pytest.mark.parametrize(("arch", "overrides", "fused"), [
     ("phi3", {"partial_rotary_factor": 0.5}, False),  # Phi-4-mini's: the native layers rotate whole heads
     ("phi3", {}, True),

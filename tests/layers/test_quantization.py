@@ -15,8 +15,10 @@ from hyperserve.layers.quantization import (
     Fp8Linear,
     Int4Linear,
     Int8Linear,
+    Mxfp4Linear,
     Q8Linear,
     int8_reduce_range,
+    mxfp4_rows,
     quantize_model,
 )
 from hyperserve.models.gguf_reader import gguf_weight_bits
@@ -96,6 +98,33 @@ def test_q8_linear_holds_gguf_weights_and_matches_float_at_any_row_count():
     assert (Q8Linear(q8_0.flip(0), bias)(x) - expected).norm() / expected.norm() > 0.5  # a wrong weight shows
 
 
+@pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels are not built")
+def test_mxfp4_linear_keeps_a_checkpoints_blocks_and_matches_float_at_any_row_count():
+    """An MXFP4 checkpoint's rows are kept as given and a float weight of the same values packs to
+    the same weights; the kernel's rows (8-bit activations) and the dense product beyond
+    INTERLEAVED_MAX_ROWS both match float32 within the activations' rounding."""
+    from tests.kernels.test_cpu_ops import FP4_VALUES
+
+    torch.manual_seed(0)
+    codes = torch.randint(0, 16, (40, 4, 32), dtype=torch.uint8)
+    exponents = torch.randint(118, 124, (40, 4), dtype=torch.uint8)
+    weight = (FP4_VALUES[codes.long()] * torch.exp2(exponents.float() - 127)[..., None]).reshape(40, 128)
+    bias = torch.randn(40)
+    linear = Mxfp4Linear(mxfp4_rows(codes, exponents), bias)
+    assert (linear.in_features, linear.out_features, linear.num_bytes) == (128, 40, 40 * 4 * 17)
+    assert torch.equal(linear.dense().float(), weight)  # 3 significant bits: exact in bfloat16 too
+    assert torch.equal(Mxfp4Linear(weight, None).dense().float(), weight)
+    for rows in (1, 17, linear.max_rows + 1):
+        x = torch.randn(rows, 128)
+        expected = F.linear(x, weight, bias)
+        got = linear(x)
+        assert got.shape == expected.shape
+        assert (got - expected).norm() / expected.norm() < 0.01, rows
+    assert (Mxfp4Linear(weight.flip(0), bias)(x) - expected).norm() / expected.norm() > 0.5
+    with pytest.raises(ValueError, match="out_features divisible by 8"):
+        Mxfp4Linear(torch.randn(12, 64), None)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tokens", [5, 40])  # on CUDA: the Triton GEMV (weight-only) and the scaled GEMM
 def test_fp8_linear_matches_float_within_quantization_error(device, tokens):
@@ -115,8 +144,10 @@ def test_fp8_linear_matches_float_within_quantization_error(device, tokens):
     assert (Fp8Linear(weight.flip(0), bias)(x.to(dtype)).float() - expected).norm() / expected.norm() > 0.5
 
 
-@pytest.mark.parametrize(("method", "tied"), [("int8", False), ("int4", False), ("int4", True)])
+@pytest.mark.parametrize(("method", "tied"), [("int8", False), ("int4", False), ("int4", True), ("mxfp4", False)])
 def test_quantize_model_replaces_projections_and_shrinks_weights(method, tied):
+    if method == "mxfp4" and not kernels.available():
+        pytest.skip("mxfp4 runs on the native CPU kernels only")
     config = tiny_config("llama", tie_word_embeddings=tied)
     model = build_model(config, None, TorchPagedAttention(), 512, torch.float32, "cpu")
     before, after = quantize_model(model, method, torch.bfloat16 if method == "int4" else torch.float32)
@@ -129,6 +160,9 @@ def test_quantize_model_replaces_projections_and_shrinks_weights(method, tied):
         assert kinds == {"qkv_proj": "Int8Linear", "o_proj": "Int8Linear", "gate_up_proj": "Int8Linear",
                          "down_proj": "Linear", "lm_head": "Linear"}
         assert set(KEEP_FLOAT_INT8) == {"down_proj", "lm_head"}
+    elif method == "mxfp4":  # the MLP in MXFP4, attention and the head in Q8_0
+        assert kinds == {"qkv_proj": "Q8Linear", "o_proj": "Q8Linear", "gate_up_proj": "Mxfp4Linear",
+                         "down_proj": "Mxfp4Linear", "lm_head": "Q8Head"}
     else:  # every projection; the head, tied or not, in int8; what stays float is bfloat16
         assert kinds.pop("lm_head") == ("Q8Head" if kernels.available() else "Int8Head")
         assert set(kinds.values()) == {"Int4Linear"}

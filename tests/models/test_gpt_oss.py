@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from hyperserve import LLM
+from hyperserve import LLM, kernels
+from hyperserve.config import ModelConfig
+from hyperserve.layers.lora import unwrapped
+from hyperserve.layers.quantization import Mxfp4Linear
 from hyperserve.models.gpt_oss import FP4_VALUES, dequantize_mxfp4
 from tests.conftest import tiny_config
 from tests.models.test_llama import _check_against_transformers
@@ -68,13 +71,57 @@ def mxfp4_checkpoint(save_hf_model):
 
 
 def test_an_mxfp4_checkpoint_matches_transformers(mxfp4_checkpoint):
-    """The experts' blocks (gate and up interleaved row by row) load dequantized: the logits and
-    greedy tokens of transformers on the same weights, in one prefill and in chunks of 7."""
+    """Without quantization the experts' blocks (gate and up interleaved row by row) load
+    dequantized: the logits and greedy tokens of transformers on the same weights, in one prefill
+    and in chunks of 7."""
     hf_model, path = mxfp4_checkpoint
     for chunk in (512, 7):
         llm = LLM(model=path, num_kv_blocks=64, block_size=4, max_model_len=128, dtype="float32",
-                  max_num_batched_tokens=chunk)
+                  quantization=None, max_num_batched_tokens=chunk)
         _check_against_transformers(llm, hf_model, abs_tol=2e-4)
+
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="mxfp4 runs on the native CPU kernels")
+
+
+def expert_weights(llm: LLM, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's experts as the engine holds them: gate_up [E, 2 I, H] and down [E, H, I], float32."""
+    experts = llm.engine.runner.model.model.layers[layer].mlp.experts
+    projections = [[unwrapped(getattr(expert, name)) for expert in experts] for name in ("gate_up_proj", "down_proj")]
+    assert all(isinstance(p, Mxfp4Linear) for ps in projections for p in ps)
+    return tuple(torch.stack([p.dense().float() for p in ps]) for ps in projections)
+
+
+def hf_expert_weights(hf_model, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' experts in our layout: [E, in, out] transposed, gate rows before up rows."""
+    experts = hf_model.model.layers[layer].mlp.experts
+    gate_up = experts.gate_up_proj.detach().transpose(1, 2)
+    return torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1), experts.down_proj.detach().transpose(1, 2)
+
+
+def never_dequantized(*args, **kwargs):
+    raise AssertionError("MXFP4 blocks were dequantized where mxfp4 keeps them")
+
+
+@needs_kernels
+def test_an_mxfp4_checkpoint_keeps_its_blocks_by_default(mxfp4_checkpoint, monkeypatch):
+    """On the CPU an MXFP4 checkpoint runs in mxfp4: its experts' blocks kept as stored (the weights
+    are transformers' exactly), attention in Q8_0, activations in bfloat16 and 8 bits into the
+    kernels. Log-probs within 0.75 of transformers', in one prefill and in chunks: this tiny
+    model's large random weights magnify rounding (int8 strays 0.66 on it, int4 2.1), where a
+    wrong expert or code strays by nats."""
+    from hyperserve.models import gpt_oss
+
+    hf_model, path = mxfp4_checkpoint
+    monkeypatch.setattr(gpt_oss, "dequantize_mxfp4", never_dequantized)
+    assert ModelConfig(model=path).quantization == "mxfp4"
+    assert ModelConfig(model=path).torch_dtype == torch.bfloat16
+    for chunk in (512, 7):
+        llm = LLM(model=path, num_kv_blocks=64, block_size=4, max_model_len=128, max_num_batched_tokens=chunk)
+        for layer in range(hf_model.config.num_hidden_layers):
+            for ours, theirs in zip(expert_weights(llm, layer), hf_expert_weights(hf_model, layer)):
+                assert torch.equal(ours, theirs)
+        _check_against_transformers(llm, hf_model, abs_tol=0.75, same_greedy=False)
 
 
 def write_gguf(hf_model, path, tokenizer_gguf, dense: str = "F32") -> None:
@@ -145,7 +192,8 @@ def test_a_gguf_as_llama_cpp_writes_it_matches_transformers(smollm2_source, tmp_
     """A `gpt-oss` GGUF (MXFP4 experts, gate and up apart, llama.cpp's names for the sinks and the
     norm before the MLP, YaRN in the metadata): the config read from the metadata (transformers'
     reading of it fails), the expert width from the tensors, and logits and greedy tokens of
-    transformers on the weights the file stands for; int4 by default, as for other 4-bit files."""
+    transformers on the weights the file stands for. By default (mxfp4) the experts are the
+    file's blocks as they are: the same weights."""
     from hyperserve.models import gguf_reader
     from tests.models.test_loader import random_model
 
@@ -163,3 +211,10 @@ def test_a_gguf_as_llama_cpp_writes_it_matches_transformers(smollm2_source, tmp_
         "gpt_oss", 96, ["sliding_attention", "full_attention"])
     assert ours.rope_parameters["rope_type"] == "yarn" and ours.rope_parameters["factor"] == 4.0
     _check_against_transformers(llm, model, abs_tol=2e-4)
+    if kernels.available():
+        monkeypatch.setattr(gguf_reader, "dequantize_mxfp4", never_dequantized)
+        llm = LLM(model=str(tmp_path / "model.gguf"), num_kv_blocks=64, block_size=4, max_model_len=128)
+        assert llm.engine.config.model.quantization == "mxfp4"
+        for layer in range(config.num_hidden_layers):
+            for ours, theirs in zip(expert_weights(llm, layer), hf_expert_weights(model, layer)):
+                assert torch.equal(ours, theirs)
