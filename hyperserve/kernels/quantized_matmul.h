@@ -221,7 +221,7 @@ struct QuantizedRows8 {
   std::vector<int8_t> codes;       // [M, K]
   std::vector<float> scales;       // [M, K / 32]
   std::vector<float> sums;         // [M, K / 32], exact float sums of each group
-  std::vector<int32_t> code_sums;  // [M, K / 32], the sums of each group's codes
+  std::vector<int32_t> code_sums;  // [M, K / 32], the sums of each group's codes (against MXFP4 only)
 };
 
 int32_t sum_codes(const int8_t* codes) {
@@ -254,10 +254,11 @@ AVX2 void quantize_group8_avx2(const float* src, int8_t* dst, float& scale, floa
 }
 #endif
 
-QuantizedRows8 quantize_rows8(const float* x, int64_t rows, int64_t in_features, bool avx2) {
+// code_sums: whether the weight needs them (MXFP4's offset codes).
+QuantizedRows8 quantize_rows8(const float* x, int64_t rows, int64_t in_features, bool avx2, bool code_sums) {
   const int64_t groups = in_features / kGroup;
   QuantizedRows8 q{std::vector<int8_t>(rows * in_features), std::vector<float>(rows * groups),
-                   std::vector<float>(rows * groups), std::vector<int32_t>(rows * groups)};
+                   std::vector<float>(rows * groups), std::vector<int32_t>(code_sums ? rows * groups : 0)};
   parallel_for(0, rows * groups, kQuantizeGrain, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       int8_t* codes = q.codes.data() + g * kGroup;
@@ -267,7 +268,7 @@ QuantizedRows8 quantize_rows8(const float* x, int64_t rows, int64_t in_features,
       else
 #endif
         quantize_group8(x + g * kGroup, codes, q.scales[g], q.sums[g]);
-      q.code_sums[g] = sum_codes(codes);
+      if (code_sums) q.code_sums[g] = sum_codes(codes);
     }
   });
   return q;
@@ -590,12 +591,12 @@ AVX2 inline BlockScales load_block_scales(const uint8_t* group) {
           load8_half(reinterpret_cast<const at::Half*>(group + 144))};
 }
 
-// The 8 channels' integer dot products with one row's 32 input codes xg (whose codes sum to
-// code_sum), one per 32-bit lane. Q4_1's 8 pair sums per channel add up in 16 bits without overflow
-// (8 * 2 * 15 * 127 < 32767); MXFP4's unsigned codes reach 24, so each half's 4 go to 32 bits apart,
-// less kFp4Offset times the input's sum: the doubled codes' products.
+// The 8 channels' integer dot products with one row's 32 input codes xg, one per 32-bit lane (MXFP4's
+// of its offset codes: add_group corrects them). Q4_1's 8 pair sums per channel add up in 16 bits
+// without overflow (8 * 2 * 15 * 127 < 32767); MXFP4's codes reach 24, so each half's 4 go to 32
+// bits apart.
 template <Format F>
-AVX2 inline __m256i group_dot(const BlockCodes& b, const int8_t* xg, int32_t code_sum) {
+AVX2 inline __m256i group_dot(const BlockCodes& b, const int8_t* xg) {
   __m256i low = _mm256_maddubs_epi16(b.low[0], broadcast4(xg));
   __m256i high = _mm256_maddubs_epi16(b.high[0], broadcast4(xg + 16));
   for (int k = 1; k < 4; ++k) {
@@ -604,13 +605,14 @@ AVX2 inline __m256i group_dot(const BlockCodes& b, const int8_t* xg, int32_t cod
   }
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (F == Format::kQ4_1) return _mm256_madd_epi16(_mm256_add_epi16(low, high), ones);
-  const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(low, ones), _mm256_madd_epi16(high, ones));
-  return _mm256_sub_epi32(dot, _mm256_set1_epi32(kFp4Offset * code_sum));
+  return _mm256_add_epi32(_mm256_madd_epi16(low, ones), _mm256_madd_epi16(high, ones));
 }
 
-// A row's running sums of the 8 channels plus this group's: d * dx * (integer dot) (+ m * sx for Q4_1).
+// A row's running sums of the 8 channels plus this group's: d * dx * (integer dot) (+ m * sx for Q4_1;
+// MXFP4's dot less kFp4Offset times the input's code sum cx first: the doubled codes' products).
 template <Format F>
-AVX2 inline __m256 add_group(__m256 acc, const BlockScales& s, __m256i dot, float dx, float sx) {
+AVX2 inline __m256 add_group(__m256 acc, const BlockScales& s, __m256i dot, float dx, float sx, int32_t cx) {
+  if constexpr (F == Format::kMxfp4) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(kFp4Offset * cx));
   acc = _mm256_fmadd_ps(_mm256_mul_ps(s.d, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(dot), acc);
   if constexpr (F == Format::kQ4_1) acc = _mm256_fmadd_ps(s.m, _mm256_set1_ps(sx), acc);
   return acc;
@@ -639,7 +641,7 @@ AVX2 void block_avx2(const QuantizedWeight& w, int64_t n, const QuantizedRows8& 
   const int8_t* xq = x.codes.data() + row0 * w.in_features;
   const float* dx = x.scales.data() + row0 * w.groups;
   const float* sx = x.sums.data() + row0 * w.groups;
-  const int32_t* cx = x.code_sums.data() + row0 * w.groups;
+  const int32_t* cx = F == Format::kMxfp4 ? x.code_sums.data() + row0 * w.groups : nullptr;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < w.groups; g0 += kChunk) {
@@ -649,15 +651,13 @@ AVX2 void block_avx2(const QuantizedWeight& w, int64_t n, const QuantizedRows8& 
       const uint8_t* group = first + (g0 + i) * kBytes;
       prefetch_group_ahead<kBytes>(group);
       const BlockCodes b = load_block_codes<F>(group);
-      for (int r = 0; r < R; ++r) {
-        dots[i][r] = group_dot<F>(b, xq + r * w.in_features + (g0 + i) * kGroup, cx[r * w.groups + g0 + i]);
-      }
+      for (int r = 0; r < R; ++r) dots[i][r] = group_dot<F>(b, xq + r * w.in_features + (g0 + i) * kGroup);
     }
     for (int64_t i = 0; i < count; ++i) {
       const BlockScales s = load_block_scales<F>(first + (g0 + i) * kBytes);
       for (int r = 0; r < R; ++r) {
         const int64_t at = r * w.groups + g0 + i;
-        acc[r] = add_group<F>(acc[r], s, dots[i][r], dx[at], sx[at]);
+        acc[r] = add_group<F>(acc[r], s, dots[i][r], dx[at], sx[at], F == Format::kMxfp4 ? cx[at] : 0);
       }
     }
   }
@@ -697,7 +697,7 @@ AVX512 void block_pair_avx512(const QuantizedWeight& w, int64_t n, bool pair, co
   const int8_t* xq = x.codes.data() + row0 * w.in_features;
   const float* dx = x.scales.data() + row0 * w.groups;
   const float* sx = x.sums.data() + row0 * w.groups;
-  const int32_t* cx = x.code_sums.data() + row0 * w.groups;
+  const int32_t* cx = F == Format::kMxfp4 ? x.code_sums.data() + row0 * w.groups : nullptr;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i fp4_codes = _mm512_broadcast_i64x4(fp4_codes_avx2());
   __m512 acc[R];
@@ -751,7 +751,7 @@ AVX512 void block_vnni256(const QuantizedWeight& w, int64_t n, const QuantizedRo
   const int8_t* xq = x.codes.data() + row0 * w.in_features;
   const float* dx = x.scales.data() + row0 * w.groups;
   const float* sx = x.sums.data() + row0 * w.groups;
-  const int32_t* cx = x.code_sums.data() + row0 * w.groups;
+  const int32_t* cx = F == Format::kMxfp4 ? x.code_sums.data() + row0 * w.groups : nullptr;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g, group += kBytes) {
@@ -766,8 +766,7 @@ AVX512 void block_vnni256(const QuantizedWeight& w, int64_t n, const QuantizedRo
         dot = _mm256_dpbusd_epi32(dot, b.high[k], broadcast4(xg + 16 + 4 * k));
       }
       const int64_t at = r * w.groups + g;
-      if constexpr (F == Format::kMxfp4) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(kFp4Offset * cx[at]));
-      acc[r] = add_group<F>(acc[r], scales, dot, dx[at], sx[at]);
+      acc[r] = add_group<F>(acc[r], scales, dot, dx[at], sx[at], F == Format::kMxfp4 ? cx[at] : 0);
     }
   }
   store_block_rows<R>(acc, out, out_stride);
@@ -795,7 +794,8 @@ inline int64_t pass_rows(int64_t rows, int64_t row0, int64_t tile) {
 // out [rows, out_features] = x W^T for an interleaved Q4_1 or MXFP4 weight: blocks of 8 channels, two
 // at a time with AVX-512.
 void block_matmul(const QuantizedWeight& w, const float* x, int64_t rows, float* out, Isa isa) {
-  const QuantizedRows8 q = quantize_rows8(x, rows, w.in_features, isa != Isa::kPortable);
+  const QuantizedRows8 q = quantize_rows8(x, rows, w.in_features, isa != Isa::kPortable,
+                                          w.format == Format::kMxfp4);
   const bool one_stream = isa == Isa::kAvx512 && rows <= one_stream_rows;
   const int64_t step = isa == Isa::kAvx512 && !one_stream ? 2 : 1;  // blocks per kernel call
   const int64_t calls = (w.out_features / kBlock + step - 1) / step;

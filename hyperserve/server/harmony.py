@@ -30,17 +30,18 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from hyperserve.engine.structured_output import JSON_LAYOUT, strict_schema
+from hyperserve.engine.structured_output import JSON_LAYOUT
 from hyperserve.sampling_params import StructuredOutputs
 from hyperserve.server.protocol import NamedToolChoice, Tool
 from hyperserve.server.tool_calls import one_per_call, whole_calls
-from hyperserve.server.tools import HERMES
+from hyperserve.server.tools import HERMES, arguments_schema
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
-RETURN, CALL = "<|return|>", "<|call|>"
+RETURN, CALL, CONSTRAIN = "<|return|>", "<|call|>", "<|constrain|>"
 CLOSERS = (END, RETURN, CALL, START)  # what ends a body (a model that skips <|end|> starts the next message)
 MARKERS = (START, END, MESSAGE, CHANNEL, RETURN, CALL)
 FUNCTIONS = "functions."
+CALL_HEADER = f"{CHANNEL}commentary to={FUNCTIONS}"  # a call's header, up to the function's name
 MAX_HEADER = 512  # characters before <|message|> past which a "header" is read as plain text
 
 _CHANNEL = re.compile(r"<\|channel\|>\s*([\w-]+)")
@@ -53,15 +54,12 @@ def speaks(tokenizer) -> bool:
     return all(marker in added for marker in (START, END, MESSAGE, CHANNEL))
 
 
-CONSTRAIN = "<|constrain|>"
-
-
 def header_for(function: str | None = None) -> str:
     """The header a prompt writes for the body a constraint then shapes: the final answer's, or
     a call to `function` (its arguments as JSON)."""
     if function is None:
         return f"{CHANNEL}final{MESSAGE}"
-    return f"{CHANNEL}commentary to={FUNCTIONS}{function} {CONSTRAIN}json{MESSAGE}"
+    return f"{CALL_HEADER}{function} {CONSTRAIN}json{MESSAGE}"
 
 
 @dataclass(frozen=True)
@@ -182,11 +180,11 @@ def tool_constraint(offered: list[Tool], choice: str | NamedToolChoice | None
     if choice == "required" and len(offered) > 1:
         calls = []
         for tool in offered:
-            schema = {**strict_schema(tool.function.parameters or {"type": "object"}), "x-guidance": JSON_LAYOUT}
+            schema = {**arguments_schema(tool), "x-guidance": JSON_LAYOUT}
             calls.append(f'{json.dumps(tool.function.name + " ")} {CONSTRAIN} "json" {MESSAGE} '
                          f"%json {json.dumps(schema)}")
         grammar = "start: " + "\n     | ".join(calls) + "\n"
-        return StructuredOutputs(grammar=grammar), f"{CHANNEL}commentary to={FUNCTIONS}"
+        return StructuredOutputs(grammar=grammar), CALL_HEADER
     name = choice.function.name if isinstance(choice, NamedToolChoice) else offered[0].function.name
     tool = next(t for t in offered if t.function.name == name)
     return StructuredOutputs(json=tool.function.parameters or {"type": "object"}), header_for(name)

@@ -191,7 +191,7 @@ def _text_or_calls(fmt: ToolFormat, tools: list[Tool], schema: dict[str, Any], m
         trigger, rests = '{"name": ', []
         for tool in tools:
             head = f"{json.dumps(tool.function.name)}, {json.dumps(fmt.arguments_key)}: "
-            arguments = {**_arguments_schema(tool), "x-guidance": JSON_LAYOUT}
+            arguments = {**arguments_schema(tool), "x-guidance": JSON_LAYOUT}
             rests.append(f'{json.dumps(head)} %json {json.dumps(arguments)} "}}"')
         calls = "(" + " | ".join(rests) + ")"
     else:
@@ -206,14 +206,16 @@ def _text_or_calls(fmt: ToolFormat, tools: list[Tool], schema: dict[str, Any], m
 def _call_schema(tools: list[Tool], arguments_key: str = "arguments") -> dict[str, Any]:
     """A call to one of these tools: {"name": <its name>, <arguments_key>: <valid for its schema>}."""
     options = [{"type": "object", "properties": {"name": {"const": tool.function.name},
-                                                 arguments_key: _arguments_schema(tool)},
+                                                 arguments_key: arguments_schema(tool)},
                 "required": ["name", arguments_key], "additionalProperties": False}
                for tool in tools]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return {**schema, "x-guidance": JSON_LAYOUT}
 
 
-def _arguments_schema(tool: Tool) -> dict[str, Any]:
+def arguments_schema(tool: Tool) -> dict[str, Any]:
+    """The schema a call's arguments are held to (strict_schema's; a function without parameters
+    takes an empty object)."""
     return strict_schema(tool.function.parameters or {"type": "object", "properties": {}})
 
 
@@ -225,7 +227,7 @@ def _xml_call_rules(tools: list[Tool]) -> str:
     values as _xml_value writes it."""
     rules, calls, strings = [], [], {}
     for i, tool in enumerate(tools):
-        schema = _arguments_schema(tool)
+        schema = arguments_schema(tool)
         required, parameters = set(schema.get("required", ())), []
         for j, (name, spec) in enumerate((schema.get("properties") or {}).items()):
             opening = json.dumps(f"<parameter={name}>\n")
