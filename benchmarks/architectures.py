@@ -3,6 +3,8 @@ random weights.
 
 A model of one of SHAPES is saved once with random weights: `qwen3-0.6b` (Qwen3-0.6B's shape:
 28 layers, hidden 1024, 16 query and 8 K/V heads of 128, QK norms, vocabulary 152k, tied),
+`qwen2.5-0.5b` (Qwen2.5-0.5B's: 24 layers, hidden 896, 14 query and 2 K/V heads of 64, biases on q,
+k and v, vocabulary 152k, tied),
 `qwen3-moe` (12 layers, hidden 1024, 16 experts of width 512, 2 a token, vocabulary 32k: 0.40B
 parameters, 0.13B active a token), `gemma2-2b-8l` (8 of Gemma 2 2B's 26 layers: hidden 2304, 8
 query and 4 K/V heads of 256, capped scores and logits, vocabulary 32k in place of 256k) or
@@ -16,9 +18,11 @@ and prefills one 512-token prompt; every prompt is new (no prefix-cache hits). G
 medians of --rounds. `int4-layers` is int4 with the native decode layers turned off: the
 layer-by-layer PyTorch path, for comparison (DeepSeek runs that path in int4 anyway). With
 --long-context N, each also decodes 32 tokens after an N-token prompt (its prefill timed apart and
-taken off).
+taken off). `mxfp4` rounds the MLPs' weights to MXFP4 (GPT-OSS's experts as published), the
+rest to Q8_0; `mxfp4-layers` is its layer-by-layer path.
 
     python benchmarks/architectures.py --shape qwen3-0.6b [--rounds 3] [--configs float32 int4 int4-layers]
+    python benchmarks/architectures.py --shape qwen2.5-0.5b --configs int4 int4-layers
     python benchmarks/architectures.py --shape qwen3-moe
     python benchmarks/architectures.py --shape gemma2-2b-8l
     python benchmarks/architectures.py --shape deepseek-v2-lite-4l --configs float32 int4 --long-context 2000
@@ -46,6 +50,7 @@ from transformers import (  # noqa: E402
     Gemma2Config,
     GptOssConfig,
     PretrainedConfig,
+    Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -59,6 +64,9 @@ SHAPES = {
     "qwen3-0.6b": lambda: Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                                       head_dim=128, max_position_embeddings=2048, tie_word_embeddings=True),
+    "qwen2.5-0.5b": lambda: Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                                        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                                        max_position_embeddings=2048, tie_word_embeddings=True),
     "qwen3-moe": lambda: Qwen3MoeConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2048,
                                         num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
                                         head_dim=64, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=512,
@@ -135,8 +143,9 @@ def long_context_rate(generate, context: int) -> float:
 
 
 def hyperserve_rates(path: str, config_name: str, rounds: int, context: int) -> dict[str, float]:
-    quantization = None if config_name == "float32" else "int4"
-    layer_by_layer = config_name == "int4-layers"
+    method, _, layers = config_name.partition("-")
+    quantization = None if method == "float32" else method
+    layer_by_layer = layers == "layers"
     unsupported = FusedDecode.unsupported
     if layer_by_layer:
         FusedDecode.unsupported = staticmethod(lambda model, caches: "asked for the layer-by-layer path")
@@ -189,7 +198,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-moe")
     parser.add_argument("--configs", nargs="+", default=["float32", "int4", "int4-layers"],
-                        choices=["float32", "int4", "int4-layers"])
+                        choices=["float32", "int4", "int4-layers", "mxfp4", "mxfp4-layers"])
     parser.add_argument("--long-context", type=int, default=0,
                         help="also decode after a prompt this long (0: not)")
     parser.add_argument("--write-gguf", default=None, help="write the shape as a GGUF here and exit")

@@ -51,6 +51,18 @@ AVX2 void gelu_mul_avx2(const float* gate, const float* up, float* out, int64_t 
     _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(x, sigmoid), _mm256_loadu_ps(up + j)));
   }
 }
+
+AVX2 void clamped_swiglu_mul_avx2(const float* gate, const float* up, float* out, int64_t n, float alpha, float limit,
+                                  int64_t& j) {
+  const __m256 one = _mm256_set1_ps(1.f), high = _mm256_set1_ps(limit), low = _mm256_set1_ps(-limit);
+  const __m256 minus_alpha = _mm256_set1_ps(-alpha);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 g = _mm256_min_ps(_mm256_loadu_ps(gate + j), high);
+    const __m256 u = _mm256_max_ps(_mm256_min_ps(_mm256_loadu_ps(up + j), high), low);
+    const __m256 sigmoid = _mm256_div_ps(one, _mm256_add_ps(one, exp_avx2(_mm256_mul_ps(minus_alpha, g))));
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_add_ps(u, one)));
+  }
+}
 #endif
 
 // A sequence's cache slots in token order, from token t on: no division per token, whose latency
@@ -123,6 +135,20 @@ void gelu_mul(const float* gate, const float* up, float* out, int64_t n, bool av
   for (; j < n; ++j) {
     const float x = gate[j];
     out[j] = x / (1.f + std::exp(-k2 * (x + cubic * x * x * x))) * up[j];
+  }
+}
+
+// out[j] = g sigmoid(alpha g) (u + 1) for j < n, g = gate[j] clamped above at limit and u = up[j] to
+// [-limit, limit]: GPT-OSS's SwiGLU (models/gpt_oss.py's ClampedSwiGLU).
+void clamped_swiglu_mul(const float* gate, const float* up, float* out, int64_t n, float alpha, float limit,
+                        bool avx2) {
+  int64_t j = 0;
+#ifdef HYPERSERVE_X86
+  if (avx2) clamped_swiglu_mul_avx2(gate, up, out, n, alpha, limit, j);
+#endif
+  for (; j < n; ++j) {
+    const float g = std::min(gate[j], limit), u = std::clamp(up[j], -limit, limit);
+    out[j] = g / (1.f + std::exp(-alpha * g)) * (u + 1.f);
   }
 }
 
@@ -418,12 +444,13 @@ AVX2 void attend_tile_avx2(const AttentionTile& tile, const T* keys, const T* va
 }
 
 // out [D] = the softmax-weighted sum over a head's spans (each: out [D], best, total, `pitch`
-// floats apart), combined in span order.
+// floats apart), combined in span order; `sink`: the head's sink logit, a score without a value in
+// the softmax (-inf: none).
 void combine_spans(const float* spans, int64_t count, int64_t pitch, int64_t d, const float* best,
-                   const float* total, float* out) {
-  float top = best[0];
+                   const float* total, float sink, float* out) {
+  float top = std::max(sink, best[0]);
   for (int64_t s = 1; s < count; ++s) top = std::max(top, best[s * pitch]);
-  float denominator = 0.f;
+  float denominator = std::exp(sink - top);
   std::fill(out, out + d, 0.f);
   for (int64_t s = 0; s < count; ++s) {
     const float weight = std::exp(best[s * pitch] - top);
@@ -434,17 +461,19 @@ void combine_spans(const float* spans, int64_t count, int64_t pitch, int64_t d, 
 }
 #endif
 
-// q [D] (rotated, scaled) of one head against positions begin..end-1 -> out [D]: scores, softmax,
-// weighted sum of values. `scores` has room for end - begin floats.
+// q [D] (rotated, scaled) of one head against positions begin..end-1 -> out [D]: scores, softmax
+// (with the head's sink logit, -inf: none), weighted sum of values. `scores` has room for end - begin
+// floats.
 template <typename T, typename Dot, typename Axpy>
 void attend_with(Dot dot, Axpy axpy, const float* q, const T* keys, const T* values, const PagedKV& kv,
-                 int64_t begin, int64_t end, int64_t kv_head, float* scores, float* out, bool avx2) {
+                 int64_t begin, int64_t end, int64_t kv_head, float sink, float* scores, float* out, bool avx2) {
   const int64_t d = kv.head_dim, length = end - begin;
   kv.for_each_token(begin, end, kv_head,
                     [&](int64_t i, int64_t offset) { scores[i] = dot(q, keys + offset, d); });
   float best = *std::max_element(scores, scores + length);
   cap_scores(scores, length, best, kv.softcap);
-  const float total = exp_shifted(scores, length, best, avx2);
+  best = std::max(best, sink);
+  const float total = exp_shifted(scores, length, best, avx2) + std::exp(sink - best);
   std::fill(out, out + d, 0.f);
   kv.for_each_token(begin, end, kv_head,
                     [&](int64_t i, int64_t offset) { axpy(scores[i] / total, values + offset, out, d); });
@@ -452,13 +481,15 @@ void attend_with(Dot dot, Axpy axpy, const float* q, const T* keys, const T* val
 
 template <typename T>
 void attend(const float* q, const T* keys, const T* values, const PagedKV& kv, int64_t begin, int64_t end,
-            int64_t kv_head, float* scores, float* out, bool avx2) {
+            int64_t kv_head, float sink, float* scores, float* out, bool avx2) {
 #ifdef HYPERSERVE_X86
   if (avx2) {
-    return attend_with(dot_avx2<T>, axpy_avx2<T>, q, keys, values, kv, begin, end, kv_head, scores, out, avx2);
+    return attend_with(dot_avx2<T>, axpy_avx2<T>, q, keys, values, kv, begin, end, kv_head, sink, scores, out,
+                       avx2);
   }
 #endif
-  attend_with(dot_portable<T>, axpy_portable<T>, q, keys, values, kv, begin, end, kv_head, scores, out, avx2);
+  attend_with(dot_portable<T>, axpy_portable<T>, q, keys, values, kv, begin, end, kv_head, sink, scores, out,
+              avx2);
 }
 
 // x [heads, D] rotated in place: x * cos + roll(x, D / 2) * signed_sin (signed_sin = [-s, s]).
@@ -481,9 +512,11 @@ struct DecodeBatch {  // per token: its slot, its sequence's block table and con
   int64_t max_blocks, block_size;
   int64_t window = 0;  // a sliding window: each token attends to its last `window` positions (0: all)
   float softcap = 0.f;  // the attention scores' cap (Gemma 2's; 0: none)
+  const float* sinks = nullptr;  // each query head's sink logit (GPT-OSS's; nullptr: none)
 
   // The first position token r attends to.
   int64_t first(int64_t r) const { return window > 0 ? std::max<int64_t>(0, lengths[r] - window) : 0; }
+  float sink(int64_t head) const { return sinks != nullptr ? sinks[head] : -INFINITY; }
 };
 
 // qkv [rows, (H + 2 Hkv) D] -> out [rows, H D]: rotates q and k, stores k and v at each token's
@@ -612,7 +645,7 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
         const int64_t r = i / num_heads, skipped = batch.first(r) / kAttentionSpan;  // before the window
         const float* first = parts + (first_slot[i] + skipped) * pitch;
         combine_spans(first, spans_of(batch.lengths[r]) - skipped, pitch, head_dim, first + head_dim,
-                      first + head_dim + 1, out + i * head_dim);
+                      first + head_dim + 1, batch.sink(i % num_heads), out + i * head_dim);
       }
     });
     return;
@@ -626,8 +659,7 @@ void decode_attention(float* qkv, int64_t rows, int64_t num_heads, int64_t num_k
       const PagedKV kv{batch.block_size, num_kv_heads, head_dim, batch.block_tables + r * batch.max_blocks,
                        batch.softcap};
       attend<T>(qkv + r * width + h * head_dim, keys, values, kv, batch.first(r), batch.lengths[r],
-                h / (num_heads / num_kv_heads),
-                scores.data(), out + i * head_dim, vectorized);
+                h / (num_heads / num_kv_heads), batch.sink(h), scores.data(), out + i * head_dim, vectorized);
     }
   });
 }

@@ -1,8 +1,10 @@
-"""Steps of an int4 or int8 Llama-family or Gemma model on the CPU, in native calls: one per step,
-or one per layer with LoRA, with layers that do not rotate (SmolLM3's, given cos 1 and sin 0), or
-with layers that differ (Gemma's: a sliding window on some layers, each kind with its own rotary
-table in Gemma 3, norms of attention's and the MLP's outputs, a GELU-gated MLP, Gemma 2's capped
-attention scores).
+"""Steps of an int4, int8 or mxfp4 Llama-family, Gemma or GPT-OSS model on the CPU, in native calls:
+one per step, or one per layer with LoRA, with layers that do not rotate (SmolLM3's, given cos 1
+and sin 0), or with layers that differ (Gemma's and GPT-OSS's: a sliding window on some layers,
+each kind with its own rotary table in Gemma 3, norms of attention's and the MLP's outputs, a
+GELU-gated MLP, Gemma 2's capped attention scores). Any projection may add a bias (Qwen2's q, k and
+v; GPT-OSS's q, k, v, o, router and experts), and GPT-OSS's heads their sinks, its experts their
+clamped SwiGLU.
 
 At a few tokens per step a decoder layer is ~20 small PyTorch ops whose dispatch costs more than
 their arithmetic: eager decoding of SmolLM2-135M spent half its time outside the matmuls.
@@ -54,6 +56,7 @@ from hyperserve.layers.quantization import (
 )
 from hyperserve.models.deepseek import LatentAttention
 from hyperserve.models.gemma import GemmaDecoderLayer
+from hyperserve.models.gpt_oss import ClampedSwiGLU
 
 logger = logging.getLogger("hyperserve.fused_decode")
 
@@ -79,6 +82,12 @@ def packed(linear: torch.nn.Module) -> torch.Tensor | None:
 
 def float32(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().float().contiguous()
+
+
+def optional(weight: torch.Tensor | None) -> torch.Tensor:
+    """A norm, bias or the sinks as decode_layer takes them: float32, or empty where a layer has none."""
+    return torch.empty(0) if weight is None else float32(weight)
+
 ONE_STREAM_ROWS = 8  # the most rows a pass over a block takes with AVX-512 (kernels' kBlockRowTile)
 
 
@@ -171,8 +180,6 @@ class FusedDecode:
             return "a shared expert (Qwen2-MoE, DeepSeek)"
         if any(isinstance(layer.self_attn, LatentAttention) for layer in model.model.layers):
             return "latent attention (DeepSeek)"
-        if any(layer.self_attn.sinks is not None for layer in model.model.layers):
-            return "attention sinks (GPT-OSS)"
         rotaries = [layer.self_attn.rotary for layer in model.model.layers]
         if any(rotary is not None and rotary.rotary_dim != rotary.head_dim for rotary in rotaries):
             return "a rotation over part of each head (partial_rotary_factor)"
@@ -183,30 +190,43 @@ class FusedDecode:
             linears = [unwrapped(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
             linears += [unwrapped(m) for mlp in mlps for m in (mlp.gate_up_proj, mlp.down_proj)]
             if not all(isinstance(m, (Int4Linear, Q8Linear, Mxfp4Linear)) and packed(m) is not None
-                       and not m.has_bias for m in linears):
-                return "projections that are not bias-free native int4, int8 or mxfp4"
+                       for m in linears):
+                return "projections that are not native int4, int8 or mxfp4"
+            if len({unwrapped(mlp.gate_up_proj).output_bias is None for mlp in mlps}) > 1:
+                return "experts of which only some have biases"
         return None
 
     @staticmethod
     def _weights(layer: torch.nn.Module) -> list[torch.Tensor]:
-        """The layer's weights as decode_layer takes them: norm, qkv, o, the norm before the MLP, the
-        q and k norms (empty without them), then gate_up and down, or a mixture of experts' router,
-        routing (top_k, renormalize) and every expert's gate_up and down; Gemma 3's dense layer then
-        its norms of attention's and the MLP's outputs."""
+        """The layer's weights as decode_layer takes them, in the slots of its LayerSlot
+        (kernels/decode_layer.h), an empty tensor where the layer has none: the input norm, qkv and
+        its bias, o and its bias, the norm before the MLP, Qwen3's q and k norms, GPT-OSS's sinks,
+        Gemma's norms of attention's and the MLP's outputs, GPT-OSS's clamped SwiGLU (alpha, limit);
+        then gate_up, its bias, down and its bias, or a mixture of experts' router and its bias, its
+        routing (top_k, renormalize), its experts' gate_up and down biases stacked, and every
+        expert's gate_up and down."""
         attn, mlp = layer.self_attn, layer.mlp
-        gemma = isinstance(layer, GemmaDecoderLayer)
-        norm = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
-        weights = [float32(layer.input_layernorm.weight), packed(unwrapped(attn.qkv_proj)),
-                   packed(unwrapped(attn.o_proj)), float32(norm.weight)]
-        weights += [torch.empty(0), torch.empty(0)] if attn.q_norm is None else [
-            float32(norm.weight) for norm in (attn.q_norm, attn.k_norm)]
+        qkv, o = unwrapped(attn.qkv_proj), unwrapped(attn.o_proj)
+        if isinstance(layer, GemmaDecoderLayer):
+            mlp_norm, output_norms = layer.pre_feedforward_layernorm, (
+                layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight)
+        else:
+            mlp_norm, output_norms = layer.post_attention_layernorm, (None, None)
+        qk_norms = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+        activation = getattr(mlp.experts[0] if isinstance(mlp, SparseMoE) else mlp, "activation", None)
+        weights = [float32(layer.input_layernorm.weight), packed(qkv), optional(qkv.output_bias), packed(o),
+                   optional(o.output_bias), float32(mlp_norm.weight), *map(optional, qk_norms),
+                   optional(attn.sinks), *map(optional, output_norms),
+                   torch.tensor([activation.alpha, activation.limit]) if isinstance(activation, ClampedSwiGLU)
+                   else torch.empty(0)]
         if not isinstance(mlp, SparseMoE):
-            weights += [packed(unwrapped(mlp.gate_up_proj)), packed(unwrapped(mlp.down_proj))]
-            if gemma:
-                weights += [float32(layer.post_attention_layernorm.weight),
-                            float32(layer.post_feedforward_layernorm.weight)]
-            return weights
-        weights += [float32(mlp.gate.weight), torch.tensor([mlp.top_k, int(mlp.renormalize)])]
+            gate_up, down = unwrapped(mlp.gate_up_proj), unwrapped(mlp.down_proj)
+            return weights + [packed(gate_up), optional(gate_up.output_bias), packed(down),
+                              optional(down.output_bias)]
+        biases = [[unwrapped(getattr(expert, name)).output_bias for expert in mlp.experts]
+                  for name in ("gate_up_proj", "down_proj")]
+        weights += [float32(mlp.gate.weight), optional(mlp.gate.bias), torch.tensor([mlp.top_k, int(mlp.renormalize)])]
+        weights += [torch.empty(0) if None in b else float32(torch.stack(b)) for b in biases]
         return weights + [packed(unwrapped(p)) for expert in mlp.experts
                           for p in (expert.gate_up_proj, expert.down_proj)]
 

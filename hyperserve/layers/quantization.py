@@ -119,8 +119,8 @@ class DenseForLargeBatches(nn.Module):
     _bias: torch.Tensor | None = None  # added to the output, in its dtype
 
     @property
-    def has_bias(self) -> bool:
-        return self._bias is not None
+    def output_bias(self) -> torch.Tensor | None:
+        return self._bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
@@ -181,7 +181,7 @@ class Int4Linear(DenseForLargeBatches):
             self._dense = dequantized.to(dense)
             self.num_bytes = (self._packed.numel() + 2 * self._scale_zero.numel()
                               + self._dense.numel() * self._dense.element_size())
-        self._bias = None if bias is None else bias.detach().bfloat16()
+        self._bias = None if bias is None else bias.detach().float()
         self.in_features, self.out_features = in_features, out_features
 
     def dense(self) -> torch.Tensor:

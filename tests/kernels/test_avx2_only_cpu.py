@@ -46,8 +46,9 @@ sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[1:]]))
 # there on a 2-core Intel VM, pushing `make test` to 25. So the emulator runs every kernel test
 # and, of the fused-layer tests, variants that between them reach each path (both int4 layouts,
 # int8 rows, head sizes 16 and 64, the long-context spans, a verify step's tiles, a sliding window,
-# LoRA, a bfloat16 cache, batching and caching, the bounds check); their numbers on every variant
-# are checked natively with the AVX2 paths forced (the test after this one).
+# GPT-OSS's sinks and biases, LoRA, a bfloat16 cache, batching and caching, the bounds check);
+# their numbers on every variant are checked natively with the AVX2 paths forced (the test after
+# this one).
 EMULATED_FUSED = [f"tests/layers/test_fused_decode.py::{name}[{variant}]" for name, variants in {
     "test_fused_decode_matches_the_pytorch_layers_in_float32":
         ("rows-llama-4-2-64", "interleaved-llama-3-1-192", "interleaved-qwen3_moe-4-2-64"),
@@ -57,6 +58,7 @@ EMULATED_FUSED = [f"tests/layers/test_fused_decode.py::{name}[{variant}]" for na
     "test_rows_of_one_sequence_attend_together_with_the_same_bits_as_alone": ("one-kv-head-interleaved",),
     "test_fused_decode_applies_each_rows_lora_adapter_as_the_pytorch_layers_do": ("gemma3-int8",),
     "test_fused_decode_reads_a_bfloat16_cache": ("rows",),
+    "test_gpt_oss_layers_match_the_pytorch_layers": ("int8-64",),  # sinks, biases, the clamped SwiGLU
     "test_greedy_generation_is_the_same_batched_or_alone": ("interleaved-llama",),
     "test_where_every_step_is_fused_a_request_is_the_same_cached_chunked_or_batched": ("llama",),
     "test_a_slot_or_block_outside_the_cache_is_refused_before_anything_is_written": ("decode_layers",),

@@ -56,6 +56,7 @@ def q41_layout(request, monkeypatch) -> str:
     ("llama", 4, 2, 256),
     ("llama", 4, 1, 256),
     ("qwen3", 4, 2, 64),  # QK norms (head_dim 16, as tiny_config sets it)
+    ("qwen2", 4, 2, 64),  # biases on q, k and v
     ("mixtral", 4, 2, 64),  # a mixture of 4 experts, 2 a token
     ("qwen3_moe", 4, 2, 64),  # a dense layer, then a mixture with QK norms
     ("granite", 4, 2, 64),  # its multipliers: the attention's scale, and folded into the weights
@@ -72,7 +73,7 @@ def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, arch,
     _, path = save_hf_model(tiny_config(arch, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                                         hidden_size=hidden, **moe))
     llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01)
-    assert (llm.engine.runner.fused_decode.layers[0][4].numel() > 0) == arch.startswith("qwen3")
+    assert (llm.engine.runner.fused_decode.layers[0][6].numel() > 0) == arch.startswith("qwen3")  # kQNorm
     fused, plain = _decode_both_ways(llm)
     assert fused.shape == (6, 256)
     if q41_layout == "rows":
@@ -158,6 +159,40 @@ def test_a_sliding_window_and_gemmas_layers_match_the_pytorch_layers(save_hf_mod
         assert (fused - plain).abs().max() <= 1e-3 * plain.abs().max()
     else:
         assert (fused - plain).norm() / plain.norm() < 0.1
+
+
+def test_biases_on_every_projection_match_the_pytorch_layers(save_hf_model, q41_layout):
+    """A Llama with attention_bias and mlp_bias: q, k, v, o, gate, up and down each add a bias (tolerances
+    as above)."""
+    _, path = save_hf_model(tiny_config("llama", attention_bias=True, mlp_bias=True))
+    llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01)
+    layer = llm.engine.runner.fused_decode.layers[0]
+    assert [layer[slot].numel() for slot in (2, 4, 13, 15)] == [128, 64, 256, 64]  # the four biases' slots
+    fused, plain = _decode_both_ways(llm)
+    if q41_layout == "rows":
+        assert (fused - plain).abs().max() <= 1e-3 * plain.abs().max()
+    else:
+        assert (fused - plain).norm() / plain.norm() < 0.1
+
+
+@pytest.mark.parametrize(("quantization", "head_dim"), [("int8", 16), ("int8", 64), ("mxfp4", 16)])
+def test_gpt_oss_layers_match_the_pytorch_layers(save_hf_model, quantization, head_dim):
+    """GPT-OSS: biased q/k/v and o, each head's sink in the softmax (head_dim 64: in the span kernel's
+    combination of spans), a windowed layer (8 tokens, passed by contexts of 20 and 40) then a full
+    one, a router with a bias, biased experts and the clamped SwiGLU (a limit of 1, which these
+    activations pass). int8's Q8_0 takes 16-bit activations (float rounding apart); mxfp4's experts
+    8-bit ones (tolerance as the interleaved int4 layout's)."""
+    # expert widths in blocks of 32
+    _, path = save_hf_model(tiny_config("gpt_oss", intermediate_size=64, head_dim=head_dim))
+    llm = LLM(model=path, quantization=quantization, dtype="float32", kv_cache_memory_gb=0.01)
+    fused_layers = llm.engine.runner.fused_decode
+    assert fused_layers.windows == [8, 0] and fused_layers.layers[0][8].numel() == 4  # kSinks: one per head
+    fused, plain = _decode_both_ways(llm)
+    if quantization == "int8":
+        assert (fused - plain).abs().max() <= 1e-3 * plain.abs().max()
+    else:
+        assert (fused - plain).norm() / plain.norm() < 0.1
+    assert not torch.equal(fused[0], fused[1])
 
 
 @pytest.mark.parametrize("q41_layout", ["interleaved"], indirect=True)
@@ -297,7 +332,6 @@ def test_where_every_step_is_fused_a_request_is_the_same_cached_chunked_or_batch
 
 @pytest.mark.parametrize(("arch", "options", "reason"), [
     ("llama", dict(kv_cache_dtype="int8"), "quantized KV cache"),
-    ("qwen2", dict(), "bias-free"),
 ])
 def test_models_the_fused_layer_cannot_run_keep_the_pytorch_path(save_hf_model, arch, options, reason,
                                                                   caplog):

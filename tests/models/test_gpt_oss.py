@@ -106,10 +106,10 @@ def never_dequantized(*args, **kwargs):
 @needs_kernels
 def test_an_mxfp4_checkpoint_keeps_its_blocks_by_default(mxfp4_checkpoint, monkeypatch):
     """On the CPU an MXFP4 checkpoint runs in mxfp4: its experts' blocks kept as stored (the weights
-    are transformers' exactly), attention in Q8_0, activations in bfloat16 and 8 bits into the
-    kernels. Log-probs within 0.75 of transformers', in one prefill and in chunks: this tiny
-    model's large random weights magnify rounding (int8 strays 0.66 on it, int4 2.1), where a
-    wrong expert or code strays by nats."""
+    are transformers' exactly), attention in Q8_0, the experts' inputs rounded to 8 bits (as
+    llama.cpp's). Log-probs within 0.85 of transformers', in one prefill and in chunks: this tiny
+    model's large random weights magnify that rounding (0.78 here; the native layers' int8, with
+    16-bit inputs, strays 0.09 on it, int4 1.4), where a wrong expert or code strays by nats."""
     from hyperserve.models import gpt_oss
 
     hf_model, path = mxfp4_checkpoint
@@ -121,7 +121,7 @@ def test_an_mxfp4_checkpoint_keeps_its_blocks_by_default(mxfp4_checkpoint, monke
         for layer in range(hf_model.config.num_hidden_layers):
             for ours, theirs in zip(expert_weights(llm, layer), hf_expert_weights(hf_model, layer)):
                 assert torch.equal(ours, theirs)
-        _check_against_transformers(llm, hf_model, abs_tol=0.75, same_greedy=False)
+        _check_against_transformers(llm, hf_model, abs_tol=0.85, same_greedy=False)
 
 
 def write_gguf(hf_model, path, tokenizer_gguf, dense: str = "F32") -> None:
