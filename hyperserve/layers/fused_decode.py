@@ -88,6 +88,7 @@ def optional(weight: torch.Tensor | None) -> torch.Tensor:
     """A norm, bias or the sinks as decode_layer takes them: float32, or empty where a layer has none."""
     return torch.empty(0) if weight is None else float32(weight)
 
+
 ONE_STREAM_ROWS = 8  # the most rows a pass over a block takes with AVX-512 (kernels' kBlockRowTile)
 
 
@@ -192,7 +193,8 @@ class FusedDecode:
             if not all(isinstance(m, (Int4Linear, Q8Linear, Mxfp4Linear)) and packed(m) is not None
                        for m in linears):
                 return "projections that are not native int4, int8 or mxfp4"
-            if len({unwrapped(mlp.gate_up_proj).output_bias is None for mlp in mlps}) > 1:
+            if any(len({unwrapped(getattr(mlp, name)).output_bias is None for mlp in mlps}) > 1
+                   for name in ("gate_up_proj", "down_proj")):
                 return "experts of which only some have biases"
         return None
 
@@ -226,7 +228,7 @@ class FusedDecode:
         biases = [[unwrapped(getattr(expert, name)).output_bias for expert in mlp.experts]
                   for name in ("gate_up_proj", "down_proj")]
         weights += [float32(mlp.gate.weight), optional(mlp.gate.bias), torch.tensor([mlp.top_k, int(mlp.renormalize)])]
-        weights += [torch.empty(0) if None in b else float32(torch.stack(b)) for b in biases]
+        weights += [torch.empty(0) if b[0] is None else float32(torch.stack(b)) for b in biases]
         return weights + [packed(unwrapped(p)) for expert in mlp.experts
                           for p in (expert.gate_up_proj, expert.down_proj)]
 
