@@ -299,7 +299,8 @@ def test_greedy_generation_is_the_same_batched_or_alone(save_hf_model, q41_layou
         assert plain == together
 
 
-@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+# gpt_oss: its windowed layer's own pool (a window of 8) beside the full one, sinks and biased experts
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "gpt_oss"])
 def test_where_every_step_is_fused_a_request_is_the_same_cached_chunked_or_batched(save_hf_model, monkeypatch,
                                                                                    arch):
     """With the interleaved layout (the AVX2-only class) every token runs the fused layers' 8-bit
@@ -311,8 +312,9 @@ def test_where_every_step_is_fused_a_request_is_the_same_cached_chunked_or_batch
         pytest.skip("the interleaved layout is chosen only where the CPU has AVX2")
     monkeypatch.setattr(quantization, "interleaves_q41", lambda: True)
     monkeypatch.setattr(fused_decode, "dense_dtype", lambda: torch.float32)  # no native bfloat16, as on AVX2
+    widths = {"intermediate_size": 64} if arch == "gpt_oss" else {}  # int4 groups of 32
     _, path = save_hf_model(tiny_config(arch, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
-                                        head_dim=64))
+                                        head_dim=64, **widths))
     generator = torch.Generator().manual_seed(1)
     prompt, *others = (torch.randint(0, 256, (n,), generator=generator).tolist() for n in (70, 45, 30))
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
