@@ -85,9 +85,19 @@ def float32(weight: torch.Tensor) -> torch.Tensor:
 
 
 def optional(weight: torch.Tensor | None) -> torch.Tensor:
-    """A norm, bias or the sinks as decode_layer takes them: float32, or empty where a layer has none."""
-    return torch.empty(0) if weight is None else float32(weight)
+    """A weight as decode_layer takes it: packed bytes as they are, else float32; empty where a
+    layer has none."""
+    if weight is None:
+        return torch.empty(0)
+    return weight if weight.dtype == torch.uint8 else float32(weight)
 
+
+# decode_layer's weight slots in order (kernels/decode_layer.h's LayerSlot; an empty tensor where a
+# layer has none), then a dense MLP's (a mixture's: its router, its bias, its routing, its experts'
+# stacked biases, then each expert's gate_up and down)
+LAYER_SLOTS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "mlp_norm", "q_norm", "k_norm", "sinks",
+               "attention_out_norm", "mlp_out_norm", "activation")
+DENSE_MLP_SLOTS = ("gate_up", "gate_up_bias", "down", "down_bias")
 
 ONE_STREAM_ROWS = 8  # the most rows a pass over a block takes with AVX-512 (kernels' kBlockRowTile)
 
@@ -200,31 +210,30 @@ class FusedDecode:
 
     @staticmethod
     def _weights(layer: torch.nn.Module) -> list[torch.Tensor]:
-        """The layer's weights as decode_layer takes them, in the slots of its LayerSlot
-        (kernels/decode_layer.h), an empty tensor where the layer has none: the input norm, qkv and
-        its bias, o and its bias, the norm before the MLP, Qwen3's q and k norms, GPT-OSS's sinks,
-        Gemma's norms of attention's and the MLP's outputs, GPT-OSS's clamped SwiGLU (alpha, limit);
-        then gate_up, its bias, down and its bias, or a mixture of experts' router and its bias, its
-        routing (top_k, renormalize), its experts' gate_up and down biases stacked, and every
-        expert's gate_up and down."""
+        """The layer's weights as decode_layer takes them, in LAYER_SLOTS' order (Qwen3's q and k
+        norms, GPT-OSS's sinks and clamped SwiGLU's alpha and limit, Gemma's norms of attention's
+        and the MLP's outputs), then its MLP's."""
         attn, mlp = layer.self_attn, layer.mlp
         qkv, o = unwrapped(attn.qkv_proj), unwrapped(attn.o_proj)
-        if isinstance(layer, GemmaDecoderLayer):
-            mlp_norm, output_norms = layer.pre_feedforward_layernorm, (
-                layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight)
-        else:
-            mlp_norm, output_norms = layer.post_attention_layernorm, (None, None)
-        qk_norms = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+        gemma = isinstance(layer, GemmaDecoderLayer)
         activation = getattr(mlp.experts[0] if isinstance(mlp, SparseMoE) else mlp, "activation", None)
-        weights = [float32(layer.input_layernorm.weight), packed(qkv), optional(qkv.output_bias), packed(o),
-                   optional(o.output_bias), float32(mlp_norm.weight), *map(optional, qk_norms),
-                   optional(attn.sinks), *map(optional, output_norms),
-                   torch.tensor([activation.alpha, activation.limit]) if isinstance(activation, ClampedSwiGLU)
-                   else torch.empty(0)]
+        slots = {
+            "input_norm": layer.input_layernorm.weight, "qkv": packed(qkv), "qkv_bias": qkv.output_bias,
+            "o": packed(o), "o_bias": o.output_bias,
+            "mlp_norm": (layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm).weight,
+            "q_norm": None if attn.q_norm is None else attn.q_norm.weight,
+            "k_norm": None if attn.k_norm is None else attn.k_norm.weight,
+            "sinks": attn.sinks,
+            "attention_out_norm": layer.post_attention_layernorm.weight if gemma else None,
+            "mlp_out_norm": layer.post_feedforward_layernorm.weight if gemma else None,
+            "activation": (torch.tensor([activation.alpha, activation.limit])
+                           if isinstance(activation, ClampedSwiGLU) else None)}
+        weights = [optional(slots[name]) for name in LAYER_SLOTS]
         if not isinstance(mlp, SparseMoE):
             gate_up, down = unwrapped(mlp.gate_up_proj), unwrapped(mlp.down_proj)
-            return weights + [packed(gate_up), optional(gate_up.output_bias), packed(down),
-                              optional(down.output_bias)]
+            dense = {"gate_up": packed(gate_up), "gate_up_bias": gate_up.output_bias, "down": packed(down),
+                     "down_bias": down.output_bias}
+            return weights + [optional(dense[name]) for name in DENSE_MLP_SLOTS]
         biases = [[unwrapped(getattr(expert, name)).output_bias for expert in mlp.experts]
                   for name in ("gate_up_proj", "down_proj")]
         weights += [float32(mlp.gate.weight), optional(mlp.gate.bias), torch.tensor([mlp.top_k, int(mlp.renormalize)])]

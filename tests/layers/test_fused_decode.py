@@ -6,6 +6,7 @@ import torch
 from hyperserve import LLM, SamplingParams, kernels
 from hyperserve.engine.model_runner import SeqChunk
 from hyperserve.layers import fused_decode, quantization
+from hyperserve.layers.fused_decode import DENSE_MLP_SLOTS, LAYER_SLOTS
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.skipif(not kernels.available(),
@@ -73,7 +74,8 @@ def test_fused_decode_matches_the_pytorch_layers_in_float32(save_hf_model, arch,
     _, path = save_hf_model(tiny_config(arch, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                                         hidden_size=hidden, **moe))
     llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01)
-    assert (llm.engine.runner.fused_decode.layers[0][6].numel() > 0) == arch.startswith("qwen3")  # kQNorm
+    q_norm = llm.engine.runner.fused_decode.layers[0][LAYER_SLOTS.index("q_norm")]
+    assert (q_norm.numel() > 0) == arch.startswith("qwen3")
     fused, plain = _decode_both_ways(llm)
     assert fused.shape == (6, 256)
     if q41_layout == "rows":
@@ -166,8 +168,8 @@ def test_biases_on_every_projection_match_the_pytorch_layers(save_hf_model, q41_
     as above)."""
     _, path = save_hf_model(tiny_config("llama", attention_bias=True, mlp_bias=True))
     llm = LLM(model=path, quantization="int4", dtype="float32", kv_cache_memory_gb=0.01)
-    layer = llm.engine.runner.fused_decode.layers[0]
-    assert [layer[slot].numel() for slot in (2, 4, 13, 15)] == [128, 64, 256, 64]  # the four biases' slots
+    layer = dict(zip(LAYER_SLOTS + DENSE_MLP_SLOTS, llm.engine.runner.fused_decode.layers[0]))
+    assert [layer[f"{p}_bias"].numel() for p in ("qkv", "o", "gate_up", "down")] == [128, 64, 256, 64]
     fused, plain = _decode_both_ways(llm)
     if q41_layout == "rows":
         assert (fused - plain).abs().max() <= 1e-3 * plain.abs().max()
@@ -186,7 +188,8 @@ def test_gpt_oss_layers_match_the_pytorch_layers(save_hf_model, quantization, he
     _, path = save_hf_model(tiny_config("gpt_oss", intermediate_size=64, head_dim=head_dim))
     llm = LLM(model=path, quantization=quantization, dtype="float32", kv_cache_memory_gb=0.01)
     fused_layers = llm.engine.runner.fused_decode
-    assert fused_layers.windows == [8, 0] and fused_layers.layers[0][8].numel() == 4  # kSinks: one per head
+    assert fused_layers.windows == [8, 0]
+    assert fused_layers.layers[0][LAYER_SLOTS.index("sinks")].numel() == 4  # one per head
     fused, plain = _decode_both_ways(llm)
     if quantization == "int8":
         assert (fused - plain).abs().max() <= 1e-3 * plain.abs().max()
