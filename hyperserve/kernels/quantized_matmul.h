@@ -46,7 +46,7 @@ constexpr int64_t kHeadBlockGroupBytes = kHeadBlock * (kGroup + 2);  // a block'
 // integers; the scale is halved to match (mxfp4_scale).
 constexpr int8_t kFp4Doubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 // The vector kernels' unsigned codes (their byte products take one unsigned operand): doubled plus
-// this, corrected by it times the input group's integer sum (QuantizedRows8::code_sums).
+// this, corrected by it times the input group's integer sums (QuantizedRows8::offset_sums, offset_pairs).
 constexpr int kFp4Offset = 12;
 
 // An E8M0 scale byte (2^(e - 127)) halved, as the doubled codes need: the float whose exponent
@@ -221,13 +221,22 @@ struct QuantizedRows8 {
   std::vector<int8_t> codes;       // [M, K]
   std::vector<float> scales;       // [M, K / 32]
   std::vector<float> sums;         // [M, K / 32], exact float sums of each group
-  std::vector<int32_t> code_sums;  // [M, K / 32], the sums of each group's codes (against MXFP4 only)
+  // Against MXFP4 only, [M, K / 32]: kFp4Offset times each group's code sum (the 32-bit kernels'),
+  // and in two int16 halves of an int32 kFp4Offset times the sums of codes 4i, 4i+1 (low) and of
+  // codes 4i+2, 4i+3 (high): the inputs each 16-bit lane of group_dot meets
+  std::vector<int32_t> offset_sums, offset_pairs;
 };
 
-int32_t sum_codes(const int8_t* codes) {
-  int32_t sum = 0;
-  for (int64_t j = 0; j < kGroup; ++j) sum += codes[j];
-  return sum;
+// A group's offset_sums and offset_pairs entries.
+void fp4_offsets(const int8_t* codes, int32_t& sum, int32_t& pair) {
+  int32_t low = 0, high = 0;
+  for (int64_t j = 0; j < kGroup; j += 4) {
+    low += codes[j] + codes[j + 1];
+    high += codes[j + 2] + codes[j + 3];
+  }
+  sum = kFp4Offset * (low + high);
+  pair = static_cast<int32_t>(static_cast<uint16_t>(kFp4Offset * low) |
+                              static_cast<uint32_t>(static_cast<uint16_t>(kFp4Offset * high)) << 16);
 }
 
 void quantize_group8(const float* src, int8_t* dst, float& scale, float& sum) {
@@ -254,11 +263,12 @@ AVX2 void quantize_group8_avx2(const float* src, int8_t* dst, float& scale, floa
 }
 #endif
 
-// code_sums: whether the weight needs them (MXFP4's offset codes).
-QuantizedRows8 quantize_rows8(const float* x, int64_t rows, int64_t in_features, bool avx2, bool code_sums) {
+// offsets: whether the weight needs them (MXFP4's offset codes).
+QuantizedRows8 quantize_rows8(const float* x, int64_t rows, int64_t in_features, bool avx2, bool offsets) {
   const int64_t groups = in_features / kGroup;
   QuantizedRows8 q{std::vector<int8_t>(rows * in_features), std::vector<float>(rows * groups),
-                   std::vector<float>(rows * groups), std::vector<int32_t>(code_sums ? rows * groups : 0)};
+                   std::vector<float>(rows * groups), std::vector<int32_t>(offsets ? rows * groups : 0),
+                   std::vector<int32_t>(offsets ? rows * groups : 0)};
   parallel_for(0, rows * groups, kQuantizeGrain, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       int8_t* codes = q.codes.data() + g * kGroup;
@@ -268,7 +278,7 @@ QuantizedRows8 quantize_rows8(const float* x, int64_t rows, int64_t in_features,
       else
 #endif
         quantize_group8(x + g * kGroup, codes, q.scales[g], q.sums[g]);
-      if (code_sums) q.code_sums[g] = sum_codes(codes);
+      if (offsets) fp4_offsets(codes, q.offset_sums[g], q.offset_pairs[g]);
     }
   });
   return q;
@@ -591,28 +601,27 @@ AVX2 inline BlockScales load_block_scales(const uint8_t* group) {
           load8_half(reinterpret_cast<const at::Half*>(group + 144))};
 }
 
-// The 8 channels' integer dot products with one row's 32 input codes xg, one per 32-bit lane (MXFP4's
-// of its offset codes: add_group corrects them). Q4_1's 8 pair sums per channel add up in 16 bits
-// without overflow (8 * 2 * 15 * 127 < 32767); MXFP4's codes reach 24, so each half's 4 go to 32
-// bits apart.
+// The 8 channels' integer dot products with one row's 32 input codes xg, one per 32-bit lane. Q4_1's
+// 8 pair sums per channel add up in 16 bits without overflow (8 * 2 * 15 * 127 < 32767). MXFP4's
+// offset codes reach 24, so theirs may wrap, but less the offset times the inputs they met
+// (offset_pair, QuantizedRows8::offset_pairs) they are the doubled codes' sums, within
+// 16 * 12 * 127 < 32767: wrapping arithmetic gives them exactly.
 template <Format F>
-AVX2 inline __m256i group_dot(const BlockCodes& b, const int8_t* xg) {
+AVX2 inline __m256i group_dot(const BlockCodes& b, const int8_t* xg, int32_t offset_pair) {
   __m256i low = _mm256_maddubs_epi16(b.low[0], broadcast4(xg));
   __m256i high = _mm256_maddubs_epi16(b.high[0], broadcast4(xg + 16));
   for (int k = 1; k < 4; ++k) {
     low = _mm256_add_epi16(low, _mm256_maddubs_epi16(b.low[k], broadcast4(xg + 4 * k)));
     high = _mm256_add_epi16(high, _mm256_maddubs_epi16(b.high[k], broadcast4(xg + 16 + 4 * k)));
   }
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (F == Format::kQ4_1) return _mm256_madd_epi16(_mm256_add_epi16(low, high), ones);
-  return _mm256_add_epi32(_mm256_madd_epi16(low, ones), _mm256_madd_epi16(high, ones));
+  __m256i sums = _mm256_add_epi16(low, high);
+  if constexpr (F == Format::kMxfp4) sums = _mm256_sub_epi16(sums, _mm256_set1_epi32(offset_pair));
+  return _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
 }
 
-// A row's running sums of the 8 channels plus this group's: d * dx * (integer dot) (+ m * sx for Q4_1;
-// MXFP4's dot less kFp4Offset times the input's code sum cx first: the doubled codes' products).
+// A row's running sums of the 8 channels plus this group's: d * dx * (integer dot) (+ m * sx for Q4_1).
 template <Format F>
-AVX2 inline __m256 add_group(__m256 acc, const BlockScales& s, __m256i dot, float dx, float sx, int32_t cx) {
-  if constexpr (F == Format::kMxfp4) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(kFp4Offset * cx));
+AVX2 inline __m256 add_group(__m256 acc, const BlockScales& s, __m256i dot, float dx, float sx) {
   acc = _mm256_fmadd_ps(_mm256_mul_ps(s.d, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(dot), acc);
   if constexpr (F == Format::kQ4_1) acc = _mm256_fmadd_ps(s.m, _mm256_set1_ps(sx), acc);
   return acc;
@@ -641,7 +650,7 @@ AVX2 void block_avx2(const QuantizedWeight& w, int64_t n, const QuantizedRows8& 
   const int8_t* xq = x.codes.data() + row0 * w.in_features;
   const float* dx = x.scales.data() + row0 * w.groups;
   const float* sx = x.sums.data() + row0 * w.groups;
-  const int32_t* cx = F == Format::kMxfp4 ? x.code_sums.data() + row0 * w.groups : nullptr;
+  const int32_t* offsets = F == Format::kMxfp4 ? x.offset_pairs.data() + row0 * w.groups : nullptr;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < w.groups; g0 += kChunk) {
@@ -651,13 +660,16 @@ AVX2 void block_avx2(const QuantizedWeight& w, int64_t n, const QuantizedRows8& 
       const uint8_t* group = first + (g0 + i) * kBytes;
       prefetch_group_ahead<kBytes>(group);
       const BlockCodes b = load_block_codes<F>(group);
-      for (int r = 0; r < R; ++r) dots[i][r] = group_dot<F>(b, xq + r * w.in_features + (g0 + i) * kGroup);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = r * w.groups + g0 + i;
+        dots[i][r] = group_dot<F>(b, xq + r * w.in_features + (g0 + i) * kGroup, offsets ? offsets[at] : 0);
+      }
     }
     for (int64_t i = 0; i < count; ++i) {
       const BlockScales s = load_block_scales<F>(first + (g0 + i) * kBytes);
       for (int r = 0; r < R; ++r) {
         const int64_t at = r * w.groups + g0 + i;
-        acc[r] = add_group<F>(acc[r], s, dots[i][r], dx[at], sx[at], F == Format::kMxfp4 ? cx[at] : 0);
+        acc[r] = add_group<F>(acc[r], s, dots[i][r], dx[at], sx[at]);
       }
     }
   }
@@ -697,7 +709,7 @@ AVX512 void block_pair_avx512(const QuantizedWeight& w, int64_t n, bool pair, co
   const int8_t* xq = x.codes.data() + row0 * w.in_features;
   const float* dx = x.scales.data() + row0 * w.groups;
   const float* sx = x.sums.data() + row0 * w.groups;
-  const int32_t* cx = F == Format::kMxfp4 ? x.code_sums.data() + row0 * w.groups : nullptr;
+  const int32_t* offsets = F == Format::kMxfp4 ? x.offset_sums.data() + row0 * w.groups : nullptr;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i fp4_codes = _mm512_broadcast_i64x4(fp4_codes_avx2());
   __m512 acc[R];
@@ -730,7 +742,7 @@ AVX512 void block_pair_avx512(const QuantizedWeight& w, int64_t n, bool pair, co
         dot = _mm512_dpbusd_epi32(dot, high[k], _mm512_set1_epi32(load_i32(xg + 16 + 4 * k)));
       }
       const int64_t at = r * w.groups + g;
-      if constexpr (F == Format::kMxfp4) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(kFp4Offset * cx[at]));
+      if constexpr (F == Format::kMxfp4) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offsets[at]));
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[at])), _mm512_cvtepi32_ps(dot), acc[r]);
       if constexpr (F == Format::kQ4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[at]), acc[r]);
     }
@@ -751,7 +763,7 @@ AVX512 void block_vnni256(const QuantizedWeight& w, int64_t n, const QuantizedRo
   const int8_t* xq = x.codes.data() + row0 * w.in_features;
   const float* dx = x.scales.data() + row0 * w.groups;
   const float* sx = x.sums.data() + row0 * w.groups;
-  const int32_t* cx = F == Format::kMxfp4 ? x.code_sums.data() + row0 * w.groups : nullptr;
+  const int32_t* offsets = F == Format::kMxfp4 ? x.offset_sums.data() + row0 * w.groups : nullptr;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g, group += kBytes) {
@@ -766,7 +778,8 @@ AVX512 void block_vnni256(const QuantizedWeight& w, int64_t n, const QuantizedRo
         dot = _mm256_dpbusd_epi32(dot, b.high[k], broadcast4(xg + 16 + 4 * k));
       }
       const int64_t at = r * w.groups + g;
-      acc[r] = add_group<F>(acc[r], scales, dot, dx[at], sx[at], F == Format::kMxfp4 ? cx[at] : 0);
+      if constexpr (F == Format::kMxfp4) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(offsets[at]));
+      acc[r] = add_group<F>(acc[r], scales, dot, dx[at], sx[at]);
     }
   }
   store_block_rows<R>(acc, out, out_stride);

@@ -300,6 +300,27 @@ def test_mxfp4_equals_the_dequantized_weight_against_8_bit_activations(rows, in_
     assert (torch.ops.hyperserve.quantized_linear(x, wrong, "mxfp4", isa) - expected).norm() / expected.norm() > 0.3
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [1, 9])
+def test_mxfp4_groups_at_the_largest_sums_stay_exact(rows, isa):
+    """Codes of +-6 and inputs at their group's maximum, of the same signs (the largest products,
+    in every channel and row, positive or negative): a group's offset codes then sum past 16 bits
+    (32 * 24 * 127), which the AVX2 kernel's 16-bit sums wrap; less the offset times the inputs
+    each pair of lanes met they are within range again, and the products exact. The signs differ
+    between those two pairs of lanes, so each must take its own inputs' offset."""
+    runnable(isa)
+    signs = torch.tensor([1.0, 1.0, -1.0, -1.0]).repeat(16)  # positions 4i, 4i+1 against 4i+2, 4i+3
+    codes = torch.where(signs > 0, 7, 15).to(torch.uint8).reshape(1, 2, 32).repeat(16, 1, 1)  # +6, -6
+    codes[1::2] ^= 8  # the other sign
+    packed = interleave_mxfp4(mxfp4_rows(codes, torch.full((16, 2), 120, dtype=torch.uint8)))
+    weight = FP4_VALUES[codes.long()].reshape(16, 64) * 2.0 ** -7
+    x = signs.repeat(rows, 1)
+    x[1::2] *= -1
+    got = torch.ops.hyperserve.quantized_linear(x, packed, "mxfp4", isa)
+    assert torch.equal(got, x @ weight.T)
+    assert got.abs().amin() == 6 * 2.0 ** -7 * 64
+
+
 @pytest.mark.parametrize("out_features", [96, 88])  # blocks of 8 in pairs, and one left alone
 def test_mxfp4_gives_the_portable_kernels_bits_on_every_instruction_set_and_batch(out_features):
     packed, _ = mxfp4_weight(out_features, 352)
