@@ -662,7 +662,7 @@ AVX2 void block_avx2(const QuantizedWeight& w, int64_t n, const QuantizedRows8& 
       const BlockCodes b = load_block_codes<F>(group);
       for (int r = 0; r < R; ++r) {
         const int64_t at = r * w.groups + g0 + i;
-        dots[i][r] = group_dot<F>(b, xq + r * w.in_features + (g0 + i) * kGroup, offsets ? offsets[at] : 0);
+        dots[i][r] = group_dot<F>(b, xq + r * w.in_features + (g0 + i) * kGroup, F == Format::kMxfp4 ? offsets[at] : 0);
       }
     }
     for (int64_t i = 0; i < count; ++i) {

@@ -35,7 +35,6 @@ EMULATED = """
 import sys
 import pytest
 from hyperserve import kernels
-from hyperserve.layers.quantization import hardware_cpu_flags
 from hyperserve.layers.quantization import cpu_flags
 import torch
 kernels.available()
